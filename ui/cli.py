@@ -1,0 +1,31 @@
+"""The `mixfleet` command line (typer).
+
+Each area's commands live in their own module under `ui/commands/` and are added here by
+`register(app)`, so that areas grow without touching each other. Command modules import heavy
+libraries (torch, simpy, streamlit) inside the command functions, so `mixfleet --help` stays fast.
+"""
+
+from __future__ import annotations
+
+import typer
+from mixfleet.ui.commands import catalog, runner, sampler, twin, webapp
+
+app = typer.Typer(
+    name="mixfleet",
+    help="Plan, dry-run and run LLM RL on mixed-precision, mixed-accelerator sampler fleets.",
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    add_completion=False,
+)
+
+for _module in (catalog, twin, sampler, runner, webapp):
+    _module.register(app)
+
+
+def main() -> None:
+    """Console entry point (`mixfleet`)."""
+    app()
+
+
+if __name__ == "__main__":
+    main()

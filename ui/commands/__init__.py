@@ -1,0 +1,1 @@
+"""The `mixfleet` subcommands, one module per area; each module exposes `register(app)`."""
