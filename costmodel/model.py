@@ -146,7 +146,8 @@ def model_spec_from_dict(raw: dict[str, Any], where: str = "model spec") -> Mode
         try:
             moe = MoESpec(**moe_raw)
         except TypeError as e:
-            raise SpecError(where, "moe", moe_raw, f"num_experts, active_experts, expert_ffn_hidden_size ({e})") from None
+            allowed = f"num_experts, active_experts, expert_ffn_hidden_size ({e})"
+            raise SpecError(where, "moe", moe_raw, allowed) from None
     return ModelSpec(**raw, moe=moe)
 
 
