@@ -8,7 +8,7 @@ libraries (torch, simpy, streamlit) inside the command functions, so `mixfleet -
 from __future__ import annotations
 
 import typer
-from mixfleet.ui.commands import catalog, runner, sampler, twin, webapp
+from mixfleet.ui.commands import catalog, engine, runner, sampler, twin, webapp
 
 app = typer.Typer(
     name="mixfleet",
@@ -18,7 +18,7 @@ app = typer.Typer(
     add_completion=False,
 )
 
-for _module in (catalog, twin, sampler, runner, webapp):
+for _module in (catalog, twin, engine, sampler, runner, webapp):
     _module.register(app)
 
 
