@@ -18,6 +18,21 @@ app = typer.Typer(
     add_completion=False,
 )
 
+
+
+@app.callback()
+def _root() -> None:
+    """Plan, dry-run and run LLM RL on mixed-precision, mixed-accelerator sampler fleets."""
+
+
+@app.command()
+def version() -> None:
+    """Print mixfleet's version."""
+    from importlib.metadata import version as _v
+
+    typer.echo(f"mixfleet {_v('mixfleet')}")
+
+
 for _module in (catalog, twin, engine, sampler, runner, webapp):
     _module.register(app)
 
