@@ -1,0 +1,264 @@
+"""What a run log says in numbers: the summary the twin prints, `mixfleet compare` / `fidelity` put
+side by side, calibration checks and the UI shows.
+
+`summarize(runlog)` reduces the four tables of a run log (see runlog.py) to one `RunSummary`;
+`compare(a, b)` lays two summaries side by side with absolute and relative differences.
+Pure pandas / numpy, so the simulated and the real world are summarized by the very same code.
+
+Definitions (the run clock starts at 0; seconds are simulated for the twin, wall for the runner):
+- elapsed_s: end of the last update (0 without updates).
+- time per update: the intervals between consecutive update ends, the first measured from 0
+  (so it includes filling the pipeline); mean, p50, p95 (numpy linear percentiles).
+- cost per update: the last update's cumulative cost / updates (sampler, trainer, total).
+- staleness_mean: token-weighted mean of the updates' per-token mean staleness (versions);
+  staleness_p95: mean over updates of each update's p95; staleness_max: max over updates.
+- trainer_idle_share: 1 - sum(train_step_s + weight_sync_s) / elapsed_s.
+- tokens_per_s: generated tokens (groups table; trajectories if it is empty) / elapsed_s.
+- utilization: replicas_up-weighted mean of the groups' utilization.
+- kl_k1, kl_k3, masked_share, extreme_share (low + high, outside [0.2, 5]): token-weighted means over
+  updates, NaN-skipping (NaN if no update has the metric).
+- per group: share of samples (its samples / all samples over the run), tokens/s, utilization,
+  kl_k3 and extreme share (weighted by tokens_trained, or samples when tokens are unknown), cost.
+- finish_reasons: share of trajectories per reason (every reason listed, 0 when absent).
+- reward trend: reward_first / reward_last are the mean reward_mean of the first / last
+  max(1, updates // 10) updates; reward_slope_per_update is a least-squares slope over updates.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+import pandas as pd
+from mixfleet.costmodel.runlog import FINISH_REASONS, RunLog
+
+_NAN = float("nan")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSummary:
+    run_id: str
+    source: str                              # "twin" | "runner"
+    clock: str                               # "simulated" | "wall": what the seconds below are
+    updates: int
+    trajectories: int
+    elapsed_s: float
+    wall_s: float                            # header's wall_s if given (twin: how long the simulation took), else
+                                             # elapsed_s for the runner, NaN for the twin
+    time_per_update_mean_s: float
+    time_per_update_p50_s: float
+    time_per_update_p95_s: float
+    first_update_s: float
+    cost_sampler_per_update_usd: float
+    cost_trainer_per_update_usd: float
+    cost_per_update_usd: float
+    cost_total_usd: float
+    staleness_mean: float                    # versions
+    staleness_p95: float
+    staleness_max: float
+    trainer_idle_share: float
+    tokens_generated: int
+    tokens_trained: int
+    tokens_per_s: float
+    utilization: float
+    kl_k1: float
+    kl_k3: float
+    masked_share: float
+    extreme_share: float
+    reward_first: float
+    reward_last: float
+    reward_slope_per_update: float
+    pass_at_k_last: float
+    restarts: int
+    turns_mean: float
+    finish_reasons: dict[str, float] = field(default_factory=dict)
+    group_share_of_samples: dict[str, float] = field(default_factory=dict)
+    group_tokens_per_s: dict[str, float] = field(default_factory=dict)
+    group_utilization: dict[str, float] = field(default_factory=dict)
+    group_replicas_mean: dict[str, float] = field(default_factory=dict)
+    group_kl_k3: dict[str, float] = field(default_factory=dict)
+    group_extreme_share: dict[str, float] = field(default_factory=dict)
+    group_staleness_mean: dict[str, float] = field(default_factory=dict)
+    group_cost_usd: dict[str, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict (per-group and finish-reason values as nested dicts); NaN stays NaN."""
+        return asdict(self)
+
+    def flat(self) -> dict[str, float]:
+        """Numeric values only, nested dicts flattened as `name[key]` (e.g. `group_share_of_samples[h100-fp8]`)."""
+        out: dict[str, float] = {}
+        for k, v in asdict(self).items():
+            if isinstance(v, Mapping):
+                for kk, vv in v.items():
+                    out[f"{k}[{kk}]"] = float(vv)
+            elif isinstance(v, bool | int | float | np.integer | np.floating):
+                out[k] = float(v)
+        return out
+
+    @property
+    def groups(self) -> list[str]:
+        return list(self.group_share_of_samples)
+
+
+def _wmean(values: Any, weights: Any) -> float:
+    """Weighted mean skipping NaN values; falls back to the plain mean when the weights sum to 0."""
+    v = np.asarray(values, dtype=float)
+    w = np.asarray(weights, dtype=float)
+    ok = ~np.isnan(v)
+    if not ok.any():
+        return _NAN
+    v, w = v[ok], w[ok]
+    if np.nansum(w) > 0:
+        return float(np.nansum(v * w) / np.nansum(w))
+    return float(v.mean())
+
+
+def _pct(values: np.ndarray, q: float) -> float:
+    return float(np.percentile(values, q)) if len(values) else _NAN
+
+
+def _head_tail_mean(values: np.ndarray, tail: bool) -> float:
+    if not len(values):
+        return _NAN
+    k = max(1, len(values) // 10)
+    part = values[-k:] if tail else values[:k]
+    part = part[~np.isnan(part)]
+    return float(part.mean()) if len(part) else _NAN
+
+
+def summarize(runlog: RunLog | str | os.PathLike[str]) -> RunSummary:
+    """Reduce a run log (or its folder) to a RunSummary. See the module docstring for definitions."""
+    log = runlog if isinstance(runlog, RunLog) else RunLog.open(runlog)
+    up = log.updates.sort_values("version", kind="stable")
+    gr = log.groups
+    tr = log.trajectories
+    n_up = len(up)
+    source = str(log.header.get("source", ""))
+
+    ends = up["end_s"].to_numpy(dtype=float)
+    if n_up:
+        elapsed = float(ends.max())
+    elif len(tr):
+        elapsed = float(tr["end_s"].max())
+    else:
+        elapsed = 0.0
+    intervals = np.diff(ends, prepend=0.0) if n_up else np.array([])
+
+    cost_s = float(up["cost_sampler_usd"].iloc[-1]) if n_up else 0.0
+    cost_t = float(up["cost_trainer_usd"].iloc[-1]) if n_up else 0.0
+    per = (lambda x: x / n_up) if n_up else (lambda x: _NAN)
+
+    tokens_w = up["tokens"].to_numpy(dtype=float)
+    busy = float((up["train_step_s"] + up["weight_sync_s"]).sum())
+    idle = 1.0 - busy / elapsed if elapsed > 0 else _NAN
+
+    if len(gr):
+        tokens_gen = int(gr["tokens_generated"].sum())
+    else:
+        tokens_gen = int(tr["generated_tokens"].sum()) if len(tr) else 0
+    rate = (lambda x: x / elapsed) if elapsed > 0 else (lambda x: _NAN)
+
+    extreme = (up["extreme_low_share"] + up["extreme_high_share"]).to_numpy(dtype=float)
+    rewards = up["reward_mean"].to_numpy(dtype=float)
+    ok = ~np.isnan(rewards)
+    slope = float(np.polyfit(up["version"].to_numpy(dtype=float)[ok], rewards[ok], 1)[0]) if ok.sum() >= 2 else _NAN
+    pak = up["pass_at_k"].to_numpy(dtype=float)
+    pak = pak[~np.isnan(pak)]
+
+    wall = log.header.get("wall_s")
+    if wall is not None:
+        wall_s = float(wall)
+    else:
+        wall_s = elapsed if source == "runner" else _NAN
+
+    if len(tr):
+        counts = tr["finish_reason"].value_counts()
+        finish = {r: float(counts.get(r, 0)) / len(tr) for r in FINISH_REASONS}
+    else:
+        finish = {r: 0.0 for r in FINISH_REASONS}
+
+    g_share: dict[str, float] = {}
+    g_tps: dict[str, float] = {}
+    g_util: dict[str, float] = {}
+    g_rep: dict[str, float] = {}
+    g_kl: dict[str, float] = {}
+    g_ext: dict[str, float] = {}
+    g_stale: dict[str, float] = {}
+    g_cost: dict[str, float] = {}
+    utilization = _NAN
+    if len(gr):
+        total_samples = float(gr["samples"].sum())
+        utilization = _wmean(gr["utilization"], gr["replicas_up"])
+        for name, g in gr.groupby("group", sort=True):
+            name = str(name)
+            g_share[name] = float(g["samples"].sum()) / total_samples if total_samples > 0 else _NAN
+            g_tps[name] = rate(float(g["tokens_generated"].sum()))
+            g_util[name] = _wmean(g["utilization"], g["replicas_up"])
+            g_rep[name] = float(g["replicas_up"].mean())
+            w = g["tokens_trained"] if float(g["tokens_trained"].sum()) > 0 else g["samples"]
+            g_kl[name] = _wmean(g["kl_k3"], w)
+            g_ext[name] = _wmean(g["extreme_share"], w)
+            g_stale[name] = _wmean(g["staleness_mean"], w)
+            g_cost[name] = float(g["cost_usd"].sum())
+
+    return RunSummary(
+        run_id=log.run_id, source=source, clock="simulated" if source == "twin" else "wall",
+        updates=n_up, trajectories=len(tr), elapsed_s=elapsed, wall_s=wall_s,
+        time_per_update_mean_s=float(intervals.mean()) if n_up else _NAN,
+        time_per_update_p50_s=_pct(intervals, 50), time_per_update_p95_s=_pct(intervals, 95),
+        first_update_s=float(intervals[0]) if n_up else _NAN,
+        cost_sampler_per_update_usd=per(cost_s), cost_trainer_per_update_usd=per(cost_t),
+        cost_per_update_usd=per(cost_s + cost_t), cost_total_usd=cost_s + cost_t,
+        staleness_mean=_wmean(up["staleness_mean"], tokens_w),
+        staleness_p95=_wmean(up["staleness_p95"], np.ones(n_up)),
+        staleness_max=float(np.nanmax(up["staleness_max"])) if n_up and up["staleness_max"].notna().any() else _NAN,
+        trainer_idle_share=idle, tokens_generated=tokens_gen, tokens_trained=int(up["tokens"].sum()),
+        tokens_per_s=rate(float(tokens_gen)), utilization=utilization,
+        kl_k1=_wmean(up["kl_k1"], tokens_w), kl_k3=_wmean(up["kl_k3"], tokens_w),
+        masked_share=_wmean(up["masked_share"], tokens_w), extreme_share=_wmean(extreme, tokens_w),
+        reward_first=_head_tail_mean(rewards, tail=False), reward_last=_head_tail_mean(rewards, tail=True),
+        reward_slope_per_update=slope, pass_at_k_last=float(pak[-1]) if len(pak) else _NAN,
+        restarts=int(tr["restarts"].sum()) if len(tr) else 0,
+        turns_mean=float(tr["turns"].mean()) if len(tr) else _NAN,
+        finish_reasons=finish, group_share_of_samples=g_share, group_tokens_per_s=g_tps, group_utilization=g_util,
+        group_replicas_mean=g_rep, group_kl_k3=g_kl, group_extreme_share=g_ext, group_staleness_mean=g_stale,
+        group_cost_usd=g_cost,
+    )
+
+
+def _rel(a: float, b: float) -> float:
+    if math.isnan(a) or math.isnan(b):
+        return _NAN
+    if a == b:
+        return 0.0
+    if a == 0:
+        return _NAN
+    return (b - a) / abs(a)
+
+
+def compare(a: RunSummary, b: RunSummary, labels: Sequence[str] = ("a", "b")) -> pd.DataFrame:
+    """Two summaries side by side: one row per numeric metric (per-group values as `name[group]`), columns
+    `metric`, labels[0], labels[1], `diff` (= b - a) and `rel_diff` (= (b - a) / |a|; 0 when equal, NaN when a
+    is 0 or either is NaN). Metrics present in only one summary get NaN on the other side.
+    For fidelity, pass the measured run as `a` so rel_diff is the prediction's relative error.
+    `df.attrs` holds the run ids and sources."""
+    if len(labels) != 2 or labels[0] == labels[1] or set(labels) & {"metric", "diff", "rel_diff"}:
+        raise ValueError(f"compare: labels {tuple(labels)!r} must be two distinct names other than "
+                         "'metric', 'diff', 'rel_diff'")
+    fa, fb = a.flat(), b.flat()
+    keys = list(fa) + [k for k in fb if k not in fa]
+    va = [fa.get(k, _NAN) for k in keys]
+    vb = [fb.get(k, _NAN) for k in keys]
+    df = pd.DataFrame({
+        "metric": keys, labels[0]: va, labels[1]: vb,
+        "diff": [y - x for x, y in zip(va, vb, strict=True)],
+        "rel_diff": [_rel(x, y) for x, y in zip(va, vb, strict=True)],
+    })
+    df.attrs = {"labels": tuple(labels), "run_ids": (a.run_id, b.run_id), "sources": (a.source, b.source),
+                "clocks": (a.clock, b.clock)}
+    return df
