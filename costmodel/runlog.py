@@ -602,6 +602,7 @@ class RunLog:
                     warnings.warn(f"run log {self.directory}: skipping unreadable part {t}/{path.name}: {exc}",
                                   RunLogWarning, stacklevel=2)
                     self.skipped.append(path)
+                    self._seen[t].add(path.name)  # warn once, not on every refresh
                     continue
                 self._seen[t].add(path.name)
                 parts.append(_to_pandas(_conform(data, t), t))
