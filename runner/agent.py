@@ -136,8 +136,8 @@ class Episode:
     finish_reason: str                                 # one of FINISH_REASONS
     truncated_by_context: bool = False                 # max_turns came from the context budget, not the cap
     error: str | None = None
-    start_time_s: float = 0.0
-    end_time_s: float = 0.0
+    start_s: float = 0.0
+    end_s: float = 0.0
 
     @property
     def num_turns(self) -> int:
@@ -165,15 +165,24 @@ class Episode:
         vs = [v for v, m in zip(self.weight_versions, self.loss_mask, strict=True) if m]
         return (vs[0], vs[-1]) if vs else (None, None)
 
+    def tokens_by_version(self) -> dict[str, int]:
+        """Generated tokens per weight version (the staleness record)."""
+        out: dict[str, int] = {}
+        for v, m in zip(self.weight_versions, self.loss_mask, strict=True):
+            if m and v is not None:
+                out[v] = out.get(v, 0) + 1
+        return out
+
     def summary(self) -> dict[str, Any]:
-        """The run log's trajectory fields this episode knows (the runner adds run / prompt ids, replica)."""
+        """The run log's trajectory fields (costmodel/runlog.py TrajectoryRecord names) this episode knows;
+        the runner adds run_id, prompt_id, sample_index, replica and converts versions to ints."""
         first, last = self.weight_version_span()
-        return {"task": self.task, "seed": self.seed, "session_id": self.session_id, "group": self.group_id,
-                "weight_version_start": first, "weight_version_end": last, "turns": self.num_turns,
-                "tool_calls": self.num_tool_calls, "prompt_tokens": self.prompt_len,
-                "generated_tokens": self.num_generated, "total_tokens": len(self.tokens),
-                "reward": self.reward, "finish_reason": self.finish_reason,
-                "start_time_s": self.start_time_s, "end_time_s": self.end_time_s, "error": self.error}
+        return {"group": self.group_id, "version_start": first, "version_end": last, "turns": self.num_turns,
+                "prompt_tokens": len(self.tokens) - self.num_generated, "generated_tokens": self.num_generated,
+                "start_s": self.start_s, "end_s": self.end_s, "reward": self.reward,
+                "finish_reason": self.finish_reason, "tokens_by_version": self.tokens_by_version(),
+                "task": self.task, "seed": self.seed, "session_id": self.session_id,
+                "tool_calls": self.num_tool_calls, "error": self.error}
 
 
 def plain_ids(text: str) -> list[int]:
@@ -361,4 +370,4 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
                    loss_mask=rec.loss_mask, logprobs=rec.logprobs, weight_versions=rec.weight_versions,
                    group_ids=rec.group_ids, top_logprobs=rec.top_logprobs, mask_ids=rec.mask_ids,
                    mask_logprobs=rec.mask_logprobs, turns=turns, reward=reward, finish_reason=finish,
-                   truncated_by_context=by_context, error=error, start_time_s=start, end_time_s=clock())
+                   truncated_by_context=by_context, error=error, start_s=start, end_s=clock())

@@ -54,7 +54,8 @@ def task_config(name: str, **options: Any) -> Any:
 
 def make_task(name: str, **options: Any) -> Task:
     """A fresh task instance (call `reset(seed)` / `areset(seed)` before stepping it)."""
-    return TASKS[name](task_config(name, **options))  # type: ignore[call-arg]
+    config = task_config(name, **options)
+    return TASKS[name](config)  # type: ignore[call-arg]
 
 
 register_task(GuessTask)
