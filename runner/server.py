@@ -228,15 +228,19 @@ class EmbeddedSampler:
 
     def server_info(self) -> dict:
         e = self.engine
-        info = {"model_path": str(e.model_path), "host": self.args.host, "port": self.port,
+        own = getattr(e, "server_info", None)
+        info = dict(own()) if callable(own) else {}
+        info |= {"model_path": str(e.model_path), "host": self.args.host, "port": self.port,
                 "tp_size": self.args.tp_size, "quantization": QUANTIZATION_NAME.get(e.precision, e.precision),
                 "kv_cache_dtype": "auto" if e.kv_cache_dtype in ("bf16", "fp32") else e.kv_cache_dtype,
                 "dtype": "float32" if e.precision == "fp32" else "bfloat16",
-                "context_length": e.context_length, "max_running_requests": self.args.max_running_requests,
+                "context_length": e.context_length, "max_running_requests":
+                    self.args.max_running_requests or info.get("max_running_requests"),
                 "sampling_mask_max_tokens": self.args.sampling_mask_max_tokens,
                 "weight_version": str(e.weight_version), "version": "mixfleet-embedded",
                 "mixfleet": {"engine": "embedded", "precision": e.precision, "kv_cache_dtype": e.kv_cache_dtype,
-                             "kernel": self.args.kernel, "server_args": asdict(self.args)}}
+                             "kernel": self.args.kernel or getattr(e, "kernel", None),
+                             "server_args": asdict(self.args)}}
         return info
 
 
@@ -422,9 +426,9 @@ def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
         obj = await _json_object(request, args.max_body_bytes, {"rid": (str,), "abort_all": (bool,),
                                                                "finished_reason": (dict,), "abort_message": (str,)})
         if obj.get("abort_all"):
-            n = engine.abort(abort_all=True)
+            n = await asyncio.to_thread(engine.abort, abort_all=True)
         elif obj.get("rid"):
-            n = engine.abort(obj["rid"])
+            n = await asyncio.to_thread(engine.abort, obj["rid"])
         else:
             raise ProtocolError("give `rid` (a request id) or `abort_all: true`")
         return {"success": True, "num_aborted": n}
@@ -472,7 +476,11 @@ def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
             raise ProtocolError("new_version: required (a non-empty string)")
         if obj.get("abort_all_requests"):
             engine.abort(abort_all=True)
-        engine.weight_version = obj["new_version"]
+        rename = getattr(engine, "update_weight_version", None)
+        if callable(rename):
+            rename(obj["new_version"])
+        else:
+            engine.weight_version = obj["new_version"]
         return {"success": True, "new_version": obj["new_version"], "message": "Weight version updated."}
 
     async def _not_supported() -> JSONResponse:
