@@ -1,0 +1,374 @@
+"""The RL trainer: a Megatron-core GPTModel, a plain torch AdamW, HF export and resumable state.
+
+Why: the runner needs one object that (1) turns token ids into logits of the policy, (2) takes one
+optimizer step per update with whatever loss the corrections module computes, (3) writes the weights
+in the Hugging Face layout every sampler loads, atomically, and (4) can be killed at any moment and
+resumed bit-exactly. Model construction lives in `megatron_model.py`, the layout conversion in
+`hf_export.py`; this file is the training loop's state machine.
+
+Conventions:
+- `logits[b, t]` is the distribution of the token at position t + 1 (the usual causal shift);
+  logits are float32 and cover the real vocabulary only (Megatron's padding rows are cut off).
+- A batch is a mapping with `input_ids` [B, S] (int64) and optionally `position_ids` [B, S] and
+  `segment_ids` [B, S] (packed rows: tokens attend causally within their own segment only;
+  positions restart at each segment when `position_ids` is not given). Anything else in the batch
+  (labels, advantages, masks, sampler log-probs...) is for the loss function.
+- `loss_fn(logits, batch) -> (loss, metrics)`; e.g. the corrections module:
+  `lambda logits, batch: policy_loss(logits, batch, cfg)`.
+- `version` counts optimizer steps taken (0 = initial weights); exports carry it as the weight version.
+- Weight decay applies to matrices (ndim >= 2) only, never to norm weights. The learning rate is
+  constant after an optional linear warmup, computed from `version` (so resuming needs no scheduler).
+- A step whose gradient norm is not finite is skipped (weights and version unchanged, `skipped` = 1).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from mixfleet.costmodel.model import ModelSpec, model_spec_from_dict
+from mixfleet.runner.hf_checkpoint import HFConfig, load_checkpoint, load_config, save_checkpoint
+from mixfleet.runner.tokenizer import TOKENIZER_FILE, ByteTokenizer
+from mixfleet.runner.trainer.hf_export import hf_to_megatron, load_into_model, megatron_to_hf, uses_fused_norms
+from mixfleet.runner.trainer.megatron_model import BuildOptions, BuiltModel, build_gpt_model
+
+LossFn = Callable[[torch.Tensor, Mapping[str, Any]], tuple[torch.Tensor, Mapping[str, Any]]]
+
+STATE_FILE = "trainer_state.pt"
+META_FILE = "trainer_meta.json"
+STATE_FORMAT = 1
+EXPORT_DTYPES = ("float32", "bfloat16")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """AdamW settings; `grad_clip_norm` <= 0 disables clipping (the norm is still reported)."""
+
+    lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0
+    warmup_steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lr, int | float) and self.lr > 0 and math.isfinite(self.lr)):
+            raise ValueError(f"OptimizerConfig.lr = {self.lr!r}; allowed: a finite number > 0")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"OptimizerConfig.betas = {self.betas!r}; allowed: two numbers in [0, 1)")
+        object.__setattr__(self, "betas", (float(self.betas[0]), float(self.betas[1])))
+        if not self.eps > 0:
+            raise ValueError(f"OptimizerConfig.eps = {self.eps!r}; allowed: > 0")
+        if not self.weight_decay >= 0:
+            raise ValueError(f"OptimizerConfig.weight_decay = {self.weight_decay!r}; allowed: >= 0")
+        if not math.isfinite(self.grad_clip_norm):
+            raise ValueError(f"OptimizerConfig.grad_clip_norm = {self.grad_clip_norm!r}; allowed: a finite number "
+                             "(<= 0 disables clipping)")
+        if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
+            raise ValueError(f"OptimizerConfig.warmup_steps = {self.warmup_steps!r}; allowed: an integer >= 0")
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of the optimizer step that produces version step + 1."""
+        if self.warmup_steps == 0:
+            return float(self.lr)
+        return float(self.lr) * min(1.0, (step + 1) / self.warmup_steps)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerConfig:
+    """Optimizer + how the model is built + how weights are exported."""
+
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    build: BuildOptions = field(default_factory=BuildOptions)
+    export_dtype: str = "float32"            # float32 | bfloat16 (samplers re-quantize from it)
+
+    def __post_init__(self) -> None:
+        if self.export_dtype not in EXPORT_DTYPES:
+            raise ValueError(f"TrainerConfig.export_dtype = {self.export_dtype!r}; allowed: {', '.join(EXPORT_DTYPES)}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TrainerConfig:
+        opt = dict(d.get("optimizer", {}))
+        if "betas" in opt:
+            opt["betas"] = tuple(opt["betas"])
+        return cls(optimizer=OptimizerConfig(**opt), build=BuildOptions(**d.get("build", {})),
+                   export_dtype=d.get("export_dtype", "float32"))
+
+
+def spec_from_hf_config(cfg: HFConfig, name: str = "checkpoint") -> ModelSpec:
+    """The ModelSpec a Hugging Face layout config describes (dense, RMSNorm, SwiGLU)."""
+    return ModelSpec(name=name, kind="dense", num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
+                     num_attention_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                     head_dim=cfg.head_dim, ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
+                     max_context=cfg.max_position_embeddings, position_embedding=cfg.position_embedding_type,
+                     norm_eps=cfg.rms_norm_eps, tie_embeddings=cfg.tie_word_embeddings,
+                     source="read from a Hugging Face layout config.json")
+
+
+def _same_architecture(a: ModelSpec, b: ModelSpec) -> bool:
+    keys = ("kind", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
+            "ffn_hidden_size", "vocab_size", "max_context", "position_embedding", "norm", "norm_eps",
+            "activation", "tie_embeddings", "moe")
+    return all(getattr(a, k) == getattr(b, k) for k in keys)
+
+
+def packed_attention_mask(segment_ids: torch.Tensor) -> torch.Tensor:
+    """[B, S] segment ids -> [B, 1, S, S] bool, True = masked (Megatron's convention): causal, same segment."""
+    s = segment_ids.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()
+    same = segment_ids[:, :, None] == segment_ids[:, None, :]
+    return ~(same & causal)[:, None]
+
+
+def packed_position_ids(segment_ids: torch.Tensor) -> torch.Tensor:
+    """Positions that restart at 0 where the segment id changes along each row."""
+    b, s = segment_ids.shape
+    idx = torch.arange(s, device=segment_ids.device).expand(b, s)
+    start = torch.ones_like(segment_ids, dtype=torch.bool)
+    start[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - first
+
+
+def _fsync_dir_files(path: Path) -> None:
+    for f in path.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+
+
+def _replace_dir_atomically(tmp: Path, directory: Path) -> None:
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old.{os.getpid()}")
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, directory)
+
+
+class Trainer:
+    """Megatron-core GPTModel + AdamW: logits, one optimizer step per update, HF export, resumable state."""
+
+    def __init__(self, spec: ModelSpec, config: TrainerConfig | None = None, *,
+                 init_from: str | Path | None = None, tokenizer: ByteTokenizer | None = None) -> None:
+        """Build the spec's model (seeded init), or load its weights from an HF layout checkpoint `init_from`."""
+        self.config = config or TrainerConfig()
+        self.spec = spec
+        self._built: BuiltModel = build_gpt_model(spec, self.config.build)
+        self.model = self._built.model
+        self.device = self._built.device
+        self.padded_vocab_size = self._built.padded_vocab_size
+        self.version = 0
+        if tokenizer is None and spec.vocab_size == ByteTokenizer().vocab_size:
+            tokenizer = ByteTokenizer()
+        self.tokenizer = tokenizer
+        if init_from is not None:
+            self.load_hf(init_from)
+        self.optimizer = self._make_optimizer()
+
+    # ---- construction helpers ----------------------------------------------------------------
+    @classmethod
+    def from_checkpoint(cls, directory: str | Path, config: TrainerConfig | None = None) -> Trainer:
+        """A trainer whose architecture and weights come from an HF layout checkpoint (e.g. init-model)."""
+        directory = Path(directory)
+        spec = spec_from_hf_config(load_config(directory), name=directory.name)
+        tok = ByteTokenizer.load(directory) if (directory / TOKENIZER_FILE).exists() else None
+        return cls(spec, config, init_from=directory, tokenizer=tok)
+
+    @classmethod
+    def resume(cls, state_dir: str | Path) -> Trainer:
+        """A trainer rebuilt from a `save_state` folder (spec + config + weights + optimizer + RNG)."""
+        meta = _read_meta(Path(state_dir))
+        spec = model_spec_from_dict(meta["spec"], where=f"{state_dir}/{META_FILE}")
+        trainer = cls(spec, TrainerConfig.from_dict(meta["config"]))
+        trainer.load_state(state_dir)
+        return trainer
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        o = self.config.optimizer
+        decay = [p for _, p in self.model.named_parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for _, p in self.model.named_parameters() if p.requires_grad and p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, foreach=False)
+
+    # ---- forward ---------------------------------------------------------------------------
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                 segment_ids: torch.Tensor | None) -> torch.Tensor:
+        if input_ids.ndim != 2:
+            raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
+        b, s = input_ids.shape
+        if s > self.spec.max_context:
+            raise ValueError(f"sequence length {s} > max_context {self.spec.max_context} of model '{self.spec.name}'")
+        if input_ids.numel() and (int(input_ids.min()) < 0 or int(input_ids.max()) >= self.spec.vocab_size):
+            raise ValueError(f"input_ids outside the vocabulary [0, {self.spec.vocab_size})")
+        dev = torch.device(self.device)
+        input_ids = input_ids.to(dev, torch.long)
+        mask = None
+        if segment_ids is not None:
+            if tuple(segment_ids.shape) != (b, s):
+                raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} != input_ids shape {(b, s)}")
+            segment_ids = segment_ids.to(dev)
+            mask = packed_attention_mask(segment_ids)
+            if position_ids is None:
+                position_ids = packed_position_ids(segment_ids)
+        if position_ids is None:
+            position_ids = torch.arange(s, device=dev).expand(b, s)
+        position_ids = position_ids.to(dev, torch.long)
+        if self._built.autocast_dtype is not None:
+            with torch.autocast(device_type=self.device, dtype=self._built.autocast_dtype):
+                logits = self.model(input_ids, position_ids, mask)
+        else:
+            logits = self.model(input_ids, position_ids, mask)
+        return logits[..., : self.spec.vocab_size].float()
+
+    def forward_logits(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
+                       segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, vocab_size] (float32, no grad) of the current weights."""
+        self.model.eval()
+        with torch.no_grad():
+            return self._forward(input_ids, position_ids, segment_ids)
+
+    def token_logprobs(self, input_ids: torch.Tensor, *, temperature: float = 1.0,
+                       position_ids: torch.Tensor | None = None,
+                       segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """[B, S-1]: log p(input_ids[:, t+1] | input_ids[:, :t+1]) over the full vocabulary, at `temperature`."""
+        if not temperature > 0:
+            raise ValueError(f"temperature = {temperature!r}; allowed: > 0")
+        logits = self.forward_logits(input_ids, position_ids=position_ids, segment_ids=segment_ids)
+        logp = torch.log_softmax(logits[:, :-1] / temperature, dim=-1)
+        return logp.gather(-1, input_ids[:, 1:].to(logp.device, torch.long)[..., None])[..., 0]
+
+    # ---- training --------------------------------------------------------------------------
+    def train_step(self, batch: Mapping[str, Any], loss_fn: LossFn) -> dict[str, float]:
+        """One update: forward, loss_fn(logits, batch), backward, clip, one AdamW step; returns metrics.
+
+        Metrics: loss, grad_norm (before clipping), lr, version (after the step), skipped (1 if the
+        gradient was not finite), step_s, tokens, plus every metric loss_fn returned (as floats).
+        """
+        if "input_ids" not in batch:
+            raise ValueError(f"batch has no 'input_ids' (keys: {sorted(batch)})")
+        t0 = time.perf_counter()
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        logits = self._forward(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
+        loss, loss_metrics = loss_fn(logits, batch)
+        if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
+            raise ValueError("loss_fn must return (scalar loss tensor, metrics mapping)")
+        loss.backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        clip = self.config.optimizer.grad_clip_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
+        grad_norm_f = float(grad_norm)
+        lr = self.config.optimizer.lr_at(self.version)
+        skipped = not math.isfinite(grad_norm_f)
+        if skipped:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.version += 1
+        self.optimizer.zero_grad(set_to_none=True)
+        metrics: dict[str, float] = {"loss": float(loss.detach()), "grad_norm": grad_norm_f, "lr": lr,
+                                     "version": float(self.version), "skipped": float(skipped),
+                                     "tokens": float(batch["input_ids"].numel())}
+        for k, v in dict(loss_metrics).items():
+            if k not in metrics:
+                metrics[k] = float(v.detach()) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
+        metrics["step_s"] = time.perf_counter() - t0
+        return metrics
+
+    # ---- Hugging Face layout ---------------------------------------------------------------
+    def hf_config(self, version: int | str | None = None) -> HFConfig:
+        v = self.version if version is None else version
+        return HFConfig.from_spec(self.spec, weight_version=str(v), torch_dtype=self.config.export_dtype)
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The current weights as HF layout tensors (fresh CPU float32 copies)."""
+        tensors = megatron_to_hf(self.model.state_dict(), self.hf_config())
+        return {k: v.to("cpu", torch.float32) for k, v in tensors.items()}
+
+    def export_hf(self, directory: str | Path, version: int | str | None = None) -> Path:
+        """Write the weights (+ tokenizer) in the HF layout, atomically; weight version = `version` or self.version."""
+        return save_checkpoint(directory, self.hf_config(version), self.hf_state(), tokenizer=self.tokenizer)
+
+    def load_hf(self, directory: str | Path) -> None:
+        """Replace the weights by an HF layout checkpoint of the same architecture (optimizer state untouched)."""
+        cfg, tensors = load_checkpoint(directory)
+        theirs = spec_from_hf_config(cfg, name=self.spec.name)
+        if not _same_architecture(theirs, self.spec):
+            raise ValueError(f"{directory}: checkpoint architecture {theirs} does not match model '{self.spec.name}'")
+        state = hf_to_megatron(tensors, cfg, padded_vocab_size=self.padded_vocab_size,
+                               fused_norms=uses_fused_norms(self.model.state_dict().keys()))
+        dev = torch.device(self.device)
+        load_into_model(self.model, {k: v.to(dev, torch.float32) for k, v in state.items()})
+        self.version = int(cfg.weight_version) if cfg.weight_version.isdigit() else 0
+
+    # ---- resumable state -------------------------------------------------------------------
+    def save_state(self, directory: str | Path) -> Path:
+        """Model + optimizer + version + RNG states into `directory`, atomically (temp folder, then rename)."""
+        directory = Path(directory)
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+        try:
+            rng: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate(),
+                                   "numpy": np.random.get_state()}
+            if torch.cuda.is_available():
+                rng["cuda"] = torch.cuda.get_rng_state_all()
+            payload = {"format": STATE_FORMAT, "model": self.model.state_dict(),
+                       "optimizer": self.optimizer.state_dict(), "version": self.version, "rng": rng}
+            torch.save(payload, tmp / STATE_FILE)
+            meta = {"format": STATE_FORMAT, "version": self.version, "spec": self.spec.to_dict(),
+                    "config": self.config.to_dict()}
+            (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+            _fsync_dir_files(tmp)
+            _replace_dir_atomically(tmp, directory)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        return directory
+
+    def load_state(self, directory: str | Path) -> None:
+        """Restore a `save_state` folder written by a trainer of the same architecture."""
+        directory = Path(directory)
+        meta = _read_meta(directory)
+        theirs = model_spec_from_dict(meta["spec"], where=f"{directory}/{META_FILE}")
+        if not _same_architecture(theirs, self.spec):
+            raise ValueError(f"{directory}: saved model '{theirs.name}' does not match this trainer's "
+                             f"'{self.spec.name}' architecture")
+        with open(directory / STATE_FILE, "rb") as fh:
+            payload = torch.load(io.BytesIO(fh.read()), map_location=self.device, weights_only=False)
+        self.model.load_state_dict(payload["model"])
+        self.optimizer.load_state_dict(payload["optimizer"])
+        self.version = int(payload["version"])
+        rng = payload["rng"]
+        torch.set_rng_state(rng["torch"].cpu())
+        random.setstate(rng["python"])
+        np.random.set_state(rng["numpy"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _read_meta(directory: Path) -> dict[str, Any]:
+    for name in (META_FILE, STATE_FILE):
+        if not (directory / name).exists():
+            raise FileNotFoundError(f"{directory}: no {name} (not a trainer state folder written by save_state)")
+    meta = json.loads((directory / META_FILE).read_text())
+    if meta.get("format") != STATE_FORMAT:
+        raise ValueError(f"{directory}/{META_FILE}: format {meta.get('format')!r}; allowed: {STATE_FORMAT}")
+    return meta
