@@ -10,7 +10,7 @@ In TOML a Dist is an inline table, e.g. `turns = { kind = "lognormal", median = 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -42,7 +42,7 @@ class Dist:
     min: float | None = None                    # clip below (None: no clip)
     max: float | None = None                    # clip above
     integer: bool = False                       # round samples to integers
-    where: str = "dist"                         # for error messages
+    where: str = field(default="dist", compare=False, repr=False)  # for error messages
 
     def __post_init__(self) -> None:
         w = self.where

@@ -113,12 +113,17 @@ class ReplicaModel:
     # ---- names --------------------------------------------------------------------------------
     @property
     def name(self) -> str:
-        """'H100-fp8' style label (with '/kv=<dtype>' and 'xTP' when not the obvious)."""
+        """'H100-fp8' style label."""
         return f"{self.accelerator.name}-{self.precision.name}"
 
     @property
     def n_gpus(self) -> int:
         return self.tp
+
+    @property
+    def key(self) -> tuple[str, str, str, str, int, bool]:
+        """Hashable identity (model, accelerator, precision, KV dtype, tp, emulated) for caches and dicts."""
+        return (self.model.name, self.accelerator.name, self.precision.name, self.kv_dtype.name, self.tp, self.emulated)
 
     # ---- memory ---------------------------------------------------------------------------------
     @property
