@@ -62,7 +62,6 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
-
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.runner.corrections_chunked import (
     DEFAULT_CHUNK_ROWS,
@@ -214,7 +213,8 @@ def grpo_advantages(
     rewards = rewards.detach().to(torch.float64 if rewards.dtype == torch.float64 else torch.float32)
     _, group = torch.unique(prompt_ids, return_inverse=True)
     n_groups = int(group.max().item()) + 1 if group.numel() else 0
-    count = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device).index_add_(0, group, torch.ones_like(rewards))
+    count = torch.zeros(n_groups, dtype=rewards.dtype, device=rewards.device)
+    count.index_add_(0, group, torch.ones_like(rewards))
     total = torch.zeros_like(count).index_add_(0, group, rewards)
     centered = rewards - (total / count)[group]
     if not normalize_std:
@@ -327,7 +327,8 @@ def _loss_from_gathered(
     if batch.topk_ids is not None:
         h_valid = batch.topk_ids >= 0
         logp_h = z_ids[:, 1:1 + k_head] - lse.unsqueeze(1)
-        logq_h = torch.where(h_valid, batch.topk_logprobs.detach().to(cd), torch.full((), -torch.inf, dtype=cd, device=dev))
+        neg_inf = torch.full((), -torch.inf, dtype=cd, device=dev)
+        logq_h = torch.where(h_valid, batch.topk_logprobs.detach().to(cd), neg_inf)
         head = (logp_h, logq_h, h_valid)
         use_head = torch.ones_like(mask)
     if batch.kept_ids is not None:
