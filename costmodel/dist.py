@@ -2,8 +2,8 @@
 
 `Dist` is frozen and keyword-only. Kinds: `const` (value), `uniform` (low, high), `lognormal`
 (median + sigma, or mean + cv), `empirical` (values, optional weights). Any kind may be clipped to
-[min, max] and rounded to integers (`integer = true`). `.mean` is exact for the clipped continuous
-distribution (integer rounding shifts it by < 0.5); `.sample(rng, n)` draws with a numpy Generator.
+[min, max] and rounded to integers (`integer = true`). `.mean` is exact for the clipped distribution
+(for integer lognormals, rounding shifts it by < 0.5); `.sample(rng, n)` draws with a numpy Generator.
 In TOML a Dist is an inline table, e.g. `turns = { kind = "lognormal", median = 57, sigma = 0.7 }`.
 """
 
@@ -53,6 +53,9 @@ class Dist:
         if self.kind == "uniform":
             if not (_finite(self.low) and _finite(self.high)) or self.high < self.low:
                 raise SpecError(w, "high", self.high, f"a finite number >= low ({self.low})")
+            if self.integer and math.ceil(self.low) > math.floor(self.high):
+                raise SpecError(w, "high", self.high, f"an integer uniform needs an integer in [low, high] "
+                                f"(low = {self.low})")
         if self.kind == "lognormal":
             if not _finite(self.mu):
                 raise SpecError(w, "median", self.mu, "a positive number")
@@ -127,7 +130,11 @@ class Dist:
             return float(min(max(self.value, lo), hi))
         if self.kind == "empirical":
             vals, p = self._empirical_arrays()
+            vals = np.rint(vals) if self.integer else vals
             return float(np.sum(np.clip(vals, lo, hi) * p))
+        if self.kind == "uniform" and self.integer:      # discrete: every integer in [low, high] equally likely
+            ints = np.arange(math.ceil(self.low), math.floor(self.high) + 1, dtype=np.float64)
+            return float(np.clip(ints, lo, hi).mean())
         if self.kind == "uniform":
             a, b = self.low, self.high
             if b == a:

@@ -37,6 +37,9 @@ def test_clipped_means_by_hand() -> None:
     # uniform(2, 10) clipped to [3, 8]: (3 * 1 + (8^2 - 3^2) / 2 + 8 * 2) / 8
     assert Dist.uniform(2, 10, min=3, max=8).mean == pytest.approx((3 + 27.5 + 16) / 8)
     assert Dist.const(5, max=4).mean == 4
+    assert Dist.uniform(1.5, 6, integer=True, max=5).mean == pytest.approx((2 + 3 + 4 + 5 + 5) / 5)
+    with pytest.raises(SpecError):
+        Dist.uniform(2.2, 2.8, integer=True)
     assert Dist.empirical([1, 2, 10], [1, 1, 2]).mean == pytest.approx((1 + 2 + 20) / 4)
     ln = Dist.lognormal(median=100, sigma=0.5)
     assert ln.mean == pytest.approx(100 * math.exp(0.125))
@@ -49,6 +52,7 @@ def test_clipped_means_by_hand() -> None:
     Dist.lognormal(mean=350, cv=2.0, max=5000),
     Dist.uniform(10, 40, min=15),
     Dist.empirical([1, 5, 9], [0.2, 0.3, 0.5], max=8),
+    Dist.uniform(1.5, 6, integer=True, max=5),
 ])
 def test_sample_mean_matches_mean(dist: Dist) -> None:
     x = dist.sample(np.random.default_rng(1234), 400_000)
