@@ -69,7 +69,7 @@ def randomize_(trainer: Trainer, seed: int) -> None:
     """Give every weight (norms included, vocab padding rows included) distinct random values."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, p in trainer.model.named_parameters():
+        for p in trainer.model.parameters():
             if p.ndim == 1:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=g))
             else:
@@ -117,7 +117,7 @@ def test_megatron_forward_matches_reference_on_exported_weights(spec, trainer: T
     got = trainer.forward_logits(ids).double()
     assert ref.shape == got.shape
     err = (got - ref).abs().max().item()
-    assert err < 1e-4 * max(1.0, ref.abs().max().item()), err
+    assert err < 2e-5 * max(1.0, ref.abs().max().item()), err   # seen: 5e-6 at |logit| ~ 4
     # the check has teeth: swapping gate and up (a plausible layout bug) moves the logits a lot
     bad = dict(w)
     for i in range(cfg.num_hidden_layers):
