@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.runner.corrections import (
     CorrectionBatch,

@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.runner.corrections import (
     METHODS,
@@ -15,6 +13,7 @@ from mixfleet.runner.corrections import (
     grpo_advantages,
     policy_loss,
 )
+from torch.utils._python_dispatch import TorchDispatchMode
 
 F64 = torch.float64
 
@@ -30,9 +29,10 @@ def random_batch(t: int, vocab: int, k: int, kept: int, seed: int, dtype: torch.
     kept_ids[kept_ids[:, -1] == kept_ids[:, 0], -1] = -1
     kept_ids[::7] = -1                       # empty kept sets: fallback rows
     kept_ids[3::11, -1] = -1                 # label not kept: fallback rows
-    zk = torch.where(kept_ids >= 0, torch.log(q).gather(1, kept_ids.clamp(min=0)), torch.full((), -torch.inf, dtype=F64))
+    neg_inf = torch.full((), -torch.inf, dtype=F64)
+    zk = torch.where(kept_ids >= 0, torch.log(q).gather(1, kept_ids.clamp(min=0)), neg_inf)
     kept_lp = zk - torch.logsumexp(zk.clamp(min=-1e30), dim=1, keepdim=True)
-    kept_lp = torch.where(kept_ids >= 0, kept_lp, torch.full((), -torch.inf, dtype=F64))
+    kept_lp = torch.where(kept_ids >= 0, kept_lp, neg_inf)
     return CorrectionBatch(
         labels=labels, advantages=torch.randn(t, generator=g, dtype=F64).to(dtype),
         loss_mask=torch.rand(t, generator=g) > 0.2, sampler_logprobs=torch.log(q).gather(1, labels[:, None]).squeeze(1),
@@ -149,8 +149,8 @@ def test_batch_refusals() -> None:
     batch = random_batch(10, 20, k=3, kept=4, seed=0)
     logits = torch.zeros(10, 20, dtype=F64)
     with pytest.raises(SpecError, match="topk_ids"):
-        policy_loss(logits, without_kept(CorrectionBatch(**{**batch.__dict__, "topk_ids": None, "topk_logprobs": None})),
-                    CorrectionConfig(method="sc"))
+        no_head = CorrectionBatch(**{**batch.__dict__, "topk_ids": None, "topk_logprobs": None})
+        policy_loss(logits, without_kept(no_head), CorrectionConfig(method="sc"))
     with pytest.raises(SpecError, match="top_p_replay"):
         policy_loss(logits, batch, CorrectionConfig(method="sc"))
     with pytest.raises(SpecError, match="kept_ids"):

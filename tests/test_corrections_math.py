@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_corrections_support import F64, head_and_proportional_tail, per_label_grads, softmax_pair
-
 from mixfleet.runner.corrections import (
     LOG_RATIO_CLAMP,
     METHODS,
@@ -24,6 +22,7 @@ from mixfleet.runner.corrections import (
     policy_loss,
     token_logprobs,
 )
+from test_corrections_support import F64, head_and_proportional_tail, per_label_grads, softmax_pair
 
 TEMP = 0.7
 ADV = 1.3

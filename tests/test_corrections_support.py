@@ -8,7 +8,6 @@ are exact sums rather than samples.
 from __future__ import annotations
 
 import torch
-
 from mixfleet.runner.corrections import CorrectionBatch, CorrectionConfig, policy_loss
 
 F64 = torch.float64
