@@ -34,15 +34,17 @@ _TINY_SCALE = 1e-12                  # floor for scales of all-zero blocks
 
 def _import_mx():
     """torchao's mx_formats, imported quietly (its optional CUDA extensions log load failures on CPU)."""
-    logger = logging.getLogger("torchao")
-    old = logger.level
-    logger.setLevel(logging.CRITICAL)
+    loggers = [logging.getLogger(n) for n in ("torchao", "torch.utils._pytree")]
+    old = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.CRITICAL)
     try:
         with contextlib.redirect_stderr(io.StringIO()):
             from torchao.prototype.mx_formats.mx_tensor import MXTensor
             from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
     finally:
-        logger.setLevel(old)
+        for lg, lvl in zip(loggers, old, strict=True):
+            lg.setLevel(lvl)
     return MXTensor, NVFP4Tensor, per_tensor_amax_to_scale
 
 
