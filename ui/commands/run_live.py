@@ -1,0 +1,201 @@
+"""`mixfleet run PLAN --out DIR`: a real run of a plan, with a rich live view (the command's body).
+
+Kept apart from ui/commands/runner.py (which only registers the commands) so the run command and the
+pretrain command can grow independently. Heavy imports (torch, ray) happen inside `run_command`.
+
+Which samplers: `--embedded` (or a plan whose accelerators are all CPUs) rehearses every group locally as
+embedded samplers in its precision / KV dtype / kernel; `--attach GROUP=URL` uses running servers;
+otherwise each replica is a real SGLang server on a Ray cluster (`--address`) node carrying the group's
+accelerator. The base policy is `--init DIR` or the cached `mixfleet pretrain` checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import typer
+
+CPU_KINDS = ("cpu",)
+
+
+def _fmt(x: float, spec: str = ".3f") -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+class LiveView:
+    """The live table: last updates (reward, KL by group, staleness, tokens/s, pass@k) and recent events."""
+
+    def __init__(self, plan_name: str, groups: list[str], target: int, quiet: bool = False) -> None:
+        from rich.console import Console
+
+        self.console = Console(stderr=False)
+        self.plan_name, self.groups, self.target, self.quiet = plan_name, groups, target, quiet
+        self.rows: deque[Any] = deque(maxlen=12)
+        self.events: deque[str] = deque(maxlen=6)
+        self.live: Any = None
+
+    def __enter__(self) -> LiveView:
+        if not self.quiet:
+            from rich.live import Live
+
+            self.live = Live(self.render(), console=self.console, refresh_per_second=2, transient=False)
+            self.live.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.live is not None:
+            self.live.update(self.render())
+            self.live.__exit__(*exc)
+
+    def render(self) -> Any:
+        from rich.console import Group
+        from rich.table import Table
+
+        t = Table(title=f"mixfleet run: {self.plan_name}", title_justify="left")
+        for col in ("update", "time s", "reward", "KL k3", *[f"KL {g}" for g in self.groups], "stale mean/max",
+                    "tok/s", "pass@k", "restarts", "trainer idle"):
+            t.add_column(col, justify="right")
+        for v in self.rows:
+            t.add_row(f"{v.version}/{v.target}", _fmt(v.elapsed_s, ".0f"), _fmt(v.reward_mean), _fmt(v.kl_k3, ".2e"),
+                      *[_fmt(v.kl_by_group.get(g, math.nan), ".2e") for g in self.groups],
+                      f"{_fmt(v.staleness_mean, '.2f')}/{_fmt(v.staleness_max, '.0f')}", _fmt(v.tokens_per_s, ".0f"),
+                      _fmt(v.pass_at_k, ".2f"), str(v.restarts), _fmt(v.trainer_idle_share, ".0%"))
+        ev = Table.grid()
+        for line in self.events:
+            ev.add_row(line)
+        return Group(t, ev)
+
+    def on_update(self, view: Any, _orch: Any) -> None:
+        self.rows.append(view)
+        if self.live is not None:
+            self.live.update(self.render())
+        elif not self.quiet:
+            self.console.print(f"update {view.version}: reward {view.reward_mean:.3f}")
+
+    def on_event(self, rec: Any) -> None:
+        if rec.kind in ("weight_push",):
+            return
+        where = f"{rec.group}#{rec.replica}" if rec.replica >= 0 else rec.group
+        self.events.append(f"[{rec.time_s:7.1f}s] {rec.kind} {where} {rec.detail[:90]}")
+        if self.live is not None:
+            self.live.update(self.render())
+
+
+def _parse_attach(items: list[str]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for item in items:
+        if "=" not in item:
+            raise typer.BadParameter(f"--attach {item!r}: allowed GROUP=URL (e.g. H100-FP8=http://10.0.0.5:30000)")
+        g, url = item.split("=", 1)
+        out.setdefault(g.strip(), []).append(url.strip())
+    return out
+
+
+def default_base_policy(progress: bool = True) -> str:
+    """The cached `mixfleet pretrain` checkpoint (trained now if missing: a few minutes on a CPU)."""
+    from mixfleet.runner.pretrain import pretrain
+
+    if progress:
+        typer.echo("base policy: the cached `mixfleet pretrain` checkpoint (training it if missing)...")
+    return str(pretrain().path)
+
+
+def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, embedded: bool, address: str | None,
+                init: str | None, mode: str, attach: list[str], kill_at: list[str], eval_every: int | None,
+                task: str | None, quiet: bool) -> None:
+    """Body of `mixfleet run` (see its help)."""
+    import torch
+    from mixfleet.costmodel.catalog import load_catalog
+    from mixfleet.costmodel.errors import SpecError
+    from mixfleet.policies.plan import load_plan
+    from mixfleet.runner.orchestrator import RunConfig, run_plan
+
+    torch.set_num_threads(1)
+    try:
+        plan = load_plan(plan_ref)
+        attach_map = _parse_attach(attach)
+        cat = load_catalog(plan.price_table or None)
+        kinds = set()
+        for g in plan.groups:
+            try:
+                kinds.add(cat.accelerator(g.accelerator).kind)
+            except SpecError:
+                kinds.add("unknown")
+        if attach_map:
+            fleet_mode = "attach"
+        elif embedded or kinds <= set(CPU_KINDS):
+            fleet_mode = "embedded"
+        elif address is None:
+            raise SpecError(f"plan '{plan.name}'", "accelerators", sorted(g.accelerator for g in plan.groups),
+                            "CPUs for a local run; pass --embedded to rehearse this plan locally, --address of a "
+                            "Ray cluster whose nodes carry these accelerators, or --attach GROUP=URL")
+        else:
+            fleet_mode = "sglang"
+        kills: dict[int, list[str]] = {}
+        for k in kill_at:
+            if "@" not in k:
+                raise typer.BadParameter(f"--kill-at {k!r}: allowed GROUP@UPDATE")
+            g, u = k.rsplit("@", 1)
+            plan.group(g)
+            kills.setdefault(int(u), []).append(g)
+        init_path = init or default_base_policy(progress=not quiet)
+        emb = plan.embedded
+        cfg = RunConfig(out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
+                        fleet_mode=fleet_mode, attach=attach_map, address=address, resume=resume,
+                        task=task or (emb.task if emb and emb.task else "guess"), eval_every=eval_every)
+    except (SpecError, ValueError) as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(2) from None
+
+    from mixfleet.runner.fleet import fleet_from_plan
+
+    groups = list(fleet_from_plan(plan, mode=fleet_mode, attach=attach_map).group_names)
+    view = LiveView(plan.name, groups, cfg.updates, quiet=quiet)
+
+    def on_update(v: Any, orch: Any) -> None:
+        view.on_update(v, orch)
+        for g in kills.pop(v.version, []):
+            idx = orch.kill_replica(g)
+            view.on_event(type("E", (), {"kind": "note", "time_s": v.elapsed_s, "group": g, "replica": idx,
+                                         "detail": "killed by --kill-at"})())
+
+    with view:
+        try:
+            res = run_plan(plan, cfg, on_update=on_update, on_event=view.on_event)
+        except (SpecError, ValueError) as e:
+            typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from None
+    typer.echo(f"done: version {res['version']} in {res['elapsed_s']:.0f} s, trainer idle "
+               f"{res['trainer_idle_share']:.0%}, restarts {res['restarts']}; run log: {res['out']}")
+
+
+def register_run(app: typer.Typer) -> None:
+    """Add `mixfleet run` to the app."""
+
+    @app.command("run")
+    def run(
+        plan: str = typer.Argument(..., help="Plan file or shipped plan name (e.g. data/plans/tiny-cpu.toml)."),
+        out: Path = typer.Option(..., "--out", "-o", help="Run folder: run log, trainer state, weights."),
+        updates: int = typer.Option(30, "--updates", "-n", min=1, help="Trainer updates to reach."),
+        resume: bool = typer.Option(False, "--resume", help="Continue a killed run from its last checkpoint."),
+        embedded: bool = typer.Option(False, "--embedded", help="Rehearse any plan locally with embedded samplers."),
+        address: str = typer.Option(None, "--address", help="Ray cluster address (default: a local Ray)."),
+        init: str = typer.Option(None, "--init", help="Base policy checkpoint (default: the cached pretrain)."),
+        mode: str = typer.Option("async", "--mode", help="async (the seed's) or sync (generate, then train)."),
+        attach: list[str] = typer.Option([], "--attach", help="GROUP=URL of a running sampler (repeatable)."),
+        kill_at: list[str] = typer.Option([], "--kill-at", help="Fault drill: kill a GROUP replica after UPDATE "
+                                                                "(GROUP@UPDATE, repeatable)."),
+        eval_every: int = typer.Option(None, "--eval-every", min=0, help="pass@k every N updates (0: never; "
+                                                                         "default: the plan's)."),
+        task: str = typer.Option(None, "--task", help="Task name (default: the plan's, else guess)."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="No live view."),
+    ) -> None:
+        """Run a plan for real: fully asynchronous RL, Megatron-core trainer, mixed samplers, the plan's policies."""
+        if mode not in ("async", "sync"):
+            typer.secho(f"error: --mode {mode!r}; allowed: async, sync", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2)
+        run_command(plan, out, updates, resume, embedded, address, init, mode, attach, kill_at, eval_every, task,
+                    quiet)
