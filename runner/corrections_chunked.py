@@ -66,9 +66,11 @@ class _ChunkedGather(torch.autograd.Function):
         with torch.no_grad():
             for r0 in range(0, rows, chunk_rows):
                 r1 = min(r0 + chunk_rows, rows)
-                z = logits[r0:r1].to(cd) / temperature
+                z = logits[r0:r1].to(cd, copy=True)                # chunk x V buffer 1
+                if temperature != 1.0:
+                    z.div_(temperature)
                 mx = z.amax(dim=-1)
-                e = (z - mx.unsqueeze(1)).exp_()
+                e = torch.sub(z, mx.unsqueeze(1)).exp_()            # chunk x V buffer 2
                 row_max[r0:r1] = mx
                 row_sum[r0:r1] = e.sum(dim=-1)
                 row_pz[r0:r1] = _row_dot(e, z)
@@ -103,10 +105,20 @@ class _ChunkedGather(torch.autograd.Function):
         grad = torch.empty_like(logits)
         for r0 in range(0, logits.shape[0], chunk_rows):
             r1 = min(r0 + chunk_rows, logits.shape[0])
-            gz = logits[r0:r1].to(cd) / temperature  # a fresh chunk x V buffer, reused in place below
+            # work in the gradient buffer itself when it has the compute dtype, else in one chunk x V buffer
+            if grad.dtype == cd:
+                gz = grad[r0:r1]
+            else:
+                gz = torch.empty((r1 - r0, grad.shape[1]), dtype=cd, device=grad.device)
+            gz.copy_(logits[r0:r1])
+            if temperature != 1.0:
+                gz.div_(temperature)
             gz.sub_(lse[r0:r1].unsqueeze(1)).exp_().mul_(g_lse[r0:r1].unsqueeze(1))  # g_lse * p
             gz.scatter_add_(1, local_idx[r0:r1], g_ids[r0:r1])
-            grad[r0:r1] = gz.div_(temperature)
+            if temperature != 1.0:
+                gz.div_(temperature)
+            if grad.dtype != cd:
+                grad[r0:r1] = gz
             del gz
         return grad, None, None, None, None, None
 
