@@ -1,0 +1,194 @@
+"""Plotly figures for the Streamlit app, built from run-log frames and planner results.
+
+Presentation only: each function reshapes columns that costmodel / twin / planner already produced
+(run-log tables, `RunSummary.to_dict()`, Pareto points) into a figure with labelled axes and units.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import pandas as pd
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+HEIGHT_PX = 320
+_LAYOUT = {"height": HEIGHT_PX, "margin": {"l": 10, "r": 10, "t": 40, "b": 10},
+           "legend": {"orientation": "h", "y": -0.25}}
+
+
+def _fig(title: str, x: str, y: str) -> go.Figure:
+    fig = go.Figure()
+    fig.update_layout(title=title, xaxis_title=x, yaxis_title=y, **_LAYOUT)
+    return fig
+
+
+def has_values(df: pd.DataFrame, column: str) -> bool:
+    return column in df and len(df) > 0 and bool(df[column].notna().any())
+
+
+# ---- per update ------------------------------------------------------------------------------------
+def update_series(updates: pd.DataFrame, columns: Mapping[str, str], *, title: str, y: str,
+                  overlay: pd.DataFrame | None = None, overlay_name: str = "twin prediction",
+                  percent: bool = False) -> go.Figure:
+    """Lines of update-table columns ({column: legend name}) vs version; the overlay dashed."""
+    fig = _fig(title, "update (weight version)", y)
+    k = 100.0 if percent else 1.0
+    for col, name in columns.items():
+        if has_values(updates, col):
+            fig.add_trace(go.Scatter(x=updates["version"], y=updates[col] * k, mode="lines+markers", name=name))
+        if overlay is not None and has_values(overlay, col):
+            fig.add_trace(go.Scatter(x=overlay["version"], y=overlay[col] * k, mode="lines",
+                                     name=f"{name} ({overlay_name})", line={"dash": "dash"}))
+    return fig
+
+
+def extreme_share_frame(updates: pd.DataFrame) -> pd.DataFrame:
+    """version + extreme_share: the share of tokens below 0.2 plus the share above 5 (both logged)."""
+    return pd.DataFrame({"version": updates["version"],
+                         "extreme_share": updates["extreme_low_share"] + updates["extreme_high_share"]})
+
+
+def tokens_per_s_frame(updates: pd.DataFrame, groups: pd.DataFrame) -> pd.DataFrame:
+    """version + tokens_per_s: tokens the groups generated in each update's window / the window's length."""
+    if len(updates) == 0:
+        return pd.DataFrame({"version": [], "tokens_per_s": []})
+    u = updates.sort_values("version")
+    window_s = u["end_s"].diff().fillna(u["end_s"]).to_numpy()
+    gen = groups.groupby("version")["tokens_generated"].sum() if len(groups) else pd.Series(dtype=float)
+    tokens = u["version"].map(gen).astype(float).to_numpy()
+    tps = [t / w if w > 0 and math.isfinite(t) else math.nan for t, w in zip(tokens, window_s, strict=True)]
+    return pd.DataFrame({"version": u["version"].to_numpy(), "tokens_per_s": tps})
+
+
+def group_series(groups: pd.DataFrame, column: str, *, title: str, y: str, percent: bool = False,
+                 overlay: pd.DataFrame | None = None) -> go.Figure:
+    """One line per group of a groups-table column vs version (the overlay's groups dashed)."""
+    fig = _fig(title, "update (weight version)", y)
+    k = 100.0 if percent else 1.0
+    for src, dash, suffix in ((groups, None, ""), (overlay, "dash", " (twin)")):
+        if src is None or not has_values(src, column):
+            continue
+        for name, g in src.groupby("group", sort=True):
+            fig.add_trace(go.Scatter(x=g["version"], y=g[column] * k, mode="lines" + ("" if dash else "+markers"),
+                                     name=f"{name}{suffix}", line={"dash": dash} if dash else {}))
+    return fig
+
+
+# ---- dry run ----------------------------------------------------------------------------------------
+def timeline(updates: pd.DataFrame, groups: pd.DataFrame, events: pd.DataFrame, clock: str = "simulated") -> go.Figure:
+    """Top: updates finished over time. Bottom: replicas up per group (per update window), with
+    cold starts / scale events / preemptions marked."""
+    fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
+                        subplot_titles=("updates finished", "replicas up per group"))
+    u = updates.sort_values("version")
+    fig.add_trace(go.Scatter(x=u["end_s"], y=u["version"], mode="lines+markers", line={"shape": "hv"},
+                             name="updates"), row=1, col=1)
+    if len(groups) and len(u):
+        ends = u.set_index("version")["end_s"]
+        for name, g in groups.groupby("group", sort=True):
+            g = g.sort_values("version")
+            fig.add_trace(go.Scatter(x=g["version"].map(ends), y=g["replicas_up"], mode="lines",
+                                     line={"shape": "vh"}, name=str(name)), row=2, col=1)
+    marks = events[events["kind"].isin(["cold_start", "scale_up", "scale_down", "preempt", "crash", "restart"])] \
+        if len(events) else events
+    if len(marks):
+        for kind, e in marks.groupby("kind", sort=True):
+            fig.add_trace(go.Scatter(x=e["time_s"], y=[0] * len(e), mode="markers", name=str(kind),
+                                     marker={"symbol": "triangle-up", "size": 9},
+                                     text=e["group"], hovertemplate="%{text} at %{x:.1f} s"), row=2, col=1)
+    fig.update_xaxes(title_text=f"time ({clock} s)", row=2, col=1)
+    fig.update_yaxes(title_text="version", row=1, col=1)
+    fig.update_yaxes(title_text="replicas", row=2, col=1)
+    fig.update_layout(title="Timeline", height=2 * HEIGHT_PX - 40, margin=_LAYOUT["margin"], legend=_LAYOUT["legend"])
+    return fig
+
+
+def staleness_histogram(trajectories: pd.DataFrame, updates: pd.DataFrame) -> go.Figure:
+    """Trained tokens by staleness (versions behind the trainer), from the trajectories' tokens per version."""
+    fig = _fig("Staleness of trained tokens", "staleness (versions)", "share of trained tokens (%)")
+    counts: dict[int, float] = {}
+    if len(trajectories) and "trained_version" in trajectories:
+        t = trajectories[trajectories["trained_version"] >= 1]
+        for trained, by_version in zip(t["trained_version"], t["tokens_by_version"], strict=True):
+            if not by_version:
+                continue
+            for v, n in dict(by_version).items():
+                s = int(trained) - 1 - int(v)
+                counts[s] = counts.get(s, 0.0) + float(n)
+    if not counts and len(updates):  # no per-token record: weight each update's mean staleness by its tokens
+        for s, n in zip(updates["staleness_mean"].round().astype(int), updates["tokens"], strict=True):
+            counts[int(s)] = counts.get(int(s), 0.0) + float(n)
+    total = sum(counts.values()) or 1.0
+    xs = sorted(counts)
+    fig.add_trace(go.Bar(x=xs, y=[100 * counts[x] / total for x in xs], name="tokens"))
+    return fig
+
+
+def cost_breakdown(summary: Mapping[str, Any]) -> go.Figure:
+    """USD per update per sampler group and for the trainer."""
+    n = max(int(summary.get("updates") or 0), 1)
+    groups = dict(summary.get("group_cost_usd") or {})
+    names = sorted(groups, key=lambda g: -groups[g]) + ["trainer"]
+    vals = [groups[g] / n for g in names[:-1]] + [summary.get("cost_trainer_per_update_usd") or 0.0]
+    fig = _fig("Cost per update by group", "", "USD per update")
+    fig.add_trace(go.Bar(x=names, y=vals, text=[f"${v:,.2f}" for v in vals], textposition="outside"))
+    return fig
+
+
+def share_vs_extreme(summary: Mapping[str, Any], extreme_token_share: Mapping[str, float]) -> go.Figure:
+    """Per group: its share of samples next to its share of the extreme-ratio tokens (predicted)."""
+    share = dict(summary.get("group_share_of_samples") or {})
+    names = sorted(share, key=lambda g: -share[g])
+    fig = _fig("Share of samples vs share of extreme-ratio tokens", "", "%")
+    fig.add_trace(go.Bar(x=names, y=[100 * share[g] for g in names], name="share of samples"))
+    fig.add_trace(go.Bar(x=names, y=[100 * extreme_token_share.get(g, math.nan) for g in names],
+                         name="share of tokens with ratio outside [0.2, 5] (predicted)"))
+    fig.update_layout(barmode="group")
+    return fig
+
+
+def compare_bars(summaries: Sequence[tuple[str, Mapping[str, Any]]], metrics: Mapping[str, str]) -> go.Figure:
+    """Side by side: one subplot per metric ({summary key: title with unit}), one bar per plan."""
+    keys = list(metrics)
+    fig = make_subplots(rows=1, cols=len(keys), subplot_titles=[metrics[k] for k in keys])
+    for i, k in enumerate(keys, start=1):
+        fig.add_trace(go.Bar(x=[lab for lab, _ in summaries], y=[s.get(k) for _, s in summaries],
+                             marker={"color": ["#1f77b4", "#ff7f0e", "#2ca02c"][: len(summaries)]},
+                             showlegend=False), row=1, col=i)
+    fig.update_layout(height=HEIGHT_PX, margin=_LAYOUT["margin"], title="Side by side")
+    return fig
+
+
+# ---- plan -------------------------------------------------------------------------------------------
+def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
+           references: Sequence[Mapping[str, Any]] = ()) -> go.Figure:
+    """Candidates as cost per update vs time per update, colored by mean staleness; the Pareto front
+    joined, the chosen mix starred, reference fleets as labelled diamonds.
+
+    points: columns time_per_update_s, cost_per_update_usd, staleness_mean, label, and optionally pareto (bool).
+    references / chosen: dicts with the same keys (+ name)."""
+    fig = _fig("Cost vs time per update", "time per update (s)", "cost per update (USD)")
+    if len(points):
+        fig.add_trace(go.Scatter(
+            x=points["time_per_update_s"], y=points["cost_per_update_usd"], mode="markers", name="candidates",
+            text=points.get("label"), hovertemplate="%{text}<br>%{x:.1f} s, $%{y:.2f}<extra></extra>",
+            marker={"color": points["staleness_mean"], "colorscale": "Viridis", "size": 9, "showscale": True,
+                    "colorbar": {"title": "staleness<br>(versions)"}}))
+        if "pareto" in points and points["pareto"].any():
+            front = points[points["pareto"]].sort_values("time_per_update_s")
+            fig.add_trace(go.Scatter(x=front["time_per_update_s"], y=front["cost_per_update_usd"], mode="lines",
+                                     name="Pareto front", line={"color": "gray", "dash": "dot"}))
+    for ref in references:
+        fig.add_trace(go.Scatter(x=[ref["time_per_update_s"]], y=[ref["cost_per_update_usd"]], mode="markers+text",
+                                 name=str(ref["name"]), text=[str(ref["name"])], textposition="top center",
+                                 marker={"symbol": "diamond", "size": 13, "line": {"width": 1, "color": "black"}}))
+    if chosen is not None:
+        fig.add_trace(go.Scatter(x=[chosen["time_per_update_s"]], y=[chosen["cost_per_update_usd"]],
+                                 mode="markers+text", name="chosen mix", text=["chosen"], textposition="bottom center",
+                                 marker={"symbol": "star", "size": 20, "color": "red",
+                                         "line": {"width": 1, "color": "black"}}))
+    fig.update_layout(height=HEIGHT_PX + 120)
+    return fig

@@ -1,0 +1,296 @@
+"""Shared pieces of the Streamlit app: settings from the environment, cached calls into costmodel /
+policies / twin, run-log loading, number formatting with units, and error display.
+
+The app computes nothing itself: plans are validated by `mixfleet.policies.plan`, dry runs come
+from `mixfleet.twin.sim.simulate`, summaries from `mixfleet.costmodel.runsummary`. What lives here
+is plumbing: caching, file handling and turning exceptions into messages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import tempfile
+import tomllib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+import tomli_w
+
+RUNS_DIR_ENV = "MIXFLEET_RUNS_DIR"          # set by `mixfleet ui --runs-dir`
+UPDATES_ENV = "MIXFLEET_UI_UPDATES"         # default N updates of a dry run (tests use a small one)
+WORKLOAD_ENV = "MIXFLEET_UI_WORKLOAD"       # default workload override of a dry run ("" = the plan's)
+DEFAULT_UPDATES = 5
+DEFAULT_PLAN = "seed-mixed"
+REFERENCE_PLANS = ("seed-mixed", "seed-homogeneous")
+REFRESH_EVERY_S = 5.0                       # Runs page: auto-refresh period while a run is going
+EXTREME_RANGE = "[0.2, 5]"                  # sampler/trainer probability ratio range counted as not extreme
+NONE = "—"
+
+
+# ---- settings -------------------------------------------------------------------------------------
+def runs_dir() -> Path:
+    """Folder of run logs (twin and real): $MIXFLEET_RUNS_DIR, else ./runs."""
+    return Path(os.environ.get(RUNS_DIR_ENV) or "runs").resolve()
+
+
+def default_updates() -> int:
+    """Default N updates for a dry run: $MIXFLEET_UI_UPDATES (tests) or DEFAULT_UPDATES."""
+    try:
+        n = int(os.environ.get(UPDATES_ENV, DEFAULT_UPDATES))
+    except ValueError:
+        n = DEFAULT_UPDATES
+    return max(1, n)
+
+
+def default_workload_override() -> str:
+    """Default workload override of a dry run ("" = keep the plan's)."""
+    return os.environ.get(WORKLOAD_ENV, "")
+
+
+# ---- formatting -----------------------------------------------------------------------------------
+def _finite(x: Any) -> bool:
+    return isinstance(x, int | float) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def fmt_usd(x: Any, digits: int = 2) -> str:
+    return f"${x:,.{digits}f}" if _finite(x) else NONE
+
+
+def fmt_s(x: Any) -> str:
+    """Seconds, with minutes / hours when long."""
+    if not _finite(x):
+        return NONE
+    if abs(x) >= 3600:
+        return f"{x / 3600:,.2f} h"
+    if abs(x) >= 120:
+        return f"{x / 60:,.1f} min"
+    return f"{x:,.2f} s"
+
+
+def fmt_pct(x: Any, digits: int = 1) -> str:
+    return f"{100 * x:.{digits}f} %" if _finite(x) else NONE
+
+
+def fmt_num(x: Any, unit: str = "", digits: int = 0) -> str:
+    if not _finite(x):
+        return NONE
+    s = f"{x:,.{digits}f}"
+    return f"{s} {unit}" if unit else s
+
+
+def fmt_versions(x: Any) -> str:
+    return f"{x:.2f} versions" if _finite(x) else NONE
+
+
+# ---- errors ---------------------------------------------------------------------------------------
+def error_text(e: BaseException) -> str:
+    """One line for the page: SpecError already names the field and the allowed values."""
+    name = type(e).__name__
+    msg = str(e) or name
+    return msg if name == "SpecError" else f"{name}: {msg}"
+
+
+def show_error(prefix: str, e: BaseException) -> None:
+    st.error(f"{prefix}: {error_text(e)}")
+
+
+# ---- plans ----------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PlanText:
+    """A validated plan as TOML text (hashable, cache-friendly) plus its name."""
+    name: str
+    toml: str
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.toml.encode()).hexdigest()[:10]
+
+
+def known_plans() -> list[str]:
+    from mixfleet.policies.plan import known_plans as _known
+
+    return _known()
+
+
+@st.cache_data(show_spinner=False)
+def shipped_plan(name: str) -> PlanText:
+    """A shipped plan (data/plans, data/fleets) as complete TOML (base resolved)."""
+    from mixfleet.policies.plan import load_plan
+
+    plan = load_plan(name)
+    return PlanText(plan.name, tomli_w.dumps(plan.to_dict()))
+
+
+def plan_from_upload(data: bytes, filename: str = "upload.toml") -> PlanText:
+    """Validate an uploaded plan file; raises SpecError (or ValueError for bad bytes) with a clear message."""
+    from mixfleet.costmodel.errors import SpecError
+    from mixfleet.policies.plan import load_plan
+
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpecError(filename, "<file>", "binary data", "a UTF-8 TOML plan file") from None
+    try:
+        tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(filename, "<file>", "not TOML", f"valid TOML ({e})") from None
+    with tempfile.TemporaryDirectory(prefix="mixfleet-ui-") as d:
+        p = Path(d) / "plan.toml"
+        p.write_text(text)
+        plan = load_plan(p)
+    return PlanText(plan.name, tomli_w.dumps(plan.to_dict()))
+
+
+def plan_object(pt: PlanText) -> Any:
+    from mixfleet.policies.plan import plan_from_dict
+
+    return plan_from_dict(tomllib.loads(pt.toml))
+
+
+def with_workload(pt: PlanText, workload: str) -> PlanText:
+    """The plan on another workload (its batch size follows the workload's prompts per update)."""
+    if not workload:
+        return pt
+    from mixfleet.costmodel.workload import load_workload
+    from mixfleet.policies.plan import with_overrides
+
+    w = load_workload(workload)
+    plan = with_overrides(plan_object(pt), {
+        "workload": workload, "policies.batcher.prompts_per_update": w.prompts_per_update,
+        "policies.batcher.samples_per_prompt": w.samples_per_prompt,
+        "policies.batcher.inflight_prompts": 4 * w.prompts_per_update})
+    return PlanText(plan.name, tomli_w.dumps(plan.to_dict()))
+
+
+def known_workloads() -> list[str]:
+    from mixfleet.costmodel.workload import known_workloads as _known
+
+    return _known()
+
+
+# ---- dry runs (the twin) -------------------------------------------------------------------------
+def twin_run_dir(pt: PlanText, updates: int, seed: int) -> Path:
+    """Where the app keeps a dry run of this exact plan text, N and seed (under the runs dir)."""
+    safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in pt.name)[:40]
+    return runs_dir() / "twin" / f"{safe}-{pt.digest}-n{updates}-s{seed}"
+
+
+def finished_dry_run(pt: PlanText, updates: int, seed: int) -> Path | None:
+    """The folder of a finished identical dry run under the runs dir, if there is one."""
+    import json
+
+    out = twin_run_dir(pt, updates, seed)
+    try:
+        return out if json.loads((out / "run.json").read_text()).get("status") == "finished" else None
+    except (OSError, ValueError):
+        return None
+
+
+def dry_run(pt: PlanText, updates: int, seed: int, progress: Callable[[int], None] | None = None) -> Path:
+    """Simulate the plan with the twin into the runs dir, or reuse a finished identical dry run there."""
+    from mixfleet.twin.sim import simulate
+
+    done = finished_dry_run(pt, updates, seed)
+    if done is not None:
+        return done
+    out = twin_run_dir(pt, updates, seed)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    simulate(plan_object(pt), updates=updates, seed=seed, out=out, progress=progress)
+    return out
+
+
+# ---- run logs ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunData:
+    """One run log read into frames, with its summary (a plain dict from runsummary)."""
+    path: str
+    header: dict[str, Any]
+    updates: pd.DataFrame
+    groups: pd.DataFrame
+    events: pd.DataFrame
+    trajectories: pd.DataFrame
+    summary: dict[str, Any]
+
+    @property
+    def label(self) -> str:
+        return run_label(self.path, self.header)
+
+
+def run_label(path: str | Path, header: dict[str, Any]) -> str:
+    plan = (header.get("plan") or {}).get("name", "?")
+    return f"{Path(path).name} · {header.get('source', '?')} · {plan} · {header.get('status', '?')}"
+
+
+def _stamp(path: Path) -> tuple[float, int]:
+    """Changes whenever a part file or the header is written (cache key for a live run)."""
+    newest, count = 0.0, 0
+    for p in path.rglob("*"):
+        if p.is_file():
+            count += 1
+            newest = max(newest, p.stat().st_mtime)
+    return newest, count
+
+
+@st.cache_data(show_spinner=False, max_entries=32)
+def _load_run(path: str, stamp: tuple[float, int]) -> RunData:
+    from mixfleet.costmodel.runlog import RunLog
+    from mixfleet.costmodel.runsummary import summarize
+
+    log = RunLog.open(path)
+    return RunData(path=path, header=dict(log.header), updates=log.updates, groups=log.groups, events=log.events,
+                   trajectories=log.trajectories, summary=summarize(log).to_dict())
+
+
+def load_run(path: str | Path) -> RunData:
+    """Read a run log (cached until any of its files changes)."""
+    p = Path(path).resolve()
+    return _load_run(str(p), _stamp(p))
+
+
+def find_runs(root: Path) -> list[tuple[Path, dict[str, Any]]]:
+    """Run logs under `root` with their headers, newest first."""
+    import json
+
+    from mixfleet.costmodel.runlog import HEADER_FILE, RunLog
+
+    if not root.is_dir():
+        return []
+    out = []
+    for p in RunLog.find(root):
+        try:
+            header = json.loads((p / HEADER_FILE).read_text())
+        except (OSError, ValueError):
+            continue
+        out.append((p, header))
+    out.sort(key=lambda x: (str(x[1].get("created_utc", "")), str(x[0])), reverse=True)
+    return out
+
+
+def twin_predictions_for(header: dict[str, Any], root: Path, exclude: Path | None = None) -> list[Path]:
+    """Twin run logs under `root` for the same plan as `header` (same groups first, then same name)."""
+    plan = header.get("plan") or {}
+    name = plan.get("name")
+
+    def groups_key(p: dict[str, Any]) -> list[tuple[Any, ...]]:
+        return sorted((g.get("name"), g.get("accelerator"), g.get("precision"), g.get("replicas"))
+                      for g in p.get("groups", []))
+
+    exact, same_name = [], []
+    for p, h in find_runs(root):
+        if h.get("source") != "twin" or (exclude is not None and p.resolve() == exclude.resolve()):
+            continue
+        hp = h.get("plan") or {}
+        if hp.get("name") != name:
+            continue
+        (exact if groups_key(hp) == groups_key(plan) else same_name).append(p)
+    return exact + same_name

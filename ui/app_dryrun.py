@@ -1,0 +1,185 @@
+"""The Dry-run page: simulate a plan (from the Plan page, shipped, or uploaded) for N updates with the
+twin, and show its timeline, staleness, costs and per-group shares; optionally side by side with a
+second plan.
+
+The simulation is `mixfleet.twin.sim.simulate`, written as a run log under the runs folder (so the
+Runs page lists it and overlays it on a real run of the same plan); an identical dry run already
+there is reused. Numbers come from `mixfleet.costmodel.runsummary`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+from mixfleet.ui import app_charts as charts
+from mixfleet.ui.app_common import (
+    DEFAULT_PLAN,
+    PlanText,
+    RunData,
+    default_updates,
+    default_workload_override,
+    dry_run,
+    finished_dry_run,
+    fmt_num,
+    fmt_pct,
+    fmt_s,
+    fmt_usd,
+    fmt_versions,
+    known_plans,
+    known_workloads,
+    load_run,
+    plan_from_upload,
+    shipped_plan,
+    show_error,
+    with_workload,
+)
+
+PLAN_PAGE_KEY = "planned_plan"     # session state: the PlanText the Plan page chose
+SECOND_PLAN = "seed-homogeneous"
+SIDE_BY_SIDE = {"time_per_update_mean_s": "time per update (s)", "cost_per_update_usd": "cost per update (USD)",
+                "staleness_mean": "mean staleness (versions)", "tokens_per_s": "tokens/s",
+                "extreme_share": "share outside [0.2, 5]"}
+SOURCES = ("Plan page", "Shipped plan", "Upload a plan TOML")
+
+
+def _pick_plan(key: str, default_name: str) -> PlanText | None:
+    """A plan chooser; returns the validated plan or None (with the error shown)."""
+    planned: PlanText | None = st.session_state.get(PLAN_PAGE_KEY)
+    sources = SOURCES if planned is not None else SOURCES[1:]
+    src = st.radio("Plan", sources, key=f"{key}_src", horizontal=True)
+    if src == "Plan page" and planned is not None:
+        st.caption(f"the Plan page's chosen mix: **{planned.name}**")
+        return planned
+    if src == "Shipped plan":
+        names = known_plans()
+        name = st.selectbox("Shipped plan", names, index=names.index(default_name) if default_name in names else 0,
+                            key=f"{key}_name")
+        try:
+            return shipped_plan(name)
+        except Exception as e:
+            show_error(f"plan {name}", e)
+            return None
+    up = st.file_uploader("Plan TOML", key=f"{key}_upload",
+                          help="A plan file as written by the Plan page or `mixfleet plan` (see docs/ui.md).")
+    if up is None:
+        st.info("Upload a plan TOML file to simulate it.")
+        return None
+    try:
+        return plan_from_upload(up.getvalue(), up.name)
+    except Exception as e:  # SpecError names the field and what is allowed
+        show_error(f"invalid plan file {up.name}", e)
+        return None
+
+
+def _simulate(pt: PlanText, updates: int, seed: int, label: str) -> Path | None:
+    bar = st.progress(0.0, text=f"{label}: simulating {pt.name} for {updates} updates...")
+
+    def progress(version: int) -> None:
+        bar.progress(min(version / updates, 1.0), text=f"{label}: update {version} / {updates}")
+
+    try:
+        path = dry_run(pt, updates, seed, progress=progress)
+    except Exception as e:
+        bar.empty()
+        show_error(f"{label}: the twin could not simulate {pt.name}", e)
+        return None
+    bar.empty()
+    return path
+
+
+def extreme_token_shares(groups: pd.DataFrame) -> dict[str, float]:
+    """Each group's share of all trained tokens whose ratio is outside [0.2, 5] (its logged extreme share
+    weighted by its trained tokens)."""
+    if len(groups) == 0:
+        return {}
+    w = groups["extreme_share"].fillna(0.0) * groups["tokens_trained"]
+    per = w.groupby(groups["group"]).sum()
+    total = float(per.sum())
+    return {str(g): (float(v) / total if total > 0 else float("nan")) for g, v in per.items()}
+
+
+def _metrics(run: RunData) -> None:
+    s = run.summary
+    elapsed = s.get("elapsed_s") or 0.0
+    c = st.columns(6)
+    c[0].metric("time per update", fmt_s(s.get("time_per_update_mean_s")),
+                help="simulated seconds between trainer updates (mean)")
+    c[1].metric("cost per update", fmt_usd(s.get("cost_per_update_usd")))
+    c[2].metric("fleet + trainer cost", fmt_usd(3600 * s.get("cost_total_usd", 0.0) / elapsed if elapsed else None)
+                + "/h")
+    c[3].metric("mean staleness", fmt_versions(s.get("staleness_mean")))
+    c[4].metric("tokens/s", fmt_num(s.get("tokens_per_s"), "tok/s"))
+    c[5].metric("share outside [0.2, 5]", fmt_pct(s.get("extreme_share"), 3))
+
+
+def _show_one(run: RunData) -> None:
+    _metrics(run)
+    st.plotly_chart(charts.timeline(run.updates, run.groups, run.events, run.summary.get("clock", "simulated")),
+                    width="stretch")
+    c1, c2 = st.columns(2)
+    with c1:
+        st.plotly_chart(charts.staleness_histogram(run.trajectories, run.updates), width="stretch")
+    with c2:
+        st.plotly_chart(charts.cost_breakdown(run.summary), width="stretch")
+    st.plotly_chart(charts.share_vs_extreme(run.summary, extreme_token_shares(run.groups)), width="stretch")
+    st.caption(f"run log: `{run.path}` (listed on the Runs page)")
+
+
+def _side_by_side(a: RunData, b: RunData, la: str, lb: str) -> None:
+    st.subheader("Side by side")
+    st.plotly_chart(charts.compare_bars([(la, a.summary), (lb, b.summary)], SIDE_BY_SIDE), width="stretch")
+    rows = [{"metric": label, la: a.summary.get(k), lb: b.summary.get(k)} for k, label in SIDE_BY_SIDE.items()]
+    df = pd.DataFrame(rows)
+    st.dataframe(df.style.format({la: "{:,.4g}", lb: "{:,.4g}"}, na_rep="—"), hide_index=True,
+                 width="stretch")
+
+
+def render() -> None:
+    st.title("Dry-run")
+    st.caption("Simulate a plan with the twin (SimPy, cost-model rates): seconds are simulated seconds.")
+    with st.container(border=True):
+        pa = _pick_plan("a", DEFAULT_PLAN)
+        two = st.toggle("Side by side with a second plan", value=True, key="dr_two")
+        pb = _pick_plan("b", SECOND_PLAN) if two else None
+    c = st.columns(3)
+    n = int(c[0].number_input("updates (N)", min_value=1, max_value=1000, value=default_updates(), key="dr_n"))
+    seed = int(c[1].number_input("seed", min_value=0, value=0, key="dr_seed"))
+    workloads = ["(the plan's own)"] + known_workloads()
+    wdef = default_workload_override()
+    w = c[2].selectbox("workload", workloads, index=workloads.index(wdef) if wdef in workloads else 0, key="dr_w",
+                       help="Run the plan on another workload (its prompts per update follow the workload).")
+    wl = "" if w == workloads[0] else w
+    if pa is None:
+        return
+    try:
+        plans = [with_workload(pa, wl)] + ([with_workload(pb, wl)] if pb is not None else [])
+    except Exception as e:
+        show_error(f"workload {wl}", e)
+        return
+    labels = [f"A: {plans[0].name}"] + ([f"B: {plans[1].name}"] if len(plans) > 1 else [])
+    if len(plans) > 1 and plans[0].digest == plans[1].digest:
+        labels[1] = "B: " + plans[1].name + " (same plan)"
+    paths = [finished_dry_run(p, n, seed) for p in plans]
+    go = st.button("Simulate", type="primary", key="dr_go", disabled=all(p is not None for p in paths))
+    if go:
+        paths = [_simulate(p, n, seed, lab) if path is None else path
+                 for p, lab, path in zip(plans, labels, paths, strict=True)]
+    if any(p is None for p in paths):
+        if not go:
+            st.info(f"Press **Simulate** to dry-run {' and '.join(p.name for p in plans)} for {n} updates.")
+        return
+    runs = [load_run(p) for p in paths if p is not None]
+    if len(runs) == 1:
+        _show_one(runs[0])
+        return
+    tabs = st.tabs(labels)
+    for tab, run in zip(tabs, runs, strict=True):
+        with tab:
+            _show_one(run)
+    _side_by_side(runs[0], runs[1], labels[0], labels[1])
+
+
+if __name__ == "__main__":
+    render()

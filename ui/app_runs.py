@@ -1,0 +1,187 @@
+"""The Runs page: pick a run log (twin or real) under the runs folder and chart it.
+
+Reward, KL by group, share of tokens outside [0.2, 5], grad norm, entropy, staleness and tokens/s per
+update; refreshes itself while the run is going (a Streamlit fragment with run_every); overlays the
+twin's prediction for the same plan when a twin run log of that plan is in the folder, with the
+predicted-vs-measured table from `mixfleet.costmodel.runsummary.compare`.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pandas as pd
+import streamlit as st
+from mixfleet.ui import app_charts as charts
+from mixfleet.ui.app_common import (
+    REFRESH_EVERY_S,
+    RunData,
+    default_updates,
+    dry_run,
+    find_runs,
+    fmt_num,
+    fmt_pct,
+    fmt_s,
+    fmt_usd,
+    fmt_versions,
+    load_run,
+    run_label,
+    runs_dir,
+    shipped_plan,
+    show_error,
+    twin_predictions_for,
+    with_workload,
+)
+
+DEMO_PLAN = "seed-mixed"
+DEMO_WORKLOAD = "tiny-cpu"
+NOT_RECORDED = "not recorded in this run log"
+# predicted-vs-measured rows shown first (summary keys -> label with unit)
+KEY_METRICS = {
+    "time_per_update_mean_s": "time per update, mean (s)", "time_per_update_p95_s": "time per update, p95 (s)",
+    "cost_per_update_usd": "cost per update (USD)", "staleness_mean": "mean staleness (versions)",
+    "trainer_idle_share": "trainer idle share", "tokens_per_s": "tokens/s", "kl_k3": "KL (k3)",
+    "extreme_share": "share outside [0.2, 5]",
+}
+
+
+@st.cache_data(show_spinner=False, max_entries=16)
+def _compare(measured: str, predicted: str, _stamp: tuple[str, str]) -> pd.DataFrame:
+    from mixfleet.costmodel.runsummary import compare, summarize
+
+    return compare(summarize(measured), summarize(predicted), labels=("measured", "predicted"))
+
+
+def _metrics(run: RunData) -> None:
+    s = run.summary
+    clock = s.get("clock", "wall")
+    c = st.columns(6)
+    c[0].metric("updates", fmt_num(s.get("updates")))
+    c[1].metric(f"time per update ({clock})", fmt_s(s.get("time_per_update_mean_s")))
+    c[2].metric("cost per update", fmt_usd(s.get("cost_per_update_usd")))
+    c[3].metric("mean staleness", fmt_versions(s.get("staleness_mean")))
+    c[4].metric("tokens/s generated", fmt_num(s.get("tokens_per_s"), "tok/s"))
+    c[5].metric("trainer idle", fmt_pct(s.get("trainer_idle_share")))
+
+
+def _chart(fig_ok: bool, fig_fn, what: str) -> None:  # type: ignore[no-untyped-def]
+    if fig_ok:
+        st.plotly_chart(fig_fn(), width="stretch")
+    else:
+        st.caption(f"{what}: {NOT_RECORDED}.")
+
+
+def _charts(run: RunData, twin: RunData | None) -> None:
+    u, g = run.updates, run.groups
+    ou = twin.updates if twin is not None else None
+    og = twin.groups if twin is not None else None
+    has = charts.has_values
+    left, right = st.columns(2)
+    with left:
+        _chart(has(u, "reward_mean"), lambda: charts.update_series(
+            u, {"reward_mean": "mean reward", "pass_at_k": "pass@k"}, title="Reward", y="reward", overlay=ou),
+            "reward")
+        _chart(has(g, "kl_k3"), lambda: charts.group_series(g, "kl_k3", title="KL (k3) by group", y="KL (nats/token)",
+                                                             overlay=og), "KL by group")
+        _chart(has(u, "grad_norm"), lambda: charts.update_series(u, {"grad_norm": "grad norm"}, title="Grad norm",
+                                                                  y="L2 norm"), "grad norm")
+        _chart(has(u, "staleness_mean"), lambda: charts.update_series(
+            u, {"staleness_mean": "mean", "staleness_p95": "p95", "staleness_max": "max"},
+            title="Staleness of trained tokens", y="versions", overlay=ou), "staleness")
+    with right:
+        ex = charts.extreme_share_frame(u)
+        oex = charts.extreme_share_frame(ou) if ou is not None else None
+        _chart(has(ex, "extreme_share"), lambda: charts.update_series(
+            ex, {"extreme_share": "outside [0.2, 5]"}, title="Share of tokens with ratio outside [0.2, 5]",
+            y="% of trained tokens", overlay=oex, percent=True), "share outside [0.2, 5]")
+        _chart(has(u, "entropy"), lambda: charts.update_series(u, {"entropy": "entropy"}, title="Entropy",
+                                                                y="nats/token"), "entropy")
+        tps = charts.tokens_per_s_frame(u, g)
+        otps = charts.tokens_per_s_frame(ou, og) if ou is not None and og is not None else None
+        _chart(has(tps, "tokens_per_s"), lambda: charts.update_series(
+            tps, {"tokens_per_s": "generated"}, title="Tokens per second (per update window)", y="tokens/s",
+            overlay=otps), "tokens/s")
+        _chart(has(g, "extreme_share"), lambda: charts.group_series(
+            g, "extreme_share", title="Share outside [0.2, 5] by group", y="% of tokens", percent=True, overlay=og),
+            "share outside [0.2, 5] by group")
+
+
+def _prediction_table(run: RunData, twin: RunData) -> None:
+    st.subheader("Predicted vs measured")
+    df = _compare(run.path, twin.path, (str(run.summary.get("updates")), str(twin.summary.get("updates"))))
+    first = df[df["metric"].isin(KEY_METRICS)].copy()
+    first["metric"] = first["metric"].map(KEY_METRICS)
+    groups = df[df["metric"].str.startswith(("group_share_of_samples[", "group_tokens_per_s[", "group_kl_k3["))]
+    shown = pd.concat([first, groups], ignore_index=True)
+    st.dataframe(shown.style.format({"measured": "{:,.4g}", "predicted": "{:,.4g}", "diff": "{:+,.4g}",
+                                     "rel_diff": "{:+.1%}"}, na_rep="—"), hide_index=True, width="stretch")
+    if run.summary.get("clock") != twin.summary.get("clock"):
+        st.caption("The measured run's seconds are wall seconds; the twin's are simulated seconds.")
+
+
+def _view(path: str, twin_path: str | None) -> None:
+    try:
+        run = load_run(path)
+        twin = load_run(twin_path) if twin_path else None
+    except Exception as e:  # a run log being written or damaged: say so, keep the page
+        show_error(f"cannot read run log {path}", e)
+        return
+    h = run.header
+    plan = (h.get("plan") or {}).get("name", "?")
+    st.caption(f"source **{h.get('source')}** · status **{h.get('status')}** · plan **{plan}** · seed "
+               f"{h.get('seed')} · clock {run.summary.get('clock')} · created {h.get('created_utc', '?')}"
+               + (f" · overlay: twin run `{Path(twin_path).name}`" if twin_path else ""))
+    _metrics(run)
+    if len(run.updates) == 0:
+        st.info("No update recorded yet" + (" (the run is going; this page refreshes)."
+                                           if h.get("status") == "running" else "."))
+        return
+    _charts(run, twin)
+    if twin is not None:
+        _prediction_table(run, twin)
+
+
+def _demo_button(root: Path) -> None:
+    n = default_updates()
+    if st.button(f"Dry-run the seed's mixed fleet on the tiny workload ({n} updates) into this folder",
+                 type="primary"):
+        with st.spinner("simulating..."):
+            try:
+                dry_run(with_workload(shipped_plan(DEMO_PLAN), DEMO_WORKLOAD), n, 0)
+            except Exception as e:
+                show_error("dry run failed", e)
+                return
+        st.rerun()
+
+
+def render() -> None:
+    st.title("Runs")
+    root = Path(st.text_input("Runs folder", value=str(runs_dir()),
+                              help="Run logs (twin or real) are listed from this folder and below it.")).expanduser()
+    runs = find_runs(root)
+    if not runs:
+        st.info(f"No run log under `{root}` yet. Start one with `mixfleet run PLAN` or `mixfleet simulate PLAN -o "
+                f"{root}/NAME`, dry-run a plan on the Dry-run page, or:")
+        _demo_button(root if root.is_absolute() else root.resolve())
+        return
+    labels = [run_label(p, h) for p, h in runs]
+    i = st.selectbox("Run log", range(len(runs)), format_func=lambda k: labels[k], key="runs_pick")
+    path, header = runs[int(i or 0)]
+    preds = twin_predictions_for(header, root, exclude=path) if header.get("source") != "twin" else []
+    c1, c2 = st.columns([3, 1])
+    overlay = None
+    with c1:
+        if preds:
+            options = ["none"] + [str(p) for p in preds]
+            pick = st.selectbox("Overlay the twin's prediction", options, index=1,
+                                format_func=lambda s: s if s == "none" else Path(s).name)
+            overlay = None if pick == "none" else pick
+        elif header.get("source") != "twin":
+            st.caption("No twin prediction for this plan in the folder (dry-run the same plan to get one).")
+    with c2:
+        auto = st.toggle(f"Auto-refresh every {REFRESH_EVERY_S:.0f} s", value=header.get("status") == "running")
+    st.fragment(run_every=REFRESH_EVERY_S if auto else None)(_view)(str(path), overlay)
+
+
+if __name__ == "__main__":
+    render()
