@@ -496,10 +496,13 @@ def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
 class ServerHandle:
     """A server running in this process on a background thread (tests, notebooks, the runner)."""
 
-    def __init__(self, server: Any, thread: threading.Thread, url: str) -> None:
-        self._server, self._thread, self.url = server, thread, url
+    def __init__(self, server: Any, thread: threading.Thread, url: str, sampler: EmbeddedSampler) -> None:
+        self._server, self._thread, self.url, self.sampler = server, thread, url, sampler
 
     def stop(self) -> None:
+        """Answer the requests in flight (finish_reason abort), then shut the server and engine down."""
+        with contextlib.suppress(Exception):
+            self.sampler.engine.abort(abort_all=True)
         self._server.should_exit = True
         self._thread.join(ENGINE_JOIN_TIMEOUT_S + 5)
 
@@ -527,7 +530,7 @@ def start_in_thread(engine: SamplerEngine, *, server_args: ServerArgs | None = N
     port = sock.getsockname()[1]
     app = create_app(engine, server_args=args)
     app.state.sampler.port = port
-    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on")
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5)
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="mixfleet-uvicorn", daemon=True)
     thread.start()
@@ -537,7 +540,7 @@ def start_in_thread(engine: SamplerEngine, *, server_args: ServerArgs | None = N
             server.should_exit = True
             raise RuntimeError(f"the sampler server did not start on {args.host}:{port}")
         time.sleep(0.01)
-    return ServerHandle(server, thread, f"http://{args.host}:{port}")
+    return ServerHandle(server, thread, f"http://{args.host}:{port}", app.state.sampler)
 
 
 def serve(engine: SamplerEngine, *, server_args: ServerArgs) -> None:

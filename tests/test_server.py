@@ -382,3 +382,40 @@ def test_bad_input_gets_400_and_others_keep_running(server):
             assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] <= 2
 
     asyncio.run(run())
+
+
+def test_client_gone_frees_its_request(server):
+    """A client that disconnects (stream closed, or a timed-out POST) has its request aborted. The
+    engine is paused meanwhile, so nothing but the abort can take the request out of the engine."""
+    _engine, url = server
+
+    async def run():
+        async with httpx.AsyncClient(base_url=url, timeout=WAIT_S, trust_env=False) as c:
+            async def load_total():
+                load = (await c.get("/get_load")).json()
+                return load["num_running_reqs"] + load["num_waiting_reqs"]
+
+            async def drained():
+                return await load_total() == 0
+
+            body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 900, "ignore_eos": True}}
+            async with c.stream("POST", "/generate", json={**body, "stream": True}) as r:
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {"):
+                        await c.post("/pause_generation", json={"mode": "in_place"})
+                        assert await load_total() == 1
+                        break
+            await wait_for(drained, "the closed stream's request to be aborted")
+            async with httpx.AsyncClient(base_url=url, timeout=WAIT_S, trust_env=False) as impatient:
+                task = asyncio.create_task(impatient.post("/generate", json=body))
+
+                async def queued():
+                    return await load_total() == 1
+
+                await wait_for(queued, "the request to queue")
+            with pytest.raises(httpx.HTTPError):            # the client went away before an answer
+                await task
+            await wait_for(drained, "the abandoned request to be aborted")
+            await c.post("/continue_generation", json={})
+
+    asyncio.run(run())
