@@ -1,5 +1,25 @@
 """mixfleet.policies: decisions (router, autoscaler, batcher, weight sync) and the Plan.
 
 Pure Python: no simpy, no torch, no I/O in decisions. The twin and the real runner call the very
-same objects. Imports only mixfleet.costmodel.
+same objects. Imports only mixfleet.costmodel. Importing the package registers the built-ins.
 """
+
+from mixfleet.policies import autoscaler, batcher, router, weight_sync  # noqa: F401  (registers built-ins)
+from mixfleet.policies.plan import (
+    EmbeddedPlan,
+    FaultsPlan,
+    GroupPlan,
+    Plan,
+    PoliciesPlan,
+    PolicyRef,
+    TrainerPlan,
+    load_plan,
+    merge,
+    plan_from_dict,
+    save_plan,
+    with_overrides,
+)
+from mixfleet.policies.registry import make, names
+
+__all__ = ["EmbeddedPlan", "FaultsPlan", "GroupPlan", "Plan", "PoliciesPlan", "PolicyRef", "TrainerPlan",
+           "load_plan", "make", "merge", "names", "plan_from_dict", "save_plan", "with_overrides"]

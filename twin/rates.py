@@ -1,0 +1,124 @@
+"""Replica rates for the twin: the cost model's ReplicaModel made fast to query per event, and a plan
+turned into the world's setup (groups, trainer, workload, priors).
+
+`TabulatedRates` evaluates the roofline once, vectorized, on a grid of batch sizes (every integer up
+to the engine cap) x contexts (geometric), and interpolates linearly in context, so a rate change in
+the event loop costs a lookup, not a numpy call. Prefill is tabulated the same way over (new tokens,
+cached context). `FixedRates` is a plain formula with hand-computable numbers (tests, docs).
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+from mixfleet.costmodel.catalog import Catalog, load_catalog
+from mixfleet.costmodel.mismatch import mismatch_prior
+from mixfleet.costmodel.model import ModelSpec, load_model_spec
+from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, ReplicaModel, replica_model, trainer_step_s, weight_sync_s
+from mixfleet.costmodel.workload import WorkloadSpec, load_workload
+from mixfleet.policies.plan import GroupPlan, Plan
+from mixfleet.twin.world import GroupSetup, TrainerSetup
+
+
+@dataclass(frozen=True, kw_only=True)
+class FixedRates:
+    """decode step = step_s + per_seq_s * batch + per_ctx_token_s * batch * context; prefill = per_token_s * tokens."""
+    step_s: float = 0.01             # seconds per decode step at batch 0 (weights read)
+    per_seq_s: float = 0.0           # extra seconds per step per running sequence
+    per_ctx_token_s: float = 0.0     # extra seconds per step per KV token read
+    prefill_per_token_s: float = 0.0
+    kv_capacity_tokens: float = 1e12
+    max_running: int = 1_000_000
+    price_usd_per_hour: float = 1.0
+    cold_start_s: float = 0.0
+
+    def decode_step_s(self, batch: int, context_tokens: float) -> float:
+        return self.step_s + self.per_seq_s * batch + self.per_ctx_token_s * batch * context_tokens
+
+    def prefill_s(self, tokens: float) -> float:
+        return self.prefill_per_token_s * tokens
+
+
+class TabulatedRates:
+    """A ReplicaModel's decode/prefill times on grids, interpolated (within ~1% of the roofline)."""
+
+    def __init__(self, rm: ReplicaModel, max_context: int, max_running: int = DEFAULT_MAX_BATCH,
+                 grid_points: int = 48) -> None:
+        self.model = rm
+        self.kv_capacity_tokens = float(rm.kv_capacity_tokens)
+        self.max_running = max_running
+        self.price_usd_per_hour = float(rm.price_usd_per_hour)
+        self.cold_start_s = float(rm.cold_start_s)
+        ctx = np.unique(np.geomspace(1, max(max_context, 2), grid_points).round())
+        self._ctx = ctx.tolist()
+        batch = np.arange(1, max_running + 1, dtype=np.float64)
+        self._decode = np.asarray(rm.decode_step_s(batch[:, None], ctx[None, :]), dtype=np.float64).tolist()
+        new = np.unique(np.geomspace(1, max(max_context, 2), grid_points).round())
+        self._new = new.tolist()
+        self._prefill = np.asarray(rm.prefill_s(new), dtype=np.float64).tolist()
+
+    @staticmethod
+    def _interp(xs: list[float], ys: list[float], x: float) -> float:
+        i = bisect.bisect_right(xs, x)
+        if i <= 0:
+            return ys[0] * (x / xs[0]) if x < xs[0] else ys[0]
+        if i >= len(xs):
+            return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
+        x0, x1 = xs[i - 1], xs[i]
+        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
+
+    def decode_step_s(self, batch: int, context_tokens: float) -> float:
+        row = self._decode[min(max(batch, 1), self.max_running) - 1]
+        return self._interp(self._ctx, row, context_tokens)
+
+    def prefill_s(self, tokens: float) -> float:
+        return 0.0 if tokens <= 0 else self._interp(self._new, self._prefill, tokens)
+
+
+def nominal_point(rm: ReplicaModel, mean_context: float, max_running: int = DEFAULT_MAX_BATCH) -> tuple[float, float]:
+    """A replica's serving capacity at the workload's mean decode context: (tokens/s, USD per Mtoken),
+    at the largest batch its KV holds (capped at the engine's running limit)."""
+    b = max(1, int(rm.max_batch(mean_context, max_running)))
+    tps = float(rm.tokens_per_s(b, mean_context))
+    return tps, rm.price_usd_per_hour / 3600.0 / tps * 1e6
+
+
+def group_replica_model(plan: Plan, g: GroupPlan, model: ModelSpec, catalog: Catalog,
+                        workload: WorkloadSpec) -> ReplicaModel:
+    """The cost model of one replica of a plan group (KV budget: one max-context sequence)."""
+    return replica_model(model, g.accelerator, g.precision, g.kv_dtype, catalog=catalog, tp=g.tp or None,
+                         emulated=g.emulated, kv_budget_tokens=min(workload.max_context, model.max_context))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Setup:
+    groups: list[GroupSetup]
+    trainer: TrainerSetup
+    workload: WorkloadSpec
+    models: dict[str, ReplicaModel]
+
+
+def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog | None = None) -> Setup:
+    """Everything the world needs from the cost model for `plan`."""
+    cat = catalog or load_catalog(price_table or plan.price_table or None)
+    model = load_model_spec(plan.model)
+    workload = load_workload(plan.workload)
+    trainer_acc = cat.accelerator(plan.trainer.accelerator)
+    ctx = workload.mean_decode_context
+    groups, models = [], {}
+    for g in plan.groups:
+        rm = group_replica_model(plan, g, model, cat, workload)
+        models[g.name] = rm
+        tps, usd_mtok = nominal_point(rm, ctx)
+        prior = mismatch_prior(g.accelerator, g.precision, g.kv_dtype)
+        groups.append(GroupSetup(
+            name=g.name, rates=TabulatedRates(rm, workload.max_context), replicas=g.replicas,
+            min_replicas=g.min_replicas, max_replicas=g.max_replicas, capacity_tokens_per_s=tps,
+            usd_per_mtoken=usd_mtok, weight_sync_s=weight_sync_s(rm, trainer_acc), kl_k3=prior.kl_k3,
+            extreme_share=prior.extreme_share, kl_growth_per_version=prior.growth_per_staleness))
+    gpus = plan.trainer.gpus
+    trainer = TrainerSetup(train_step_s=lambda tokens: float(trainer_step_s(model, trainer_acc, gpus, tokens)),
+                           usd_per_hour=gpus * trainer_acc.price_usd_per_gpu_hour)
+    return Setup(groups=groups, trainer=trainer, workload=workload, models=models)

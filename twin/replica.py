@@ -1,0 +1,179 @@
+"""One simulated sampler replica: requests share its throughput (processor sharing), at request granularity.
+
+Each running request decodes one token per engine step; a step at batch n and mean context L takes
+`rates.decode_step_s(n, L)` seconds, so every running request progresses at 1 / step_s tokens/s, and
+the rate only changes when a request arrives or leaves. The replica keeps a *virtual clock* `v_tokens`
+(tokens each running request has received since time 0): a request arriving when the clock reads V
+with R tokens to decode finishes when the clock reads V + R. So the next completion is the smallest
+finish mark, reached after (mark - V) * step_s seconds: one heap pop per completion, no per-token
+events, whatever the batch. Prefill is compute-bound and serial: admitting a request stalls decoding
+for `rates.prefill_s(new_tokens)` (only the tokens not already in the session's prefix cache).
+KV capacity bounds the batch: a request reserves its context + reply tokens; what does not fit waits
+in FIFO order. Weight versions: `set_version` switches the weights between tokens (in-flight sync),
+splitting each running request's tokens by version; `drain` stops admission until the batch empties.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class ReplicaRates(Protocol):
+    """What the twin needs from the cost model for one replica (costmodel's ReplicaModel fits)."""
+    kv_capacity_tokens: float
+    price_usd_per_hour: float
+    cold_start_s: float
+
+    def decode_step_s(self, batch: int, context_tokens: float) -> float: ...
+    def prefill_s(self, tokens: float) -> float: ...
+
+
+@dataclass(eq=False, slots=True)
+class Request:
+    """One turn of one session on one replica."""
+    session: object                  # the world's session (opaque here)
+    new_tokens: int                  # tokens to prefill (not in the prefix cache)
+    reply_tokens: int                # tokens to decode
+    context_tokens: int              # context before this turn's reply (prefix + new tokens)
+    on_done: Callable[[Request, bool], None]  # called with ok=False when the replica is lost
+    finish_v: float = 0.0            # virtual-clock mark at which it is done
+    mark_v: float = 0.0              # virtual clock at admission or at the last version switch
+    version: int = 0                 # weights the current stretch of tokens is sampled with
+    tokens_by_version: dict[int, int] = field(default_factory=dict)
+
+
+class Replica:
+    """A processor-sharing server. The world calls `submit`, `advance_to`, `complete_due`, `next_event_s`."""
+
+    def __init__(self, group: str, index: int, rates: ReplicaRates, version: int = 0) -> None:
+        self.group, self.index, self.rates = group, index, rates
+        self.version = version
+        self.max_running = int(getattr(rates, "max_running", 1 << 30))
+        self.up = True
+        self.draining = False
+        self.v_tokens = 0.0              # the virtual clock (tokens per running request)
+        self.t_s = 0.0                   # time the clock was last advanced to
+        self.stall_until_s = 0.0         # prefill (or weight load) in progress until then
+        self.running: list[tuple[float, int, Request]] = []  # heap of (finish_v, seq, request)
+        self.waiting: deque[Request] = deque()
+        self.kv_used_tokens = 0.0
+        self._ctx_sum = 0.0              # sum of running requests' mean contexts
+        self._finish_sum = 0.0           # sum of running requests' finish marks (outstanding work)
+        self._waiting_tokens = 0
+        self._seq = 0
+        self._step_s = 0.0               # seconds per token per request at the current batch
+        self.busy_s = 0.0                # time with at least one running request (utilization)
+        self.tokens_generated = 0
+        self.idle_since_s: float | None = 0.0
+        self.gen = 0                     # the world's wake-up generation (stale wake-ups are ignored)
+        self.pending: tuple[int, float] | None = None  # (version, transfer done at s) while draining
+
+    # ---- state ------------------------------------------------------------------------------------
+    @property
+    def outstanding_tokens(self) -> float:
+        return self._finish_sum - len(self.running) * self.v_tokens + self._waiting_tokens
+
+    def _rate_changed(self) -> None:
+        n = len(self.running)
+        self._step_s = self.rates.decode_step_s(n, self._ctx_sum / n) if n else 0.0
+
+    def advance_to(self, now_s: float) -> None:
+        """Move the virtual clock to `now_s` (decoding progresses only outside prefill stalls)."""
+        if self.running:
+            start = max(self.t_s, self.stall_until_s)
+            if now_s > start:
+                self.v_tokens += (now_s - start) / self._step_s
+            self.busy_s += now_s - self.t_s
+        self.t_s = now_s
+
+    def next_event_s(self) -> float | None:
+        """When the next running request completes (None when idle)."""
+        if not self.running:
+            return None
+        return max(self.t_s, self.stall_until_s) + max(0.0, self.running[0][0] - self.v_tokens) * self._step_s
+
+    # ---- requests ---------------------------------------------------------------------------------
+    def submit(self, req: Request, now_s: float) -> None:
+        """Queue a request and admit what fits. The caller has advanced the clock to `now_s`."""
+        self.waiting.append(req)
+        self._waiting_tokens += req.reply_tokens
+        self.admit(now_s)
+
+    def admit(self, now_s: float) -> None:
+        """Admit waiting requests in FIFO order while KV has room (at least one when empty)."""
+        while self.waiting and not self.draining and self.up:
+            req = self.waiting[0]
+            need = req.context_tokens + req.reply_tokens
+            if self.running and (self.kv_used_tokens + need > self.rates.kv_capacity_tokens
+                                 or len(self.running) >= self.max_running):
+                return
+            self.waiting.popleft()
+            self._waiting_tokens -= req.reply_tokens
+            self.kv_used_tokens += need
+            self.stall_until_s = max(self.stall_until_s, now_s) + self.rates.prefill_s(req.new_tokens)
+            req.mark_v = self.v_tokens
+            req.finish_v = self.v_tokens + req.reply_tokens
+            req.version = self.version
+            self._ctx_sum += req.context_tokens + req.reply_tokens / 2
+            self._finish_sum += req.finish_v
+            self._seq += 1
+            heapq.heappush(self.running, (req.finish_v, self._seq, req))
+            self.idle_since_s = None
+            self._rate_changed()
+
+    def complete_due(self, now_s: float, eps_tokens: float = 1e-6) -> list[Request]:
+        """Remove and return the requests whose finish mark the clock has reached."""
+        done = []
+        while self.running and self.running[0][0] <= self.v_tokens + eps_tokens:
+            _, _, req = heapq.heappop(self.running)
+            self._leave(req, req.finish_v)
+            done.append(req)
+        if done:
+            self._rate_changed()
+            if not self.running:
+                self.idle_since_s = now_s
+            self.admit(now_s)
+        return done
+
+    def _leave(self, req: Request, upto_v: float) -> None:
+        tokens = round(min(upto_v, req.finish_v) - req.mark_v)
+        req.tokens_by_version[req.version] = req.tokens_by_version.get(req.version, 0) + tokens
+        self.tokens_generated += tokens
+        self.kv_used_tokens -= req.context_tokens + req.reply_tokens
+        self._ctx_sum -= req.context_tokens + req.reply_tokens / 2
+        self._finish_sum -= req.finish_v
+
+    # ---- weights and faults -----------------------------------------------------------------------
+    def set_version(self, version: int, now_s: float, load_s: float = 0.0) -> None:
+        """New weights from now on (running requests switch between tokens); `load_s` stalls decoding."""
+        self.advance_to(now_s)
+        for _, _, req in self.running:
+            tokens = round(self.v_tokens - req.mark_v)
+            req.tokens_by_version[req.version] = req.tokens_by_version.get(req.version, 0) + tokens
+            self.tokens_generated += tokens
+            req.mark_v = self.v_tokens
+            req.version = version
+        self.version = version
+        if load_s > 0:
+            self.stall_until_s = max(self.stall_until_s, now_s) + load_s
+        self.draining = False
+        self.admit(now_s)
+
+    def lose(self, now_s: float) -> list[Request]:
+        """The replica died: every running and waiting request is returned (their tokens so far are kept)."""
+        self.advance_to(now_s)
+        self.up = False
+        lost = []
+        while self.running:
+            _, _, req = heapq.heappop(self.running)
+            self._leave(req, self.v_tokens)
+            lost.append(req)
+        lost.extend(self.waiting)
+        self.waiting.clear()
+        self._waiting_tokens = 0
+        self._rate_changed()
+        return lost

@@ -1,0 +1,108 @@
+"""`simulate(plan)`: dry-run a plan in the twin, write its run log, return the summary.
+
+The plan's policies (the same classes the runner uses) drive a `World` (world.py) whose replicas
+take their rates from the cost model (rates.py); the run log is written with costmodel's
+RunLogWriter (source "twin") and summarized with costmodel's runsummary, so a dry run and a real
+run are read and compared by the very same code. Deterministic for a given plan and seed.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from mixfleet.costmodel.runlog import RunLogWriter
+from mixfleet.costmodel.runsummary import RunSummary, summarize
+from mixfleet.policies.plan import Plan, load_plan
+from mixfleet.twin.rates import Setup, build_setup
+from mixfleet.twin.world import World, run_loop
+
+
+@dataclass(frozen=True, kw_only=True)
+class TwinResult:
+    """A dry run's outcome: the run-log summary plus what only the twin knows."""
+    summary: RunSummary              # costmodel.runsummary over the run log
+    runlog_dir: str                  # "" when the log went to a temporary folder
+    updates: int
+    simulated_s: float               # simulated seconds
+    wall_s: float                    # seconds the simulation took
+    events: int                      # SimPy events scheduled
+    events_per_s: float
+    sessions_started: int
+    trajectories_trained: int
+    trajectories_dropped: int
+    trajectories_in_flight: int      # started but not finished or waiting in the buffer at the end
+    trajectories_buffered: int       # finished, waiting for a later update at the end
+    turns_lost: int                  # turns cut by a replica loss (each resumed or restarted)
+    sessions_restarted: int
+    reroutes: int                    # sessions moved to another replica by the router
+    group_kl_k3: dict[str, float]    # predicted (prior) KL per group, staleness-adjusted
+    group_extreme_share: dict[str, float]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["summary"] = self.summary.to_dict() if hasattr(self.summary, "to_dict") else asdict(self.summary)
+        return _json_safe(d)
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = None, out: str | Path | None = None,
+             price_table: str | None = None, setup: Setup | None = None,
+             progress: Callable[[int], None] | None = None) -> TwinResult:
+    """Dry-run `plan` for `updates` trainer updates.
+
+    plan: a Plan, a plan file path or a shipped plan name. seed: overrides the plan's. out: the run-log
+    folder (None: a temporary one, removed after summarizing). price_table: overrides the plan's.
+    setup: the world's numbers (default: from the cost model, `build_setup`); tests pass their own.
+    progress: called with each finished update's version.
+    """
+    plan = plan if isinstance(plan, Plan) else load_plan(plan)
+    if updates < 1:
+        from mixfleet.costmodel.errors import SpecError
+        raise SpecError("simulate", "updates", updates, "an integer >= 1")
+    seed = plan.seed if seed is None else seed
+    setup = setup or build_setup(plan, price_table=price_table)
+    folder = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="mixfleet-twin-"))
+    wall0 = time.perf_counter()
+    header = {"source": "twin", "plan": plan.to_dict(), "seed": seed, "clock": "simulated"}
+    with RunLogWriter(folder, header, flush_every_rows=50_000, flush_every_s=None) as writer:
+        world = World(groups=setup.groups, trainer=setup.trainer, workload=setup.workload,
+                      policies=plan.build_policies(setup.workload), seed=seed, writer=writer,
+                      run_id=writer.run_id, preemptions_per_replica_hour=plan.faults.preemptions_per_replica_hour,
+                      on_loss=plan.faults.on_loss, progress=progress)
+        done = world.env.process(run_loop(world, updates))
+        world.env.run(until=done)
+        wall_s = time.perf_counter() - wall0
+        writer.update_header(wall_s=wall_s, simulated_s=world.env.now, events=world.env.scheduled)
+    summary = summarize(folder)
+    trained = world.trajectories_written - world.trajectories_dropped
+    buffered = sum(len(p.done) for p in world.buffer.values())
+    finished_inflight = sum(len(p.done) for p in world.inflight.values())
+    result = TwinResult(
+        summary=summary, runlog_dir=str(folder) if out is not None else "", updates=updates,
+        simulated_s=world.env.now, wall_s=wall_s, events=world.env.scheduled,
+        events_per_s=world.env.scheduled / max(wall_s, 1e-9), sessions_started=world.sessions_started,
+        trajectories_trained=trained, trajectories_dropped=world.trajectories_dropped,
+        trajectories_in_flight=world.sessions_started - world.trajectories_written - buffered - finished_inflight,
+        trajectories_buffered=buffered + finished_inflight, turns_lost=world.sessions_lost,
+        sessions_restarted=world.sessions_restarted, reroutes=world.router.reroutes,
+        group_kl_k3=dict(summary.group_kl_k3) if hasattr(summary, "group_kl_k3") else {},
+        group_extreme_share=dict(summary.group_extreme_share))
+    if out is None:
+        shutil.rmtree(folder, ignore_errors=True)
+    return result

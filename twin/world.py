@@ -1,0 +1,495 @@
+"""The simulated world: sampler groups of processor-sharing replicas, sessions, the buffer, costs.
+
+`World` holds the state and the event handlers; `run_loop` (bottom) is the algorithm a run follows.
+Hot paths (turns, completions) are SimPy timeouts with plain callbacks, so a turn costs about three
+events; the trainer, autoscaler and fault injection are SimPy processes. Policies (router, autoscaler,
+batcher, weight sync) are the plan's objects from mixfleet.policies, fed read-only views.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Generator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import simpy
+from mixfleet.costmodel.runlog import EventRecord, GroupRecord, TrajectoryRecord, UpdateRecord
+from mixfleet.costmodel.workload import WorkloadSpec
+from mixfleet.policies.views import BufferView, FleetView, GroupView, PromptGroupView, ReplicaView
+from mixfleet.twin.episodes import Episode, draw_episodes
+from mixfleet.twin.replica import Replica, ReplicaRates, Request
+
+
+class CountingEnvironment(simpy.Environment):
+    """A SimPy environment that counts the events it schedules (for events/s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scheduled = 0
+
+    def schedule(self, event: Any, priority: Any = 1, delay: float = 0) -> None:  # type: ignore[override]
+        self.scheduled += 1
+        super().schedule(event, priority, delay)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSetup:
+    """What the world needs to know about one group (from the plan and the cost model)."""
+    name: str
+    rates: ReplicaRates              # per replica
+    replicas: int
+    min_replicas: int
+    max_replicas: int
+    capacity_tokens_per_s: float     # nominal throughput of one replica (routing weights)
+    usd_per_mtoken: float
+    weight_sync_s: float             # push time of one new version to this group
+    kl_k3: float = math.nan          # mismatch prior (per token, vs the trainer)
+    extreme_share: float = math.nan  # prior share of tokens with ratio outside [0.2, 5]
+    kl_growth_per_version: float = 0.0  # relative KL growth per version of staleness
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerSetup:
+    train_step_s: Callable[[int], float]  # seconds for an update of this many generated tokens
+    usd_per_hour: float
+
+
+@dataclass(eq=False)
+class Session:
+    sid: int
+    prompt_id: int
+    sample: int
+    ep: Episode
+    turn: int = 0
+    context: int = 0                 # tokens already in the context
+    pending_new: int = 0             # tokens to add before the next reply (prompt / tool output)
+    remaining_reply: int = 0         # tokens of this turn's reply still to decode
+    cached_on: Replica | None = None  # replica holding this session's prefix
+    replica: Replica | None = None
+    start_s: float = 0.0
+    end_s: float = 0.0
+    tokens_by_version: dict[int, int] = field(default_factory=dict)
+    restarts: int = 0
+    prompt_total: int = 0            # non-generated tokens (prompt + tool outputs)
+
+
+@dataclass(eq=False)
+class PromptState:
+    prompt_id: int
+    expected: int
+    done: list[Session] = field(default_factory=list)
+    completed_at_s: float = math.inf
+
+
+@dataclass(eq=False)
+class Group:
+    setup: GroupSetup
+    replicas: list[Replica] = field(default_factory=list)   # up or starting
+    retired: list[Replica] = field(default_factory=list)    # stopped or lost (for totals)
+    weight_version: int = 0
+    next_index: int = 0
+    cost_usd: float = 0.0
+    up_s: float = 0.0                # replica-seconds up
+    last_s: float = 0.0
+    samples: int = 0
+
+    def accrue(self, now_s: float) -> None:
+        """Bill every live replica (up or cold-starting) up to now."""
+        dt = now_s - self.last_s
+        if dt > 0:
+            self.cost_usd += len(self.replicas) * self.setup.rates.price_usd_per_hour / 3600.0 * dt
+            self.up_s += sum(1 for r in self.replicas if r.up) * dt
+            self.last_s = now_s
+
+
+class World:
+    """State + handlers. Build with `World(...)`, then `env.process(run_loop(world, updates))`."""
+
+    def __init__(self, *, groups: list[GroupSetup], trainer: TrainerSetup, workload: WorkloadSpec,
+                 policies: dict[str, Any], seed: int, writer: Any, run_id: str,
+                 preemptions_per_replica_hour: float = 0.0, on_loss: str = "resume",
+                 progress: Callable[[int], None] | None = None) -> None:
+        self.env = CountingEnvironment()
+        self.groups = {g.name: Group(setup=g) for g in groups}
+        self.trainer = trainer
+        self.workload = workload
+        self.router, self.autoscaler = policies["router"], policies["autoscaler"]
+        self.batcher, self.weight_sync = policies["batcher"], policies["weight_sync"]
+        self.rng = np.random.default_rng(seed)
+        self.fault_rng = np.random.default_rng([seed, 1])
+        self.writer, self.run_id, self.progress = writer, run_id, progress
+        self.fault_rate_h, self.on_loss = preemptions_per_replica_hour, on_loss
+        self.version = 0
+        self.started_prompts = 0
+        self.inflight: dict[int, PromptState] = {}
+        self.buffer: dict[int, PromptState] = {}
+        self.sessions_started = 0
+        self.sessions_lost = 0           # turns cut by a replica loss (each resumed or restarted)
+        self.sessions_restarted = 0
+        self.trajectories_written = 0
+        self.trajectories_dropped = 0
+        self.parked: list[Session] = []  # sessions waiting for any replica to be up
+        self._batch_waiter: simpy.Event | None = None
+        self._fleet_view: FleetView | None = None
+        self._last_update_s = 0.0
+        self._last_group_marks: dict[str, tuple[float, float, int, float]] = {}
+        self.trainer_busy_s = 0.0
+        for g in self.groups.values():
+            for _ in range(g.setup.replicas):
+                self._new_replica(g, up=True)
+            self._last_group_marks[g.setup.name] = (0.0, 0.0, 0, 0.0)
+
+    # ---- views for the policies ------------------------------------------------------------------
+    def group_view(self, g: Group) -> GroupView:
+        reps = tuple(ReplicaView(index=r.index, up=r.up, starting=not r.up, outstanding_tokens=r.outstanding_tokens,
+                                 running=len(r.running), waiting=len(r.waiting), busy_s=r.busy_s,
+                                 idle_since_s=r.idle_since_s) for r in g.replicas)
+        s = g.setup
+        return GroupView(name=s.name, capacity_tokens_per_s=s.capacity_tokens_per_s,
+                         usd_per_hour=s.rates.price_usd_per_hour, usd_per_mtoken=s.usd_per_mtoken, replicas=reps,
+                         min_replicas=s.min_replicas, max_replicas=s.max_replicas, configured_replicas=s.replicas,
+                         cold_start_s=s.rates.cold_start_s, weight_version=g.weight_version)
+
+    def fleet_view(self) -> FleetView:
+        if self._fleet_view is None or getattr(self.router, "uses_load", True):
+            self._fleet_view = FleetView(now_s=self.env.now, groups=tuple(self.group_view(g)
+                                                                         for g in self.groups.values()))
+        return self._fleet_view
+
+    def event(self, kind: str, group: str = "", replica: int = -1, version: int = -1, detail: str = "",
+              duration_s: float = math.nan) -> None:
+        self.writer.append(EventRecord(time_s=self.env.now, kind=kind, group=group, replica=replica,
+                                       version=version, detail=detail, duration_s=duration_s))
+
+    # ---- replicas ----------------------------------------------------------------------------------
+    def _new_replica(self, g: Group, up: bool) -> Replica:
+        rep = Replica(g.setup.name, g.next_index, g.setup.rates, version=g.weight_version)
+        rep.t_s = rep.stall_until_s = self.env.now
+        rep.up = up
+        g.next_index += 1
+        g.replicas.append(rep)
+        self._fleet_view = None
+        return rep
+
+    def poke(self, rep: Replica) -> None:
+        """(Re)schedule the replica's next completion; an older wake-up becomes a no-op."""
+        rep.gen += 1
+        t = rep.next_event_s()
+        if t is not None:
+            gen = rep.gen
+            self.env.timeout(max(0.0, t - self.env.now)).callbacks.append(lambda _e: self._wake(rep, gen))
+
+    def _wake(self, rep: Replica, gen: int) -> None:
+        if gen != rep.gen or not rep.up:
+            return
+        now = self.env.now
+        rep.advance_to(now)
+        for req in rep.complete_due(now):
+            self._turn_done(req, True)
+        self._maybe_load(rep)
+        self.poke(rep)
+
+    def _maybe_load(self, rep: Replica) -> None:
+        """A draining replica loads its pending weights once its batch is empty and the transfer is in."""
+        pend = rep.pending
+        if rep.draining and pend is not None and not rep.running and self.env.now >= pend[1]:
+            rep.pending = None
+            rep.set_version(pend[0], self.env.now)
+
+    def lose_replica(self, g: Group, rep: Replica, kind: str) -> None:
+        """Preemption / crash: bill to now, drop it, hand its requests back to their sessions."""
+        g.accrue(self.env.now)
+        lost = rep.lose(self.env.now)
+        g.replicas.remove(rep)
+        g.retired.append(rep)
+        self._fleet_view = None
+        self.event(kind, g.setup.name, rep.index)
+        for req in lost:
+            self._turn_done(req, False)
+
+    def start_replica(self, g: Group) -> Generator:
+        """Scale up: a cold start (billed), then the replica serves the group's newest weights."""
+        g.accrue(self.env.now)
+        rep = self._new_replica(g, up=False)
+        cold = g.setup.rates.cold_start_s
+        self.event("cold_start", g.setup.name, rep.index, duration_s=cold)
+        yield self.env.timeout(cold)
+        if rep not in g.replicas:
+            return
+        g.accrue(self.env.now)
+        rep.up, rep.version = True, g.weight_version
+        rep.t_s = rep.stall_until_s = self.env.now
+        self._fleet_view = None
+        self.event("ready", g.setup.name, rep.index, version=g.weight_version)
+        parked, self.parked = self.parked, []
+        for s in parked:
+            self._turn(s)
+
+    def stop_replica(self, g: Group) -> None:
+        """Scale down: stop a starting replica, else the idle one with the fewest sessions."""
+        starting = [r for r in g.replicas if not r.up]
+        idle = sorted((r for r in g.replicas if r.up and not r.running and not r.waiting),
+                      key=lambda r: (self.router.pinned(g.setup.name, r.index), -r.index))
+        victim = starting[-1] if starting else (idle[0] if idle else None)
+        if victim is None:
+            return
+        g.accrue(self.env.now)
+        victim.lose(self.env.now)
+        g.replicas.remove(victim)
+        g.retired.append(victim)
+        self._fleet_view = None
+        self.event("scale_down", g.setup.name, victim.index)
+
+    # ---- sessions ----------------------------------------------------------------------------------
+    def admit_prompts(self) -> None:
+        """Start as many new prompt-groups as the batcher allows (each: samples_per_prompt sessions)."""
+        n = self.batcher.admit(self.version, self.started_prompts, len(self.inflight))
+        spp = self.batcher.config.samples_per_prompt
+        for _ in range(n):
+            pid = self.started_prompts
+            self.started_prompts += 1
+            self.inflight[pid] = PromptState(prompt_id=pid, expected=spp)
+            for i, ep in enumerate(draw_episodes(self.workload, self.rng, spp)):
+                s = Session(sid=pid * spp + i, prompt_id=pid, sample=i, ep=ep)
+                self.sessions_started += 1
+                self._begin(s)
+
+    def _begin(self, s: Session) -> None:
+        s.turn, s.context, s.pending_new = 0, 0, s.ep.prompt_tokens
+        s.remaining_reply, s.prompt_total = s.ep.reply_tokens[0], s.ep.prompt_tokens
+        s.tokens_by_version, s.start_s, s.cached_on = {}, self.env.now, None
+        self._turn(s)
+
+    def _turn(self, s: Session) -> None:
+        """Send the session's next request to its (sticky) replica."""
+        route = self.router.route(s.sid, self.fleet_view())
+        if route is None:
+            self.parked.append(s)
+            return
+        g = self.groups[route[0]]
+        rep = next(r for r in g.replicas if r.index == route[1])
+        s.replica = rep
+        ctx = s.context + s.pending_new
+        prefill = s.pending_new if s.cached_on is rep else ctx
+        now = self.env.now
+        rep.advance_to(now)
+        rep.submit(Request(session=s, new_tokens=prefill, reply_tokens=s.remaining_reply, context_tokens=ctx,
+                           on_done=self._turn_done), now)
+        self.poke(rep)
+
+    def _turn_done(self, req: Request, ok: bool) -> None:
+        s: Session = req.session
+        generated = 0
+        for v, n in req.tokens_by_version.items():
+            if n:
+                s.tokens_by_version[v] = s.tokens_by_version.get(v, 0) + n
+                generated += n
+        if not ok:  # the replica was lost mid-turn
+            self.sessions_lost += 1
+            if self.on_loss == "restart":
+                self.sessions_restarted += 1
+                s.restarts += 1
+                self.router.release(s.sid)
+                self._begin(s)
+                return
+            s.restarts += 1
+            s.context += s.pending_new + generated
+            s.pending_new, s.remaining_reply, s.cached_on = 0, s.remaining_reply - generated, None
+            if s.remaining_reply <= 0:
+                ok = True  # the reply was complete when the replica died
+            else:
+                self._turn(s)
+                return
+        s.context += s.pending_new + s.remaining_reply
+        s.cached_on, s.turn = s.replica, s.turn + 1
+        if s.turn >= s.ep.turns:
+            self._finish(s)
+            return
+        s.pending_new, s.remaining_reply = s.ep.tool_tokens[s.turn - 1], s.ep.reply_tokens[s.turn]
+        s.prompt_total += s.pending_new
+        self.env.timeout(s.ep.tool_s[s.turn - 1]).callbacks.append(lambda _e: self._turn(s))
+
+    def _finish(self, s: Session) -> None:
+        s.end_s = self.env.now
+        self.router.release(s.sid)
+        p = self.inflight[s.prompt_id]
+        p.done.append(s)
+        if len(p.done) == p.expected:
+            p.completed_at_s = self.env.now
+            del self.inflight[s.prompt_id]
+            self.buffer[s.prompt_id] = p
+            if self._batch_waiter is not None and len(self.buffer) >= self.batcher.config.prompts_per_update:
+                self._batch_waiter.succeed()
+                self._batch_waiter = None
+            self.admit_prompts()
+
+    # ---- the trainer's side ------------------------------------------------------------------------
+    def buffer_view(self) -> BufferView:
+        return BufferView(now_s=self.env.now, trainer_version=self.version, groups=tuple(
+            PromptGroupView(prompt_id=p.prompt_id, finished=len(p.done), aborted=0, expected=p.expected,
+                            min_version=min(min(s.tokens_by_version, default=self.version) for s in p.done),
+                            completed_at_s=p.completed_at_s) for p in self.buffer.values()))
+
+    def wait_for_batch(self) -> Generator:
+        """Block until the batcher forms an update; returns its prompt-groups (dropped ones are logged)."""
+        while True:
+            if len(self.buffer) >= self.batcher.config.prompts_per_update:
+                decision = self.batcher.decide(self.buffer_view())
+                for pid in decision.drop:
+                    for s in self.buffer.pop(pid).done:
+                        self.write_trajectory(s, trained_version=-1)
+                        self.trajectories_dropped += 1
+                if decision.drop:
+                    self.admit_prompts()
+                if decision.ready:
+                    return [self.buffer.pop(pid) for pid in decision.take]
+            self._batch_waiter = self.env.event()
+            yield self._batch_waiter
+
+    def push_weights(self, version: int) -> float:
+        """Start the new version's push to every group the weight-sync policy picks; returns the
+        trainer's blocking time (the slowest push)."""
+        slowest = 0.0
+        for g in self.groups.values():
+            decision = self.weight_sync.decide(self.group_view(g), version, self.env.now)
+            if not decision.push:
+                continue
+            sync_s = g.setup.weight_sync_s
+            slowest = max(slowest, sync_s)
+            self.event("weight_push", g.setup.name, version=version, duration_s=sync_s,
+                       detail="drain" if decision.drain else "in_flight")
+            if decision.drain:
+                for rep in g.replicas:
+                    rep.draining, rep.pending = True, (version, self.env.now + sync_s)
+            self.env.timeout(sync_s).callbacks.append(lambda _e, g=g, v=version: self._land(g, v))
+        return slowest
+
+    def _land(self, g: Group, version: int) -> None:
+        g.weight_version = max(g.weight_version, version)
+        now = self.env.now
+        for rep in g.replicas:
+            if not rep.up:
+                continue
+            if rep.draining:
+                self._maybe_load(rep)
+            else:
+                rep.set_version(version, now)
+            self.poke(rep)
+
+    def write_trajectory(self, s: Session, trained_version: int) -> None:
+        tbv = {v: n for v, n in s.tokens_by_version.items() if n}
+        self.writer.append(TrajectoryRecord(
+            run_id=self.run_id, prompt_id=str(s.prompt_id), sample_index=s.sample,
+            group=s.replica.group if s.replica else "", replica=s.replica.index if s.replica else -1,
+            version_start=min(tbv, default=0), version_end=max(tbv, default=0), turns=s.ep.turns,
+            prompt_tokens=s.prompt_total, generated_tokens=sum(tbv.values()), start_s=s.start_s, end_s=s.end_s,
+            reward=s.ep.reward, finish_reason=s.ep.finish_reason, restarts=s.restarts, tokens_by_version=tbv,
+            trained_version=trained_version))
+        self.trajectories_written += 1
+
+    def record_update(self, batch: list[PromptState], version: int, start_s: float, train_s: float,
+                      sync_s: float) -> None:
+        """The update's row, its groups' rows and its trajectories' rows."""
+        now = self.env.now
+        sessions = [s for p in batch for s in p.done]
+        versions, counts, by_group = [], [], {}
+        for s in sessions:
+            g = s.replica.group
+            for v, n in s.tokens_by_version.items():
+                versions.append(v)
+                counts.append(n)
+                by_group.setdefault(g, [0, 0, 0.0])
+                by_group[g][1] += n
+                by_group[g][2] += n * ((version - 1) - v)
+            by_group.setdefault(g, [0, 0, 0.0])[0] += 1
+            self.write_trajectory(s, trained_version=version)
+        stal = (version - 1) - np.asarray(versions, dtype=np.float64)
+        w = np.asarray(counts, dtype=np.float64)
+        order = np.argsort(stal, kind="stable")
+        cum = np.cumsum(w[order]) / max(w.sum(), 1.0)
+        q = lambda x: float(stal[order][min(np.searchsorted(cum, x), len(cum) - 1)]) if len(cum) else 0.0  # noqa: E731
+        tokens = int(w.sum())
+        kl_sum = ext_sum = 0.0
+        for g in self.groups.values():
+            g.accrue(now)
+            for rep in g.replicas:
+                rep.advance_to(now)
+        for name, g in self.groups.items():
+            st = g.setup
+            n_samples, n_tok, stale_sum = by_group.get(name, (0, 0, 0.0))
+            g.samples += n_samples
+            stale_mean = stale_sum / n_tok if n_tok else math.nan
+            kl = st.kl_k3 * (1.0 + st.kl_growth_per_version * (stale_mean if n_tok else 0.0))
+            kl_sum += kl * n_tok if n_tok else 0.0
+            ext_sum += st.extreme_share * n_tok if n_tok else 0.0
+            busy = sum(r.busy_s for r in g.replicas + g.retired)
+            gen = sum(r.tokens_generated for r in g.replicas + g.retired)
+            c0, up0, gen0, busy0 = self._last_group_marks[name]
+            window = max(now - self._last_update_s, 1e-12)
+            up_s = g.up_s - up0
+            self.writer.append(GroupRecord(
+                version=version, group=name, replicas_up=up_s / window,
+                utilization=min(1.0, (busy - busy0) / up_s) if up_s > 0 else 0.0,
+                tokens_generated=int(gen - gen0), samples=n_samples, share_of_samples=n_samples / len(sessions),
+                kl_k3=kl if n_tok else math.nan, extreme_share=st.extreme_share if n_tok else math.nan,
+                cost_usd=g.cost_usd - c0, staleness_mean=stale_mean, tokens_trained=int(n_tok)))
+            self._last_group_marks[name] = (g.cost_usd, g.up_s, gen, busy)
+        self._last_update_s = now
+        ext = ext_sum / tokens if tokens else math.nan
+        self.trainer_busy_s += train_s + sync_s
+        self.writer.append(UpdateRecord(
+            version=version, start_s=start_s, end_s=now, train_step_s=train_s, weight_sync_s=sync_s, tokens=tokens,
+            trajectories=len(sessions), staleness_mean=float((stal * w).sum() / max(w.sum(), 1.0)),
+            staleness_p50=q(0.5), staleness_p95=q(0.95), staleness_max=float(stal.max()) if len(stal) else 0.0,
+            cost_sampler_usd=sum(g.cost_usd for g in self.groups.values()),
+            cost_trainer_usd=self.trainer.usd_per_hour * now / 3600.0,
+            kl_k3=kl_sum / tokens if tokens else math.nan, extreme_low_share=ext / 2, extreme_high_share=ext / 2,
+            reward_mean=float(np.mean([s.ep.reward for s in sessions]))))
+
+    # ---- background processes ----------------------------------------------------------------------
+    def autoscale_loop(self) -> Generator:
+        """Every interval: each group to the autoscaler's target (scale-ups pay a cold start)."""
+        while True:
+            yield self.env.timeout(self.autoscaler.config.interval_s)
+            for g in self.groups.values():
+                target = self.autoscaler.target(self.group_view(g), self.env.now)
+                for _ in range(target - len(g.replicas)):
+                    self.event("scale_up", g.setup.name)
+                    self.env.process(self.start_replica(g))
+                for _ in range(len(g.replicas) - target):
+                    self.stop_replica(g)
+
+    def fault_loop(self) -> Generator:
+        """Preemptions: a Poisson process over the replicas up (rate per replica-hour), victim uniform."""
+        while True:
+            ups = [r for g in self.groups.values() for r in g.replicas if r.up]
+            rate_per_s = self.fault_rate_h * max(len(ups), 1) / 3600.0
+            yield self.env.timeout(float(self.fault_rng.exponential(1.0 / rate_per_s)))
+            ups = [(g, r) for g in self.groups.values() for r in g.replicas if r.up]
+            if ups:
+                g, r = ups[int(self.fault_rng.integers(len(ups)))]
+                self.lose_replica(g, r, "preempt")
+
+
+def run_loop(w: World, updates: int) -> Generator:
+    """The algorithm of a fully asynchronous RL run, as the twin plays it:
+    keep the samplers busy; then, per update: wait for a batch, train on it, push the new weights."""
+    w.admit_prompts()
+    w.env.process(w.autoscale_loop())
+    if w.fault_rate_h > 0:
+        w.env.process(w.fault_loop())
+    for version in range(1, updates + 1):
+        batch = yield from w.wait_for_batch()
+        start_s = w.env.now
+        tokens = sum(n for p in batch for s in p.done for n in s.tokens_by_version.values())
+        train_s = w.trainer.train_step_s(tokens)
+        yield w.env.timeout(train_s)
+        sync_s = w.push_weights(version)
+        yield w.env.timeout(sync_s)
+        w.version = version
+        w.record_update(batch, version, start_s, train_s, sync_s)
+        w.admit_prompts()
+        if w.progress is not None:
+            w.progress(version)
