@@ -364,7 +364,7 @@ class Engine:
     # ---- the loop --------------------------------------------------------------------------------
     def step(self) -> bool:
         """Admit + prefill what fits, then one decode step for the batch. True if it did work."""
-        with self._lock:
+        with self._lock, torch.inference_mode():
             self._drain_inbox()
             if self._paused:
                 return False
