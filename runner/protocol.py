@@ -203,6 +203,8 @@ def parse_json_body(body: bytes, max_body_bytes: int) -> Any:
         return json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"request body is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ProtocolError("request body is nested too deeply") from None
 
 
 def _check_keys(obj: Mapping, implemented: Sequence[str], inert: Sequence[str],

@@ -162,6 +162,8 @@ def test_body_limits():
         parse_json_body(b'{"a": ', 1000)
     with pytest.raises(ProtocolError, match="not valid JSON"):
         parse_json_body(b"\xff\xfe", 1000)
+    with pytest.raises(ProtocolError, match="nested too deeply"):
+        parse_json_body(b"[" * 100_000 + b"]" * 100_000, 1_000_000)
 
 
 def _tok(tid: int, lp: float, version: str, *, mask: list[tuple[int, float]] | None = None) -> TokenOutput:
