@@ -200,7 +200,8 @@ class Plan:
         for key in ("description", "seed", "model", "workload", "price_table"):
             out[key] = getattr(self, key)
         out["trainer"] = _plain(self.trainer)
-        out["groups"] = [_plain(g) for g in self.groups]
+        out["groups"] = [{k: v for k, v in _plain(g).items()  # min/max equal to replicas are the defaults
+                          if not (k in ("min_replicas", "max_replicas") and v == g.replicas)} for g in self.groups]
         out["policies"] = {k: {"name": getattr(self.policies, k).name, **getattr(self.policies, k).settings}
                            for k in registry.KINDS}
         out["faults"] = _plain(self.faults)
