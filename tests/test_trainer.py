@@ -265,3 +265,33 @@ def test_clear_errors(spec, trainer: Trainer, tmp_path: Path) -> None:
     t2 = Trainer(small, TrainerConfig(build=BuildOptions(device="cpu")))
     with pytest.raises(ValueError, match="does not match"):
         t2.load_hf(tmp_path / "hf")
+
+
+def test_corrections_policy_loss_plugs_in(spec) -> None:
+    """sc_mis from the corrections module as the loss: sequences with positive advantage gain log-prob."""
+    from mixfleet.runner.corrections import CorrectionBatch, CorrectionConfig
+    from mixfleet.runner.trainer.trainer import policy_loss_fn
+
+    t = Trainer(spec, TrainerConfig(optimizer=OptimizerConfig(lr=2e-3), build=BuildOptions(device="cpu", seed=17)))
+    g = torch.Generator().manual_seed(8)
+    b, s, prompt = 4, 16, 4
+    ids = torch.randint(16, spec.vocab_size, (b, s), generator=g)
+    adv_row = torch.tensor([1.0, -1.0, 1.0, -1.0])
+    mask = torch.zeros(b, s)
+    mask[:, prompt - 1: s - 1] = 1.0           # positions predicting the generated tokens
+    labels = torch.zeros(b, s, dtype=torch.long)
+    labels[:, :-1] = ids[:, 1:]
+    before = t.token_logprobs(ids)
+    sampler_lp = torch.zeros(b, s)
+    sampler_lp[:, :-1] = before                # on-policy sampler: q == p, with its top-8 record
+    top_lp, top_ids = torch.log_softmax(t.forward_logits(ids), dim=-1).reshape(b * s, -1).topk(8, dim=-1)
+    cb = CorrectionBatch(labels=labels.reshape(-1), advantages=adv_row[:, None].expand(b, s).reshape(-1),
+                         loss_mask=mask.reshape(-1), sampler_logprobs=sampler_lp.reshape(-1),
+                         topk_ids=top_ids, topk_logprobs=top_lp,
+                         group_ids=torch.arange(b).repeat_interleave(s) % 2)
+    loss_fn = policy_loss_fn(CorrectionConfig(method="sc_mis"))
+    for _ in range(3):
+        m = t.train_step({"input_ids": ids, "correction": cb}, loss_fn)
+    assert m["version"] == 3 and "k3" in m and "group/0/k3" in m
+    gain = ((t.token_logprobs(ids) - before) * mask[:, :-1]).sum(dim=1)
+    assert (gain[adv_row > 0] > 0).all() and (gain[adv_row < 0] < 0).all(), gain

@@ -110,6 +110,23 @@ class TrainerConfig:
                    export_dtype=d.get("export_dtype", "float32"))
 
 
+def policy_loss_fn(config: Any) -> LossFn:
+    """A loss_fn running the corrections module's `policy_loss` with `config` (a CorrectionConfig).
+
+    The batch carries `correction`: a `CorrectionBatch` of T = B * S positions aligned with the
+    flattened logits, i.e. position b * S + t predicts `input_ids[b, t + 1]` (labels there; loss mask 0
+    on each row's last position, on prompt / tool-output tokens and on padding).
+    """
+    from mixfleet.runner.corrections import policy_loss
+
+    def loss_fn(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torch.Tensor, Mapping[str, Any]]:
+        if "correction" not in batch:
+            raise ValueError(f"batch has no 'correction' (a CorrectionBatch); keys: {sorted(batch)}")
+        return policy_loss(logits.reshape(-1, logits.shape[-1]), batch["correction"], config)
+
+    return loss_fn
+
+
 def spec_from_hf_config(cfg: HFConfig, name: str = "checkpoint") -> ModelSpec:
     """The ModelSpec a Hugging Face layout config describes (dense, RMSNorm, SwiGLU)."""
     return ModelSpec(name=name, kind="dense", num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
