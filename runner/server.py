@@ -308,7 +308,7 @@ def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
         return JSONResponse(exc.to_json(), status_code=400)
 
     # ---- generation -------------------------------------------------------------------------
-    @app.post("/generate")
+    @app.api_route("/generate", methods=["POST", "PUT"])
     async def generate(request: Request) -> Response:
         body = await _read_body(request, args.max_body_bytes)
         obj = parse_json_body(body, args.max_body_bytes)
@@ -417,8 +417,8 @@ def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
         if load.get("num_running_reqs", 0) or load.get("num_waiting_reqs", 0) or state.pending:
             return PlainTextResponse("Cache not flushed: requests are running or waiting.", status_code=400)
         flush = getattr(engine, "flush_cache", None)
-        if callable(flush):
-            flush()
+        if callable(flush) and flush() is False:
+            return PlainTextResponse("Cache not flushed: requests are running or waiting.", status_code=400)
         return PlainTextResponse("Cache flushed.", status_code=200)
 
     @app.post("/abort_request")

@@ -367,8 +367,8 @@ def test_bad_input_gets_400_and_others_keep_running(server):
 
             async def chunked():
                 yield b'{"input_ids": ['
-                for _ in range(30000):
-                    yield b"1, "
+                for _ in range(30):
+                    yield b"1, " * 1000
                 yield b"1]}"
 
             r = await c.post("/generate", content=chunked())
