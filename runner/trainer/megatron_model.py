@@ -66,10 +66,14 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (the OS picks it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+_free_port = free_port   # older name, used by runner/actors.py
 
 
 def ensure_parallel_state(device: str = "cpu") -> None:
@@ -86,7 +90,7 @@ def ensure_parallel_state(device: str = "cpu") -> None:
         last: Exception | None = None
         for _ in range(_PORT_TRIES):
             try:
-                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}",
+                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
                                         world_size=1, rank=0)
                 break
             except (RuntimeError, OSError) as e:   # the free port was taken in between: retry
