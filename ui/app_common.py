@@ -85,7 +85,17 @@ def fmt_num(x: Any, unit: str = "", digits: int = 0) -> str:
 
 
 def fmt_versions(x: Any) -> str:
-    return f"{x:.2f} versions" if _finite(x) else NONE
+    return f"{x:.2f}" if _finite(x) else NONE
+
+
+def fmt_compact(x: Any, unit: str = "") -> str:
+    """1234567 -> '1.23 M' (k, M, G), for metric tiles."""
+    if not _finite(x):
+        return NONE
+    for div, suffix in ((1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(x) >= div:
+            return f"{x / div:.3g} {suffix}{unit}"
+    return f"{x:.3g} {unit}".strip()
 
 
 # ---- errors ---------------------------------------------------------------------------------------

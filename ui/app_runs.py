@@ -19,6 +19,7 @@ from mixfleet.ui.app_common import (
     default_updates,
     dry_run,
     find_runs,
+    fmt_compact,
     fmt_num,
     fmt_pct,
     fmt_s,
@@ -59,8 +60,8 @@ def _metrics(run: RunData) -> None:
     c[0].metric("updates", fmt_num(s.get("updates")))
     c[1].metric(f"time per update ({clock})", fmt_s(s.get("time_per_update_mean_s")))
     c[2].metric("cost per update", fmt_usd(s.get("cost_per_update_usd")))
-    c[3].metric("mean staleness", fmt_versions(s.get("staleness_mean")))
-    c[4].metric("tokens/s generated", fmt_num(s.get("tokens_per_s"), "tok/s"))
+    c[3].metric("mean staleness (versions)", fmt_versions(s.get("staleness_mean")))
+    c[4].metric("tokens/s generated", fmt_compact(s.get("tokens_per_s")))
     c[5].metric("trainer idle", fmt_pct(s.get("trainer_idle_share")))
 
 

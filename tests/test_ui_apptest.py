@@ -1,0 +1,186 @@
+"""The Streamlit app driven in-process by Streamlit's AppTest: every page renders with its defaults,
+the planner runs and shows a mix, bad plan uploads show the validation error (never a traceback), the
+Dry-run page simulates two plans, and the Runs page charts run logs made here by the twin and by
+RunLogWriter (a "runner" run of the same plan, overlaid with the twin's prediction).
+
+Kept quick: dry runs use the tiny-cpu workload and 2 updates (MIXFLEET_UI_UPDATES / MIXFLEET_UI_WORKLOAD).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("streamlit.testing.v1")
+from mixfleet.costmodel.runlog import GroupRecord, RunLogWriter, UpdateRecord  # noqa: E402
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+APP = str(Path(__file__).resolve().parents[1] / "ui" / "app.py")
+TIMEOUT_S = 240
+UPDATES = 2
+
+
+@pytest.fixture()
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    monkeypatch.setenv("MIXFLEET_RUNS_DIR", str(runs))
+    monkeypatch.setenv("MIXFLEET_UI_UPDATES", str(UPDATES))
+    monkeypatch.setenv("MIXFLEET_UI_WORKLOAD", "tiny-cpu")
+    return runs
+
+
+def _app(page: str | None = None) -> AppTest:
+    at = AppTest.from_file(APP, default_timeout=TIMEOUT_S)
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    if page is not None:
+        at.switch_page(page)
+        at.run()
+        assert not at.exception, [e.value for e in at.exception]
+    return at
+
+
+def _plotly_titles(at: AppTest) -> list[str]:
+    out = []
+    for el in at.get("plotly_chart"):
+        fig = json.loads(el.proto.spec)
+        title = fig.get("layout", {}).get("title", {})
+        out.append(title.get("text", "") if isinstance(title, dict) else str(title))
+    return out
+
+
+def _texts(at: AppTest) -> str:
+    parts = [e.value for kind in ("markdown", "caption", "info", "warning", "error", "success") for e in at.get(kind)]
+    return "\n".join(str(p) for p in parts)
+
+
+@pytest.fixture(scope="module")
+def twin_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """A dry run of the seed's mixed fleet on the tiny workload, made by the twin, in a runs folder."""
+    from mixfleet.twin.sim import simulate
+    from mixfleet.ui.app_common import plan_object, shipped_plan, with_workload
+
+    runs = tmp_path_factory.mktemp("twin-runs")
+    plan = plan_object(with_workload(shipped_plan("seed-mixed"), "tiny-cpu"))
+    simulate(plan, updates=3, seed=0, out=runs / "twin-tiny")
+    return runs, plan.to_dict()
+
+
+def _runner_log(folder: Path, plan: dict, updates: int = 3, status_running: bool = False) -> None:
+    """A "runner" run log of the same plan, written record by record (numbers chosen here)."""
+    groups = [g["name"] for g in plan["groups"]]
+    w = RunLogWriter(folder, {"source": "runner", "plan": plan, "seed": 0}, flush_every_s=None)
+    for v in range(1, updates + 1):
+        w.append(UpdateRecord(version=v, start_s=10.0 * v - 2, end_s=10.0 * v, train_step_s=1.5, weight_sync_s=0.5,
+                              tokens=1000 + v, trajectories=128, staleness_mean=0.5 * v, staleness_p50=0.0,
+                              staleness_p95=1.0, staleness_max=2, cost_sampler_usd=0.5 * v, cost_trainer_usd=0.1 * v,
+                              kl_k3=0.01 * v, extreme_low_share=0.001, extreme_high_share=0.002,
+                              entropy=2.0 - 0.1 * v, grad_norm=1.0 + v, loss=0.1, reward_mean=0.2 + 0.1 * v))
+        for i, g in enumerate(groups):
+            w.append(GroupRecord(version=v, group=g, replicas_up=1.0, utilization=0.9, tokens_generated=500 + i,
+                                 samples=16, share_of_samples=1 / len(groups), kl_k3=0.001 * (i + 1),
+                                 extreme_share=0.0005 * (i + 1), cost_usd=0.05, tokens_trained=120))
+    w.flush()
+    if status_running:
+        return  # left open: the header says "running"
+    w.close()
+
+
+def test_app_opens_on_the_plan_page_with_three_pages(env: Path) -> None:
+    at = _app()
+    assert [t.value for t in at.title] == ["Plan"]
+
+
+def test_runs_page_defaults_with_an_empty_folder_offers_a_demo_run(env: Path) -> None:
+    at = _app("app_runs.py")
+    assert [t.value for t in at.title] == ["Runs"]
+    assert "No run log under" in _texts(at)
+    demo = [b for b in at.button if "Dry-run the seed" in b.label]
+    assert demo
+    demo[0].click()
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    titles = _plotly_titles(at)
+    assert "Reward" in titles and "KL (k3) by group" in titles
+    assert (env / "twin").is_dir()  # the demo dry run landed in the runs folder
+
+
+def test_runs_page_charts_a_twin_run_log(env: Path, twin_run: tuple[Path, dict], monkeypatch) -> None:
+    runs, _ = twin_run
+    monkeypatch.setenv("MIXFLEET_RUNS_DIR", str(runs))
+    at = _app("app_runs.py")
+    pick = at.selectbox(key="runs_pick")
+    pick.select_index([i for i, o in enumerate(pick.options) if o.startswith("twin-tiny")][0])
+    at.run()
+    assert not at.error, [e.value for e in at.error]
+    metrics = {m.label: m.value for m in at.metric}
+    assert metrics["updates"] == "3"
+    assert metrics["cost per update"].startswith("$")
+    titles = _plotly_titles(at)
+    for t in ("Reward", "KL (k3) by group", "Share of tokens with ratio outside [0.2, 5]",
+              "Staleness of trained tokens", "Tokens per second (per update window)"):
+        assert t in titles
+    text = _texts(at)
+    assert "grad norm: not recorded" in text and "entropy: not recorded" in text  # the twin does not train
+    assert not [t for t in at.toggle if t.value]  # a finished run: no auto-refresh
+
+
+def test_runs_page_overlays_the_twin_on_a_runner_log(env: Path, twin_run: tuple[Path, dict], monkeypatch) -> None:
+    runs, plan = twin_run
+    real = runs / "real-run"
+    if not real.exists():
+        _runner_log(real, plan, status_running=True)
+    monkeypatch.setenv("MIXFLEET_RUNS_DIR", str(runs))
+    at = _app("app_runs.py")
+    pick = at.selectbox(key="runs_pick")
+    real_i = [i for i, o in enumerate(pick.options) if o.startswith("real-run")]
+    assert real_i
+    pick.select_index(real_i[0])
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Predicted vs measured" in [s.value for s in at.subheader]
+    titles = _plotly_titles(at)
+    assert "Grad norm" in titles and "Entropy" in titles
+    assert [t for t in at.toggle if t.value]  # a running run refreshes itself
+    table = at.dataframe[0].value
+    row = table[table["metric"] == "mean staleness (versions)"].iloc[0]
+    assert row["measured"] == pytest.approx((0.5 * 1001 + 1.0 * 1002 + 1.5 * 1003) / (1001 + 1002 + 1003))
+    assert math.isfinite(row["predicted"])
+
+
+def test_dry_run_page_simulates_two_plans_side_by_side(env: Path) -> None:
+    at = _app("app_dryrun.py")
+    assert [t.value for t in at.title] == ["Dry-run"]
+    assert "Press **Simulate**" in _texts(at)
+    at.button(key="dr_go").click()
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    titles = _plotly_titles(at)
+    assert titles.count("Timeline") == 2 and titles.count("Cost per update by group") == 2
+    assert "Share of samples vs share of extreme-ratio tokens" in titles
+    assert "Side by side" in [s.value for s in at.subheader]
+    assert len(list((env / "twin").iterdir())) == 2  # both dry runs are run logs in the runs folder
+
+
+@pytest.mark.parametrize(("name", "data", "expected"), [
+    ("notes.txt", b"this is = not [toml", "not TOML"),
+    ("binary.toml", b"\xff\xfe\x00\x01", "UTF-8"),
+    ("fields.toml", b'name = "x"\n[[groups]]\nname = "g"\naccelerator = "H100"\nprecision = "fp8"\ncolour = 1\n',
+     "colour"),
+    ("nogroups.toml", b'name = "x"\n', "groups"),
+])
+def test_bad_upload_shows_the_validation_error(env: Path, name: str, data: bytes, expected: str) -> None:
+    at = _app("app_dryrun.py")
+    at.radio(key="a_src").set_value("Upload a plan TOML")
+    at.run()
+    at.file_uploader(key="a_upload").set_value((name, data, "application/octet-stream"))
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    errors = [e.value for e in at.error]
+    assert len(errors) == 1 and expected in errors[0] and "Traceback" not in errors[0]
