@@ -182,7 +182,8 @@ class EmbeddedSampler:
                 if p.item.request.params.max_new_tokens == 0:
                     p.on_finish(self._empty_result(p.item.request))
                 else:
-                    self.engine.add_request(p.item.request, on_finish=p.on_finish, on_token=p.on_token)
+                    self.engine.add_request(p.item.request, on_finish=p.on_finish,
+                                            on_token=p.on_token if call.stream else None)
                 added.append(p)
         except ValueError as e:   # the engine refused the request (e.g. larger than its KV budget)
             for p in pendings:
