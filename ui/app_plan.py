@@ -1,13 +1,226 @@
-"""The Plan page (placeholder until the planner lands)."""
+"""The Plan page: pick a model and a workload (or edit their numbers), edit the accelerator pool
+(price per GPU-hour, max GPUs, allowed precisions; price tables one click apart), set constraints,
+run the mix planner, and see the chosen mix, the Pareto chart (with the seed's two fleets as
+reference points) and the plan TOML to download.
+
+The planner is `mixfleet.twin.planner` (engineer C); this page only gathers its inputs and shows
+its result (see `app_planner.py`, the adapter). Edited model / workload numbers are validated by
+costmodel and written as spec files under the runs folder, which the plan then names.
+"""
 
 from __future__ import annotations
 
+import hashlib
+import tomllib
+from typing import Any
+
+import pandas as pd
 import streamlit as st
+import tomli_w
+from mixfleet.ui import app_charts as charts
+from mixfleet.ui import app_planner as planner
+from mixfleet.ui.app_common import (
+    fmt_pct,
+    fmt_s,
+    fmt_usd,
+    fmt_versions,
+    runs_dir,
+    show_error,
+)
+
+PLAN_PAGE_KEY = "planned_plan"      # session state: the chosen plan as PlanText (read by the Dry-run page)
+RESULT_KEY = "plan_result"          # session state: the last PlannerView
+DEFAULT_MODEL = "qwen3.6-35b-a3b"
+DEFAULT_WORKLOAD = "seed-agentic-coding"
+PRECISIONS = ("bf16", "fp8", "nvfp4", "mxfp4")
+
+
+# ---- cached reads (costmodel) ---------------------------------------------------------------------------
+@st.cache_data(show_spinner=False)
+def _known() -> tuple[list[str], list[str], tuple[str, ...]]:
+    from mixfleet.costmodel.catalog import load_catalog
+    from mixfleet.costmodel.model import known_models
+    from mixfleet.costmodel.workload import known_workloads
+
+    return known_models(), known_workloads(), load_catalog().price_tables()
+
+
+@st.cache_data(show_spinner=False)
+def _spec_toml(kind: str, name: str) -> str:
+    """A shipped model / workload as TOML text (its numbers, for editing)."""
+    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.workload import load_workload
+
+    d = load_model_spec(name).to_dict() if kind == "model" else load_workload(name).to_dict()
+    return tomli_w.dumps(d)
+
+
+@st.cache_data(show_spinner=False)
+def _pool(price_table: str) -> pd.DataFrame:
+    """The default pool: every GPU of the catalog at this price table, its native precisions allowed."""
+    from mixfleet.costmodel.catalog import load_catalog
+
+    cat = load_catalog(price_table)
+    rows = []
+    for name in cat.gpus():
+        acc = cat.accelerator(name)
+        native = [p for p in PRECISIONS if cat.support(name, p) == "native"]
+        rows.append({"use": True, "accelerator": name, "usd_per_gpu_hour": acc.price_usd_per_gpu_hour,
+                     "max_gpus": planner.DEFAULT_MAX_GPUS, "precisions": native,
+                     "price_note": "estimate" if acc.price_estimate else price_table})
+    return pd.DataFrame(rows)
+
+
+def _validated_spec(kind: str, text: str) -> str:
+    """Validate edited spec TOML with costmodel and write it under the runs folder; returns its path."""
+    from mixfleet.costmodel.errors import SpecError
+    from mixfleet.costmodel.model import model_spec_from_dict
+    from mixfleet.costmodel.workload import workload_from_dict
+
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(f"edited {kind}", "<text>", "not TOML", f"valid TOML ({e})") from None
+    spec = model_spec_from_dict(raw, f"edited {kind}") if kind == "model" else workload_from_dict(raw, f"edited {kind}")
+    folder = runs_dir() / "ui-specs"
+    folder.mkdir(parents=True, exist_ok=True)
+    digest = hashlib.sha256(text.encode()).hexdigest()[:10]
+    path = folder / f"{kind}-{spec.name}-{digest}.toml"
+    if not path.exists():
+        path.write_text(text)
+    return str(path)
+
+
+# ---- inputs ------------------------------------------------------------------------------------------------
+def _model_and_workload() -> tuple[str, str] | None:
+    models, workloads, _ = _known()
+    c1, c2 = st.columns(2)
+    with c1:
+        model = st.selectbox("Model", models, index=models.index(DEFAULT_MODEL) if DEFAULT_MODEL in models else 0,
+                             key="pl_model")
+        with st.expander("Edit the model's numbers"):
+            mtext = st.text_area("model spec (TOML)", _spec_toml("model", model), height=260, key=f"pl_mt_{model}")
+    with c2:
+        wl = st.selectbox("Workload", workloads,
+                          index=workloads.index(DEFAULT_WORKLOAD) if DEFAULT_WORKLOAD in workloads else 0,
+                          key="pl_workload")
+        base = tomllib.loads(_spec_toml("workload", wl))
+        k1, k2, k3 = st.columns(3)
+        ppu = int(k1.number_input("prompts / update", 1, 100_000, int(base["prompts_per_update"]), key=f"pl_p_{wl}"))
+        spp = int(k2.number_input("samples / prompt", 1, 1024, int(base["samples_per_prompt"]), key=f"pl_s_{wl}"))
+        ctx = int(k3.number_input("max context (tokens)", 128, 10_000_000, int(base["max_context"]), step=1024,
+                                  key=f"pl_c_{wl}"))
+        with st.expander("Edit the workload's distributions"):
+            wtext = st.text_area("workload spec (TOML)", _spec_toml("workload", wl), height=260, key=f"pl_wt_{wl}")
+    try:
+        model_ref = model if mtext == _spec_toml("model", model) else _validated_spec("model", mtext)
+        w = tomllib.loads(wtext) if wtext != _spec_toml("workload", wl) else dict(base)
+        edited = (ppu, spp, ctx) != (base["prompts_per_update"], base["samples_per_prompt"], base["max_context"])
+        if edited or wtext != _spec_toml("workload", wl):
+            w.update(prompts_per_update=ppu, samples_per_prompt=spp, max_context=ctx)
+            wl_ref = _validated_spec("workload", tomli_w.dumps(w))
+        else:
+            wl_ref = wl
+    except Exception as e:
+        show_error("invalid model / workload numbers", e)
+        return None
+    return model_ref, wl_ref
+
+
+def _pool_editor() -> tuple[str, pd.DataFrame]:
+    _, _, tables = _known()
+    c1, c2 = st.columns([1, 3])
+    with c1:
+        table = st.segmented_control("Price table", list(tables), default=tables[0], key="pl_prices") or tables[0]
+    with c2:
+        st.caption("Prices are USD per GPU-hour from `data/accelerators.toml`; switch the table to see another cloud. "
+                   "Edit any cell; untick **use** to leave an accelerator out.")
+    pool = st.data_editor(
+        _pool(table), key=f"pl_pool_{table}", hide_index=True, width="stretch", num_rows="fixed",
+        column_config={
+            "use": st.column_config.CheckboxColumn("use"),
+            "accelerator": st.column_config.TextColumn("accelerator", disabled=True),
+            "usd_per_gpu_hour": st.column_config.NumberColumn("USD / GPU-hour", min_value=0.0, format="$%.2f"),
+            "max_gpus": st.column_config.NumberColumn("max GPUs", min_value=0, step=1, format="%d"),
+            "precisions": st.column_config.MultiselectColumn("allowed precisions", options=list(PRECISIONS)),
+            "price_note": st.column_config.TextColumn("price source", disabled=True),
+        })
+    return table, pool
+
+
+def _constraints() -> dict[str, Any]:
+    c = st.columns(4)
+    stale = c[0].number_input("max mean staleness (versions, 0 = none)", 0.0, 100.0, planner.DEFAULT_MAX_STALENESS,
+                              step=0.5, key="pl_stale")
+    tpu = c[1].number_input("max time per update (s, 0 = none)", 0.0, 1e6, planner.DEFAULT_MAX_TIME_S, step=10.0,
+                            key="pl_tpu")
+    budget = c[2].number_input("budget (USD per hour, 0 = none)", 0.0, 1e7, planner.DEFAULT_BUDGET_USD_H, step=50.0,
+                               key="pl_budget")
+    objective = c[3].selectbox("choose the", list(planner.OBJECTIVES), key="pl_obj")
+    return {"max_staleness": stale or None, "max_time_per_update_s": tpu or None, "budget_usd_per_hour": budget or None,
+            "objective": objective}
+
+
+# ---- results -----------------------------------------------------------------------------------------------
+def _show(view: planner.PlannerView) -> None:
+    st.subheader("Chosen mix")
+    p = view.chosen_point
+    c = st.columns(5)
+    c[0].metric("time per update", fmt_s(p.get("time_per_update_s")))
+    c[1].metric("cost per update", fmt_usd(p.get("cost_per_update_usd")))
+    c[2].metric("fleet cost", fmt_usd(p.get("usd_per_hour"), 0) + "/h")
+    c[3].metric("mean staleness (versions)", fmt_versions(p.get("staleness_mean")))
+    c[4].metric("share outside [0.2, 5]", fmt_pct(p.get("extreme_share"), 3))
+    st.table(view.mix_table)
+    if view.notes:
+        st.caption(view.notes)
+    st.plotly_chart(charts.pareto(view.points, chosen=p, references=view.references), width="stretch")
+    if not view.references:
+        st.caption("Reference fleets: not available from the planner yet.")
+    d1, d2 = st.columns([1, 3])
+    d1.download_button("Download the plan TOML", view.plan.toml, file_name=f"{view.plan.name}.toml",
+                       mime="application/toml", type="primary", key="pl_download")
+    d2.caption("The Dry-run page simulates this plan (choose **Plan page** there); "
+               f"`mixfleet simulate {view.plan.name}.toml` does the same from a shell.")
 
 
 def render() -> None:
     st.title("Plan")
-    st.warning("The mix planner is not available yet.")
+    st.caption("Find the cheapest sampler mix that meets your constraints. Every field has a default; "
+               "press **Run planner**.")
+    if not planner.available():
+        st.warning(f"The mix planner is not available yet: {planner.unavailable_reason()}")
+    with st.container(border=True):
+        st.markdown("**Model and workload**")
+        mw = _model_and_workload()
+    with st.container(border=True):
+        st.markdown("**Accelerator pool**")
+        price_table, pool = _pool_editor()
+    with st.container(border=True):
+        st.markdown("**Constraints**")
+        cons = _constraints()
+    if mw is None:
+        return
+    go = st.button("Run planner", type="primary", key="pl_go", disabled=not planner.available())
+    if go:
+        bar = st.progress(0.0, text="planning...")
+
+        def progress(done: int, total: int) -> None:
+            bar.progress(min(done / max(total, 1), 1.0), text=f"planning: {done} / {total} candidates")
+
+        try:
+            view = planner.run(model=mw[0], workload=mw[1], price_table=price_table, pool=pool, progress=progress,
+                               **cons)
+        except Exception as e:
+            bar.empty()
+            show_error("the planner could not plan", e)
+            return
+        bar.empty()
+        st.session_state[RESULT_KEY] = view
+        st.session_state[PLAN_PAGE_KEY] = view.plan
+    view = st.session_state.get(RESULT_KEY)
+    if view is not None:
+        _show(view)
 
 
 if __name__ == "__main__":
