@@ -35,6 +35,7 @@ import os
 import shutil
 import time
 import uuid
+import zlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -240,10 +241,13 @@ class Orchestrator:
         self._tasks: set[asyncio.Task] = set()
         self._wake = asyncio.Event()
         self._t0 = time.monotonic()
+        self._loop_start_s = math.nan                 # run clock when the first prompts started
+        self._busy_at_loop_start_s = 0.0
         self._last_update_end_s = 0.0
         self._group_marks: dict[str, tuple[float, int, float]] = {}   # (busy_s, tokens, time) at last update
         self.tokens_generated: dict[str, int] = {g.name: 0 for g in self.fleet.groups}
-        self.restarts = 0
+        self.restarts = 0                             # turns re-run on another replica after a replica loss
+        self.trained_restarted = 0                    # trained trajectories that were re-routed at least once
         self.trainer_busy_s = 0.0
         self.cost_sampler_usd = 0.0
         self.last_pass_at_k = math.nan
@@ -254,6 +258,7 @@ class Orchestrator:
         self._last_scale_check = -math.inf
         self._starting: dict[str, int] = {g.name: 0 for g in self.fleet.groups}
         self.weights_path: str = config.init_checkpoint
+        self.weights_version = 0                      # the version weights_path holds
         trainer_top_p = plan.trainer.top_p
         self.top_p_replay = bool(plan.trainer.top_p_replay and trainer_top_p < 1.0)
         self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens or emb.max_new_tokens,
@@ -333,10 +338,7 @@ class Orchestrator:
             self._last_update_end_s = float(st.get("elapsed_s", 0.0))
             self.event("resume", version=self.version, detail=json.dumps({"dropped_rows": dropped}))
         if self.version > 0:
-            self.weights_path = await self._export(self.version)
-        for g in self.fleet.groups:
-            for rep in self.replicas[g.name]:
-                rep.version = self.version
+            self.weights_path, self.weights_version = await self._export(self.version), self.version
         await asyncio.gather(*[self._start_replica(g, cold=False) for g in self.fleet.groups
                                for _ in range(g.replicas)])
         _ = ray
@@ -360,9 +362,10 @@ class Orchestrator:
                 actor = cls.remote(group=g.name, index=index, model_path=self.weights_path, precision=g.precision,
                                    kv_dtype=g.kv_dtype, kernel=g.kernel,
                                    threads=self.config.sampler_threads or self.fleet.threads_per_replica,
-                                   seed=self.config.seed * 1009 + hash((g.name, index)) % 1000,
-                                   weight_version=str(self.version), mode="sglang" if self.fleet.mode == "sglang"
-                                   else "embedded", top_p_replay=self.top_p_replay, tp=g.tp)
+                                   seed=self.config.seed * 1009 + zlib.crc32(f"{g.name}/{index}".encode()) % 1000,
+                                   weight_version=str(self.weights_version),
+                                   mode="sglang" if self.fleet.mode == "sglang" else "embedded",
+                                   top_p_replay=self.top_p_replay, tp=g.tp)
                 info = await actor.info.remote()
                 url = info["url"]
         except Exception as e:  # noqa: BLE001 - a replica that cannot start is logged; the run goes on
@@ -371,10 +374,10 @@ class Orchestrator:
             return None
         self._starting[g.name] -= 1
         client = SamplerClient(url, config=ClientConfig(max_retries=2, backoff_initial_s=0.05, connect_timeout_s=5.0))
-        rep = Replica(group=g.name, index=index, url=url, client=client, actor=actor, version=self.version,
+        rep = Replica(group=g.name, index=index, url=url, client=client, actor=actor, version=self.weights_version,
                       started_s=self.now())
-        if self.fleet.mode == "attach" and self.version > 0:
-            await self._load_weights(rep, self.weights_path, self.version)
+        if self.fleet.mode == "attach" and self.weights_version > 0:
+            await self._load_weights(rep, self.weights_path, self.weights_version)
         self.replicas[g.name].append(rep)
         if cold:
             self.event("cold_start", g.name, index, self.version, duration_s=self.now() - t0)
@@ -627,7 +630,7 @@ class Orchestrator:
         """Export version `version` and push it to every group the weight-sync policy picks (concurrently)."""
         t0 = self.now()
         path = await self._export(version)
-        self.weights_path = path
+        self.weights_path, self.weights_version = path, version
 
         async def push_group(g: GroupSpec) -> None:
             decision = self.weight_sync.decide(self.group_view(g), version, self.now())
@@ -691,6 +694,7 @@ class Orchestrator:
         for p in prompts:
             for s, ep in p.done:
                 self._write_trajectory(s, ep, trained_version=v)
+                self.trained_restarted += s.restarts > 0
         by_group = group_metrics(metrics, batch.group_names)
         n = batch.num_trajectories
         window_cost = 0.0
@@ -754,6 +758,7 @@ class Orchestrator:
             self._spawn(self._monitor())
             if self.eval_every and self.config.eval_at_start and self.version == 0:
                 self.last_pass_at_k = await self.evaluate(0)
+            self._loop_start_s, self._busy_at_loop_start_s = self.now(), self.trainer_busy_s
             self._spawn(self._feeder())
             while self.version < self.target:
                 prompts = await self.next_batch()                      # generate (continuously) -> batch
@@ -775,7 +780,16 @@ class Orchestrator:
         finally:
             await self._stop(status)
         return {"version": self.version, "elapsed_s": self.now(), "restarts": self.restarts,
-                "trainer_idle_share": 1.0 - self.trainer_busy_s / max(self.now(), 1e-9), "out": str(self.out)}
+                "trainer_idle_share": 1.0 - self.trainer_busy_s / max(self.now(), 1e-9), "out": str(self.out),
+                **self.loop_stats()}
+
+    def loop_stats(self) -> dict[str, float]:
+        """Seconds of the update loop (first prompts started -> last update logged) and the trainer's idle
+        share over it (what the async-vs-sync benchmark compares; start-up is excluded)."""
+        loop_s = self._last_update_end_s - self._loop_start_s
+        busy = self.trainer_busy_s - self._busy_at_loop_start_s
+        return {"loop_s": loop_s, "loop_trainer_busy_s": busy,
+                "loop_trainer_idle_share": 1.0 - busy / loop_s if loop_s > 0 else math.nan}
 
     async def _stop(self, status: str) -> None:
         self._stopping = True
@@ -796,7 +810,8 @@ class Orchestrator:
                 ray.kill(self.trainer, no_restart=True)
         if self.writer is not None:
             self.writer.update_header(wall_s=self.now(), trainer_busy_s=self.trainer_busy_s,
-                                      trainer_idle_share=1.0 - self.trainer_busy_s / max(self.now(), 1e-9))
+                                      trainer_idle_share=1.0 - self.trainer_busy_s / max(self.now(), 1e-9),
+                                      **self.loop_stats())
             self.writer.close(status)
             self.writer = None
 
