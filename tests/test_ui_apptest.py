@@ -184,3 +184,15 @@ def test_bad_upload_shows_the_validation_error(env: Path, name: str, data: bytes
     assert not at.exception, [e.value for e in at.exception]
     errors = [e.value for e in at.error]
     assert len(errors) == 1 and expected in errors[0] and "Traceback" not in errors[0]
+
+
+def test_ui_command_serves_headless_on_loopback_without_telemetry() -> None:
+    from mixfleet.ui.commands.webapp import DEFAULT_HOST, app_path, free_port, streamlit_argv
+
+    port = free_port()
+    argv = streamlit_argv(port)
+    assert DEFAULT_HOST == "127.0.0.1" and 0 < port < 65536
+    assert argv[1:4] == ["-m", "streamlit", "run"] and Path(argv[4]) == app_path() and app_path().is_file()
+    flags = dict(zip(argv[5::2], argv[6::2], strict=True))
+    assert flags["--server.address"] == "127.0.0.1" and flags["--server.port"] == str(port)
+    assert flags["--server.headless"] == "true" and flags["--browser.gatherUsageStats"] == "false"
