@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import platform
 import tempfile
 import threading
@@ -86,7 +87,9 @@ def main() -> None:
             row["http_share_of_direct"] = row["http_tokens_per_s"] / row["direct_tokens_per_s"]
     result = {"benchmark": "sampler_server_throughput", "model": model, "precision": a.precision,
               "new_tokens": a.new_tokens, "device": "cpu", "torch_threads": torch.get_num_threads(),
-              "machine": platform.processor() or platform.machine(), "rows": rows}
+              "machine": platform.processor() or platform.machine(),
+              "load_average_1min": os.getloadavg()[0],    # a shared machine makes the numbers noisy
+              "rows": rows}
     for row in rows:
         print(f"concurrency {row['concurrency']:>3}: direct {row['direct_tokens_per_s']:8.1f} tok/s   "
               f"http {row['http_tokens_per_s']:8.1f} tok/s   ({row['http_share_of_direct']:.0%})")
