@@ -155,7 +155,7 @@ def measure_mismatch(model_path: str, cfg: MismatchConfig) -> list[MismatchRow]:
             raise ValueError(f"mismatch: max_new_tokens = {cfg.max_new_tokens} makes prompts of {too_long} tokens, "
                              f"over the model's context length {engine.context_length}")
         results = _generate(engine, ids, cfg)
-        nums = score(ref, engine._weights, cfg.kv_cache_dtype, ids, results, cfg.temperature)
+        nums = score(ref, engine.weights, cfg.kv_cache_dtype, ids, results, cfg.temperature)
         rows.append(MismatchRow(precision=precision, kv_cache_dtype=cfg.kv_cache_dtype, kernel=engine.kernel, **nums))
     return rows
 

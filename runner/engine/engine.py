@@ -150,6 +150,15 @@ class Engine:
     def weight_version(self) -> str:
         return self._weights.version
 
+    @weight_version.setter
+    def weight_version(self, value: str) -> None:
+        self.update_weight_version(value)
+
+    @property
+    def weights(self) -> Weights:
+        """The weights serving now (immutable; a weight update replaces the object)."""
+        return self._weights
+
     @property
     def is_paused(self) -> bool:
         return self._paused

@@ -1,0 +1,133 @@
+"""Benchmark: generated tokens/s of the embedded engine at batch 1, 8, 32, per weight precision.
+
+Why: continuous batching must pay off (goal: batch 32 gives at least 6x the tokens/s of batch 1 on
+this CPU for the tiny model), and each precision's cost on the engine shows what dequantize-then-
+matmul costs. For every (precision, batch) the engine gets `batch` requests at once (sampled at
+T = 1 with log-prob records, EOS ignored, `--new-tokens` each) and runs until all finish; we report
+end-to-end tokens/s (prefill included) and steady decode tokens/s (the decode-only steps). Best of
+`--repeats`. Results: JSON in benchmarks/results/engine_throughput.json (device named).
+
+    python benchmarks/engine_throughput.py [--model CKPT] [--precisions fp32,bf16,fp8,nvfp4,mxfp4]
+        [--batches 1,8,32] [--new-tokens 64] [--kv bf16] [--kernel bf16] [--threads 1]
+        [--device cuda] [--fp8-scaled-mm]
+
+Without --model a seeded tiny checkpoint is written to a temporary folder. `--device cuda` runs on
+a GPU; `--fp8-scaled-mm` adds an fp8 row whose linears run real FP8 GEMMs (`torch._scaled_mm`,
+Hopper or newer) next to the dequantize-then-bf16 fp8 row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results" / "engine_throughput.json"
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(torch.device(device))
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _one_run(engine, batch: int, new_tokens: int, tag: str) -> dict:
+    from mixfleet.runner.engine_api import EngineRequest, SamplingParams
+
+    done: dict[str, int] = {}
+    for i in range(batch):
+        ids = engine.tokenizer.encode(f"<|user|>Benchmark request {i}: write something long.<|assistant|>")
+        engine.add_request(EngineRequest(rid=f"{tag}-{i}", input_ids=ids, return_logprob=True,
+                                         params=SamplingParams(max_new_tokens=new_tokens, temperature=1.0,
+                                                               ignore_eos=True, sampling_seed=i)),
+                           on_finish=lambda r: done.__setitem__(r.rid, len(r.output_ids)))
+    step_s: list[float] = []
+    t0 = time.perf_counter()
+    while True:
+        t = time.perf_counter()
+        if not engine.step():
+            break
+        step_s.append(time.perf_counter() - t)
+    wall_s = time.perf_counter() - t0
+    tokens = sum(done.values())
+    decode_steps = step_s[1:]                       # step 0 admits + prefills the whole batch
+    decode_tokens = tokens - 2 * batch              # step 0 yields 2 tokens per request (prefill + decode)
+    return {"tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s,
+            "decode_tokens_per_s": decode_tokens / sum(decode_steps) if decode_steps else 0.0,
+            "mean_decode_step_ms": 1e3 * sum(decode_steps) / max(len(decode_steps), 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="checkpoint folder (default: a seeded tiny model in a temp folder)")
+    ap.add_argument("--precisions", default="fp32,bf16,fp8,nvfp4,mxfp4")
+    ap.add_argument("--batches", default="1,8,32")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--kv", default="bf16", help="KV-cache dtype: bf16, fp8_e4m3, fp32")
+    ap.add_argument("--kernel", default=None, help="matmul dtype fp32 | bf16 (default: per precision)")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--fp8-scaled-mm", action="store_true", help="add fp8 with torch._scaled_mm (CUDA, Hopper+)")
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+
+    import torch
+    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.runner.engine import Engine
+    from mixfleet.runner.init_model import init_model
+
+    torch.set_num_threads(args.threads)
+    batches = [int(b) for b in args.batches.split(",")]
+    variants = [(p, False) for p in args.precisions.split(",")]
+    if args.fp8_scaled_mm:
+        variants.append(("fp8", True))
+    tmp = None
+    model = args.model
+    if model is None:
+        tmp = tempfile.TemporaryDirectory()
+        model = str(init_model(load_model_spec("tiny"), Path(tmp.name) / "tiny", seed=0))
+    rows = []
+    for precision, scaled in variants:
+        engine = Engine(model, precision=precision, kv_cache_dtype=args.kv, kernel=args.kernel, device=args.device,
+                        fp8_scaled_mm=scaled, fp8_scaling="channel" if scaled else "block")
+        _one_run(engine, 2, 4, "warmup")
+        by_batch = {}
+        for b in batches:
+            runs = [_one_run(engine, b, args.new_tokens, f"{b}-{k}") for k in range(args.repeats)]
+            best = max(runs, key=lambda r: r["tokens_per_s"])
+            by_batch[b] = best
+            name = precision + ("+scaled_mm" if scaled else "")
+            print(f"{name:>16} kernel {engine.kernel:>4} batch {b:>3}: {best['tokens_per_s']:8.0f} tok/s "
+                  f"(decode {best['decode_tokens_per_s']:8.0f} tok/s, {best['mean_decode_step_ms']:.2f} ms/step)",
+                  flush=True)
+        base = by_batch[batches[0]]["tokens_per_s"]
+        for b, r in by_batch.items():
+            rows.append({"precision": precision, "fp8_scaled_mm": scaled, "kernel": engine.kernel,
+                         "kv_cache_dtype": args.kv, "batch": b, **r,
+                         f"speedup_vs_batch_{batches[0]}": r["tokens_per_s"] / base})
+    out = {"benchmark": "engine_throughput", "device": args.device, "device_name": _device_name(args.device),
+           "torch": torch.__version__, "threads": args.threads, "new_tokens": args.new_tokens,
+           "model": "tiny (seeded init)" if args.model is None else args.model,
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+    path = Path(args.out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {path}")
+    if tmp is not None:
+        tmp.cleanup()
+
+
+if __name__ == "__main__":
+    main()
