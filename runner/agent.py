@@ -37,6 +37,8 @@ The reward is read from the task when the episode ends, whatever the reason (0 f
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import math
 import time
 import uuid
@@ -44,7 +46,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
-from mixfleet.runner.engine_api import RequestResult, SamplingParams
+from mixfleet.runner.engine_api import EngineRequest, RequestResult, SamplerEngine, SamplingParams
 from mixfleet.runner.tasks.base import Task, ToolCall
 from mixfleet.runner.tokenizer import BYTE_OFFSET, SPECIAL_TOKENS
 
@@ -371,3 +373,29 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
                    group_ids=rec.group_ids, top_logprobs=rec.top_logprobs, mask_ids=rec.mask_ids,
                    mask_logprobs=rec.mask_logprobs, turns=turns, reward=reward, finish_reason=finish,
                    truncated_by_context=by_context, error=error, start_s=start, end_s=clock())
+
+
+def engine_generate(engine: SamplerEngine, *, return_logprob: bool = True, top_logprobs_num: int = 0,
+                    return_sampling_mask: bool = False) -> GenerateFn:
+    """A GenerateFn over an in-process SamplerEngine (runner/engine) whose step loop runs on another thread.
+
+    Each call queues one EngineRequest (rid = session id + a counter) and awaits its RequestResult,
+    delivered from the engine thread to the caller's event loop.
+    """
+    counter = itertools.count()
+
+    async def generate(input_ids: list[int], sampling_params: SamplingParams, session_id: str) -> RequestResult:
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[RequestResult] = loop.create_future()
+
+        def deliver(result: RequestResult) -> None:
+            if not fut.done():
+                fut.set_result(result)
+
+        req = EngineRequest(rid=f"{session_id}#{next(counter)}", input_ids=list(input_ids), params=sampling_params,
+                            return_logprob=return_logprob, top_logprobs_num=top_logprobs_num,
+                            return_sampling_mask=return_sampling_mask, session_id=session_id)
+        engine.add_request(req, on_finish=lambda r: loop.call_soon_threadsafe(deliver, r))
+        return await fut
+
+    return generate

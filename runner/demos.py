@@ -54,7 +54,7 @@ class DemoConfig:
     task: str = "guess"
     task_options: tuple[tuple[str, Any], ...] = ()   # (name, value) pairs for make_task (hashable)
     num_episodes: int = 2000
-    noise: float = 0.25                    # share of expert replies replaced by a noisy one (see module doc)
+    noise: float = 0.1                     # share of expert replies replaced by a noisy one (see module doc)
     no_call_rate: float = 0.03             # share of replies that are a remark without a tool call
     mental_accuracy: float = 0.3           # calc: share of correct answers made without the calculator
     seed: int = 0

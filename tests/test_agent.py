@@ -73,15 +73,15 @@ def run(task: Task, seed: int, gen: Scripted, **cfg) -> Episode:
 
 
 def seed_for(target: int) -> int:
-    t = make_task("guess")
+    t = make_task("guess", n_max=100)
     return next(s for s in range(10_000) if (t.reset(s), t.target)[1] == target)
 
 
 def test_episode_tokens_and_arrays_are_exact() -> None:
     gen = Scripted([Reply("<|call|>guess 50<|endcall|>", version="3", top_k=2, mask=True, group="g-bf16"),
                     Reply("I think<|call|>guess 37<|endcall|>", version="4")])
-    ep = run(make_task("guess"), seed_for(37), gen)
-    prompt = "Find the hidden number in 1..100. guess K answers higher, lower or correct."
+    ep = run(make_task("guess", n_max=100), seed_for(37), gen)
+    prompt = "Find the hidden number in 1..100. Tool: guess K."
     expected_text = (f"<|user|>{prompt}<|eos|><|assistant|><|call|>guess 50<|endcall|><|tool|>lower<|eos|>"
                      "<|assistant|>I think<|call|>guess 37<|endcall|><|tool|>correct<|eos|>")
     assert ep.tokens == TOK.encode(expected_text)
@@ -114,7 +114,7 @@ def test_episode_tokens_and_arrays_are_exact() -> None:
 def test_each_turn_extends_the_previous_input_without_retokenizing() -> None:
     gen = Scripted([Reply("<|call|>guess 50<|endcall|>"), Reply("hmm<|eos|>"),
                     Reply("<|call|>guess 25<|endcall|>")])
-    ep = run(make_task("guess"), seed_for(25), gen)
+    ep = run(make_task("guess", n_max=100), seed_for(25), gen)
     (in1, p1, sid1), (in2, _, _), (in3, _, _) = gen.calls
     assert sid1 == "s1"
     assert in2[: len(in1)] == in1 and in3[: len(in2)] == in2
@@ -151,7 +151,7 @@ def test_tool_output_is_encoded_as_plain_bytes() -> None:
 
 def test_three_replies_without_a_call_end_the_episode() -> None:
     gen = Scripted([Reply("a<|eos|>"), Reply("b<|eos|>"), Reply("c", finish={"type": "length", "length": 1})])
-    ep = run(make_task("guess"), 0, gen)
+    ep = run(make_task("guess", n_max=100), 0, gen)
     assert (ep.finish_reason, ep.reward, ep.num_turns, ep.num_tool_calls) == ("no_tool_call_3x", 0.0, 3, 0)
     nudge = TOK.encode("<|user|>No tool call. Call a tool.<|eos|><|assistant|>")
     assert ep.tokens[-1] == TOK.encode("c")[0]     # no nudge after the last reply
@@ -162,28 +162,27 @@ def test_three_replies_without_a_call_end_the_episode() -> None:
 def test_a_tool_call_resets_the_count() -> None:
     gen = Scripted([Reply("a<|eos|>"), Reply("b<|eos|>"), Reply("<|call|>guess 50<|endcall|>"),
                     Reply("c<|eos|>"), Reply("d<|eos|>"), Reply("<|call|>guess 75<|endcall|>")])
-    ep = run(make_task("guess"), seed_for(75), gen)
+    ep = run(make_task("guess", n_max=100), seed_for(75), gen)
     assert ep.finish_reason == "done" and ep.num_turns == 6 and ep.reward == 1.0
 
 
 def test_turn_cap() -> None:
     gen = Scripted([Reply("<|call|>guess 1<|endcall|>")] * 3)
-    ep = run(make_task("guess", max_turns=3), seed_for(90), gen)
+    ep = run(make_task("guess", n_max=100, max_turns=3), seed_for(90), gen)
     assert (ep.finish_reason, ep.num_turns, ep.reward, ep.truncated_by_context) == ("max_turns", 3, 0.0, False)
     assert ep.turns[-1].observation == "higher"
     gen = Scripted([Reply("<|call|>guess 1<|endcall|>")] * 2)
-    ep = run(make_task("guess"), seed_for(90), gen, max_turns=2)    # the agent's cap overrides the task's
+    ep = run(make_task("guess", n_max=100), seed_for(90), gen, max_turns=2)    # the agent's cap overrides the task's
     assert (ep.finish_reason, ep.num_turns) == ("max_turns", 2)
 
 
 def test_context_budget_ends_as_max_turns() -> None:
-    prompt_len = len(TOK.encode("<|user|>Find the hidden number in 1..100. guess K answers higher, lower or "
-                                "correct.<|eos|><|assistant|>"))
+    prompt_len = len(TOK.encode("<|user|>Find the hidden number in 1..100. Tool: guess K.<|eos|><|assistant|>"))
     reply = "<|call|>guess 1<|endcall|>"
     turn_len = len(TOK.encode(reply + "<|tool|>higher<|eos|><|assistant|>"))
     ctx = prompt_len + 2 * turn_len + 3
     gen = Scripted([Reply(reply)] * 5)
-    ep = run(make_task("guess"), seed_for(90), gen, context_length=ctx, min_reply_tokens=4)
+    ep = run(make_task("guess", n_max=100), seed_for(90), gen, context_length=ctx, min_reply_tokens=4)
     assert (ep.finish_reason, ep.truncated_by_context, ep.num_turns) == ("max_turns", True, 2)
     assert len(ep.tokens) <= ctx
     # the max_new_tokens of each turn is clipped to the room left
@@ -193,7 +192,7 @@ def test_context_budget_ends_as_max_turns() -> None:
 def test_sampling_params_per_turn() -> None:
     base = SamplingParams(max_new_tokens=20, temperature=0.7, top_p=0.9, stop_token_ids=(3,), sampling_seed=100)
     gen = Scripted([Reply("<|call|>guess 50<|endcall|>"), Reply("<|call|>guess 25<|endcall|>")])
-    ep = run(make_task("guess"), seed_for(25), gen, sampling=base)
+    ep = run(make_task("guess", n_max=100), seed_for(25), gen, sampling=base)
     p1, p2 = gen.calls[0][1], gen.calls[1][1]
     assert (p1.temperature, p1.top_p, p1.max_new_tokens, p1.stop_token_ids) == (0.7, 0.9, 20, (3, ENDCALL_ID))
     assert (p1.sampling_seed, p2.sampling_seed) == (100, 101) and ep.finish_reason == "done"
@@ -201,10 +200,10 @@ def test_sampling_params_per_turn() -> None:
 
 def test_abort_and_errors() -> None:
     gen = Scripted([Reply("<|call|>gue", finish={"type": "abort", "message": "replica lost"})])
-    ep = run(make_task("guess"), 0, gen)
+    ep = run(make_task("guess", n_max=100), 0, gen)
     assert (ep.finish_reason, ep.num_turns, ep.num_generated) == ("aborted", 1, len(TOK.encode("<|call|>gue")))
     gen = Scripted([Reply("<|call|>guess 50<|endcall|>"), ConnectionError("sampler down")])
-    ep = run(make_task("guess"), seed_for(25), gen)
+    ep = run(make_task("guess", n_max=100), seed_for(25), gen)
     assert (ep.finish_reason, ep.reward, ep.error) == ("error", 0.0, "ConnectionError: sampler down")
 
     class Broken(Task):
@@ -236,7 +235,7 @@ def test_sampler_records_must_match_the_output_ids() -> None:
         return RequestResult(rid="r", output_ids=[EOS_ID], tokens=[], finish_reason={"type": "stop", "matched": 2},
                              prompt_tokens=0, cached_tokens=0, weight_version="0", e2e_latency=0.0)
 
-    ep = asyncio.run(run_episode(make_task("guess"), 0, no_logprobs))
+    ep = asyncio.run(run_episode(make_task("guess", n_max=100), 0, no_logprobs))
     assert ep.finish_reason == "error" and "return_logprob" in ep.error
 
 

@@ -45,9 +45,9 @@ def test_guess_problem_is_a_function_of_the_seed() -> None:
 
 
 def test_guess_answers_and_reward() -> None:
-    t = make_task("guess")
+    t = make_task("guess", n_max=100)
     prompt = t.reset(3)
-    assert "1..100" in prompt
+    assert prompt == "Find the hidden number in 1..100. Tool: guess K."
     target = t.target
     assert guess(t, target - 1 if target > 1 else target + 1)[0] == ("higher" if target > 1 else "lower")
     assert t.reward() == 0.0 and not t.done

@@ -20,8 +20,8 @@ MAX_N = 1_000_000
 
 @dataclass(frozen=True, kw_only=True)
 class GuessConfig:
-    n_max: int = 100                     # the hidden number is uniform in [1, n_max]
-    max_turns: int = 8                   # replies per episode (guesses + replies without a call)
+    n_max: int = 50                      # the hidden number is uniform in [1, n_max]
+    max_turns: int = 7                   # replies per episode (guesses + replies without a call)
 
     def __post_init__(self) -> None:
         if not isinstance(self.n_max, int) or not 2 <= self.n_max <= MAX_N:
@@ -48,7 +48,7 @@ class GuessTask(Task):
         self.target = random.Random(seed).randint(1, self.config.n_max)
         self.found = False
         self.guesses = []
-        return f"Find the hidden number in 1..{self.config.n_max}. guess K answers higher, lower or correct."
+        return f"Find the hidden number in 1..{self.config.n_max}. Tool: guess K."
 
     def step(self, call: ToolCall) -> StepResult:
         if self.target is None:

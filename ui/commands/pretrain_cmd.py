@@ -1,0 +1,105 @@
+"""`mixfleet pretrain`: train (or reuse) the base policy and report its reward.
+
+The base policy is the tiny model imitating slightly noisy scripted demonstrations of a task
+(runner/pretrain.py); it is cached by a hash of its inputs, so a second call returns at once. After
+training, the command samples episodes of the held-out split with the embedded engine and prints
+the policy's mean reward, the number RL starts from.
+"""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+
+def _fail(e: Exception) -> None:
+    typer.echo(f"error: {e}", err=True)
+    raise typer.Exit(code=2)
+
+
+def register_pretrain(app: typer.Typer) -> None:
+    """Add `pretrain` to the app."""
+
+    @app.command("pretrain")
+    def pretrain_cmd(
+        model: str = typer.Option("tiny", "--model", "-m", help="Model spec name (data/models) or TOML path."),
+        task: str = typer.Option("guess", "--task", "-t", help="Task to imitate: guess | calc."),
+        steps: int = typer.Option(None, "--steps", help="Optimizer steps (default: the recipe's, 150)."),
+        out: str = typer.Option(None, "--out", "-o", help="Also copy the checkpoint folder here."),
+        force: bool = typer.Option(False, "--force", help="Retrain even if the cache has this base policy."),
+        demos: int = typer.Option(None, "--demos", help="Demonstration episodes (default 2000)."),
+        noise: float = typer.Option(None, "--noise", help="Share of noisy demonstrator replies, 0..1 (default 0.25)."),
+        seed: int = typer.Option(0, "--seed", help="Seed of the demonstrations, the init and the row order."),
+        cache_dir: str = typer.Option(None, "--cache-dir", help="Cache root (default ~/.cache/mixfleet/base)."),
+        eval_episodes: int = typer.Option(64, "--eval-episodes", help="Held-out episodes sampled to measure the "
+                                          "reward (0: skip)."),
+        precision: str = typer.Option("bf16", "--precision", help="Engine precision for the reward: fp32 | bf16."),
+        threads: int = typer.Option(2, "--threads", help="torch CPU threads."),
+        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    ) -> None:
+        """Train the base policy on synthetic demonstrations (cached) and print its measured reward."""
+        import dataclasses
+
+        import torch
+        from mixfleet.costmodel.errors import SpecError
+        from mixfleet.runner.demos import DemoConfig
+        from mixfleet.runner.pretrain import PretrainConfig, measure_reward, pretrain
+        from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+        if threads < 1:
+            _fail(ValueError(f"--threads: {threads} must be an integer >= 1"))
+        if precision not in ("fp32", "bf16"):
+            _fail(ValueError(f"--precision: {precision!r}; allowed: fp32, bf16"))
+        if eval_episodes < 0:
+            _fail(ValueError(f"--eval-episodes: {eval_episodes} must be >= 0"))
+        torch.set_num_threads(threads)
+        try:
+            demo_kw = {"task": task, "seed": seed}
+            if demos is not None:
+                demo_kw["num_episodes"] = demos
+            if noise is not None:
+                demo_kw["noise"] = noise
+            kw: dict = {"model": model, "demos": DemoConfig(**demo_kw), "seed": seed}
+            if steps is not None:
+                kw["steps"] = steps
+            cfg = PretrainConfig(**kw)
+            cfg.spec()
+        except (SpecError, ValueError, FileNotFoundError) as e:
+            _fail(e)
+        columns = (TextColumn("pretrain {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                   TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn())
+        with Progress(*columns, transient=as_json) as bar:
+            tid = bar.add_task(f"{cfg.demos.task} on {model}", total=cfg.steps, loss="-")
+
+            def progress(step: int, total: int, m: dict) -> None:
+                bar.update(tid, completed=step, loss=f"{m['loss']:.3f}")
+
+            try:
+                result = pretrain(cfg, cache_dir=cache_dir, force=force, out=out, progress=progress)
+            except (SpecError, ValueError, OSError) as e:
+                _fail(e)
+            if result.reused:
+                bar.update(tid, completed=cfg.steps, loss=f"{result.meta['losses'][-1]:.3f}")
+        report = None
+        if eval_episodes:
+            if not as_json:
+                typer.echo(f"sampling {eval_episodes} held-out {task} episodes with the embedded engine "
+                           f"({precision})...")
+            report = measure_reward(result.path, task=task, episodes=eval_episodes, precision=precision, seed=seed)
+        meta = result.meta
+        if as_json:
+            typer.echo(json.dumps({"path": str(result.path), "key": result.key, "reused": result.reused,
+                                   "final_loss": meta["losses"][-1], "train_s": meta["train_s"],
+                                   "demo_reward": meta["demo_stats"]["reward"],
+                                   "eval": dataclasses.asdict(report) if report else None}, indent=2))
+            return
+        state = "reused from the cache" if result.reused else f"trained in {meta['train_s']:.0f} s"
+        typer.echo(f"base policy: {result.path} ({state}; key {result.key})")
+        typer.echo(f"loss {meta['losses'][0]:.3f} -> {meta['losses'][-1]:.3f}; demonstrations' reward "
+                   f"{meta['demo_stats']['reward']:.3f}")
+        if report is not None:
+            shares = ", ".join(f"{k} {v:.0%}" for k, v in sorted(report.finish_reasons.items()))
+            typer.echo(f"reward on {report.episodes} held-out {task} episodes ({precision}, T=1): "
+                       f"{report.reward:.3f} (finish: {shares}; {report.mean_turns:.1f} turns, "
+                       f"{report.wall_s:.0f} s)")
