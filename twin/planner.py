@@ -1,0 +1,299 @@
+"""The mix planner: which (accelerator, precision) groups, how many replicas, how many prompts in flight.
+
+1. Candidate group types: every accelerator in the pool x every precision it runs natively (x KV dtypes),
+   that fits the model (cost model: TP, KV capacity, tokens/s at the workload's mean context, price).
+2. Screen (analytic, vectorized over thousands of candidates): for a mix n (replicas per type) and K prompts
+   in flight, fleet throughput T = sum n_i tps_i (prefill included), capped by the sessions in flight
+   (K x samples, each alternating decode and tool calls); sampler time per update G / T for G generated
+   tokens per update; time per update = max(sampler time, train step + weight push) (fully async);
+   staleness by Little's law ~ K / (2 B) - 1/2 versions per token (B prompts per update; unbounded when the
+   trainer is the bottleneck); cost per update = (fleet + trainer USD/h) x time per update. Cost per
+   *effective* update divides by the share of tokens the correction keeps, 1 - sum_i share_i m_i, with
+   m_i the group's prior extreme-ratio share (what MIS masks), so a cheap but mismatched group pays for
+   the tokens it wastes. Candidates come from integer programs (`scipy.optimize.milp`: cheapest fleet
+   reaching each of a sweep of throughput targets under the GPU caps and budget), their +-1 neighbours
+   and single-type fleets, each with several K.
+3. Verify the best few in the DES (`simulate`), and report the Pareto set (cost/update, time/update, staleness).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from mixfleet.costmodel.catalog import load_catalog
+from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.mismatch import mismatch_prior
+from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.roofline import replica_model, trainer_step_s, weight_sync_s
+from mixfleet.costmodel.workload import load_workload
+from mixfleet.policies.plan import GroupPlan, Plan, PoliciesPlan, PolicyRef, TrainerPlan
+from mixfleet.twin.rates import nominal_point
+from scipy.optimize import Bounds, LinearConstraint, milp
+
+OBJECTIVES = ("cost_per_update", "cost_per_effective_update")
+K_FACTORS = (1, 2, 3, 4, 6, 8)     # prompts in flight, in units of prompts per update
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlannerConfig:
+    """What to plan for. Caps are GPUs per accelerator type; constraints are optional (None = no limit)."""
+    model: str = "qwen3.6-35b-a3b"
+    workload: str = "seed-agentic-coding"
+    price_table: str = "modal"
+    accelerators: tuple[str, ...] = ()          # () = every GPU in the catalog
+    max_gpus: dict[str, int] = field(default_factory=dict)  # per accelerator; default `default_max_gpus`
+    default_max_gpus: int = 64
+    kv_dtypes: tuple[str, ...] = ("fp8_e4m3",)
+    trainer_accelerator: str = "B200"
+    trainer_gpus: int = 8
+    max_staleness: float | None = None          # mean per-token staleness, versions
+    max_time_per_update_s: float | None = None
+    max_usd_per_hour: float | None = None       # fleet + trainer
+    objective: str = "cost_per_update"
+    verify: int = 2                             # candidates to verify in the DES (0 = none)
+    verify_updates: int = 2
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise SpecError("plan", "objective", self.objective, OBJECTIVES)
+        for f in ("max_staleness", "max_time_per_update_s", "max_usd_per_hour"):
+            v = getattr(self, f)
+            if v is not None and not v > 0:
+                raise SpecError("plan", f, v, "a positive number (or none)")
+        if self.verify < 0 or self.verify_updates < 1:
+            raise SpecError("plan", "verify", self.verify, "verify >= 0 and verify_updates >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupType:
+    name: str                        # e.g. "H100-FP8"
+    accelerator: str
+    precision: str
+    kv_dtype: str
+    tp: int
+    tokens_per_s: float              # per replica, prefill included
+    per_seq_tokens_per_s: float      # one session's decode speed at that batch
+    usd_per_hour: float
+    sync_s: float
+    masked_share: float              # prior extreme-ratio share (what the correction masks)
+    kl_k3: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    replicas: dict[str, int]
+    inflight_prompts: int
+    throughput_tokens_per_s: float
+    time_per_update_s: float
+    staleness: float
+    usd_per_hour: float
+    cost_per_update_usd: float
+    cost_per_effective_update_usd: float
+    kept_share: float                # 1 - masked share of the mix's tokens
+    trainer_bound: bool
+    verified: dict[str, float] = field(default_factory=dict)  # DES: time/update, cost/update, staleness
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in d.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanResult:
+    best: Candidate | None
+    plan: Plan | None
+    pareto: list[Candidate]
+    screened: int
+    feasible: int
+    types: list[GroupType]
+    note: str = ""
+
+
+def group_types(cfg: PlannerConfig) -> list[GroupType]:
+    """Every (accelerator, native precision, KV dtype) of the pool that fits the model."""
+    cat = load_catalog(cfg.price_table)
+    model = load_model_spec(cfg.model)
+    wl = load_workload(cfg.workload)
+    trainer_acc = cat.accelerator(cfg.trainer_accelerator)
+    ctx = wl.mean_decode_context
+    new_per_turn = wl.mean_prefill_tokens_per_episode / max(wl.turns.mean, 1.0)
+    accs = cfg.accelerators or tuple(cat.gpus())
+    out = []
+    for a in accs:
+        acc = cat.accelerator(a)
+        for p in cat.precisions:
+            if cat.support(acc, p) != "native":
+                continue
+            for kv in cfg.kv_dtypes:
+                try:
+                    rm = replica_model(model, acc, p, kv, catalog=cat,
+                                       kv_budget_tokens=min(wl.max_context, model.max_context))
+                except SpecError:
+                    continue
+                tps, _ = nominal_point(rm, ctx)
+                b = max(1, int(rm.max_batch(ctx)))
+                prefill_per_token_s = float(rm.prefill_s(new_per_turn)) / wl.reply_tokens.mean
+                eff_tps = 1.0 / (1.0 / tps + prefill_per_token_s)
+                prior = mismatch_prior(acc.name, p, kv)
+                suffix = p.upper() + ("" if kv == "fp8_e4m3" or p == "bf16" and kv == "bf16" else f"-KV{kv.upper()}")
+                out.append(GroupType(name=f"{acc.name}-{suffix}", accelerator=acc.name, precision=p, kv_dtype=kv,
+                                     tp=rm.tp, tokens_per_s=eff_tps, per_seq_tokens_per_s=tps / b,
+                                     usd_per_hour=rm.price_usd_per_hour, sync_s=weight_sync_s(rm, trainer_acc),
+                                     masked_share=prior.extreme_share, kl_k3=prior.kl_k3))
+    return out
+
+
+def _milp_candidates(types: list[GroupType], cfg: PlannerConfig, trainer_usd_h: float, effective: bool) -> np.ndarray:
+    """Cheapest fleets reaching a sweep of throughput targets (integer replicas, GPU caps, budget)."""
+    price = np.array([t.usd_per_hour for t in types])
+    tps = np.array([t.tokens_per_s * ((1 - t.masked_share) if effective else 1.0) for t in types])
+    accs = sorted({t.accelerator for t in types})
+    cap_rows = np.array([[t.tp if t.accelerator == a else 0 for t in types] for a in accs], dtype=float)
+    caps = np.array([cfg.max_gpus.get(a, cfg.default_max_gpus) for a in accs], dtype=float)
+    ub = np.array([math.floor(cfg.max_gpus.get(t.accelerator, cfg.default_max_gpus) / t.tp) for t in types])
+    cons = [LinearConstraint(cap_rows, -np.inf, caps)]
+    if cfg.max_usd_per_hour is not None:
+        cons.append(LinearConstraint(price[None, :], -np.inf, cfg.max_usd_per_hour - trainer_usd_h))
+    t_max = float(tps @ ub)
+    out = []
+    for target in np.geomspace(max(tps.min(), 1.0), t_max, 32):
+        res = milp(c=price, integrality=np.ones(len(types)), bounds=Bounds(0, ub),
+                   constraints=[*cons, LinearConstraint(tps[None, :], target, np.inf)],
+                   options={"time_limit": 2.0})
+        if res.x is not None:
+            out.append(np.round(res.x).astype(int))
+    return np.unique(np.array(out, dtype=int).reshape(-1, len(types)), axis=0)
+
+
+def screen(types: list[GroupType], cfg: PlannerConfig) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
+    """All candidates (mixes x K) and their analytic metrics, vectorized."""
+    cat = load_catalog(cfg.price_table)
+    model, wl = load_model_spec(cfg.model), load_workload(cfg.workload)
+    trainer_acc = cat.accelerator(cfg.trainer_accelerator)
+    trainer_usd_h = cfg.trainer_gpus * trainer_acc.price_usd_per_gpu_hour
+    ppu, spp = wl.prompts_per_update, wl.samples_per_prompt
+    gen_tokens = ppu * spp * wl.mean_generated_tokens_per_episode
+    train_s = float(trainer_step_s(model, trainer_acc, cfg.trainer_gpus, gen_tokens))
+    mixes = [_milp_candidates(types, cfg, trainer_usd_h, eff) for eff in (False, True)]
+    base = np.unique(np.vstack(mixes), axis=0) if any(len(m) for m in mixes) else np.zeros((0, len(types)), int)
+    eye = np.eye(len(types), dtype=int)
+    neigh = np.vstack([base, *(base + d for d in eye), *(base - d for d in eye)]) if len(base) else base
+    ub = np.array([math.floor(cfg.max_gpus.get(t.accelerator, cfg.default_max_gpus) / t.tp) for t in types])
+    singles = np.vstack([eye * n for n in (1, 2, 4, 8, 16, 32, 64)])
+    mix = np.unique(np.vstack([neigh, singles]), axis=0)
+    mix = mix[(mix >= 0).all(1) & (mix <= ub).all(1) & (mix.sum(1) > 0)]
+    accs = sorted({t.accelerator for t in types})
+    gpus_by_acc = np.stack([(mix * np.array([t.tp if t.accelerator == a else 0 for t in types])).sum(1) for a in accs])
+    caps = np.array([cfg.max_gpus.get(a, cfg.default_max_gpus) for a in accs])[:, None]
+    mix = mix[(gpus_by_acc <= caps).all(0)]
+    kf = np.array(K_FACTORS)
+    n = np.repeat(mix, len(kf), axis=0)
+    k = np.tile(kf * ppu, len(mix))
+    tps = np.array([t.tokens_per_s for t in types])
+    seq = np.array([t.per_seq_tokens_per_s for t in types])
+    price = np.array([t.usd_per_hour for t in types])
+    masked = np.array([t.masked_share for t in types])
+    sync = np.array([t.sync_s for t in types])
+    cap_tps = n @ tps
+    seq_rate = (n * tps) @ seq / np.maximum(cap_tps, 1e-12)              # capacity-weighted per-session speed
+    reply, tool = wl.reply_tokens.mean, wl.tool_latency_s.mean
+    session_tps = reply / (reply / seq_rate + tool)
+    thr = np.minimum(cap_tps, k * spp * session_tps)
+    t_sampler = gen_tokens / thr
+    t_trainer = train_s + np.max(np.where(n > 0, sync[None, :], 0.0), axis=1)
+    trainer_bound = t_trainer > t_sampler
+    t_update = np.maximum(t_sampler, t_trainer)
+    staleness = np.where(trainer_bound, np.inf, np.maximum(k / (2.0 * ppu) - 0.5, 0.0))
+    usd_h = n @ price + trainer_usd_h
+    cost = usd_h * t_update / 3600.0
+    kept = 1.0 - (n * tps) @ masked / np.maximum(cap_tps, 1e-12)
+    metrics = {"throughput": thr, "time_per_update_s": t_update, "staleness": staleness, "usd_per_hour": usd_h,
+               "cost_per_update": cost, "cost_per_effective_update": cost / kept, "kept_share": kept,
+               "trainer_bound": trainer_bound}
+    return n, k, metrics
+
+
+def _feasible(m: dict[str, np.ndarray], cfg: PlannerConfig) -> np.ndarray:
+    ok = np.ones(len(m["cost_per_update"]), dtype=bool)
+    if cfg.max_staleness is not None:
+        ok &= m["staleness"] <= cfg.max_staleness
+    if cfg.max_time_per_update_s is not None:
+        ok &= m["time_per_update_s"] <= cfg.max_time_per_update_s
+    if cfg.max_usd_per_hour is not None:
+        ok &= m["usd_per_hour"] <= cfg.max_usd_per_hour + 1e-9
+    return ok
+
+
+def pareto_mask(points: np.ndarray) -> np.ndarray:
+    """Rows not dominated by another (all objectives minimized; inf allowed)."""
+    keep = np.ones(len(points), dtype=bool)
+    for i in range(len(points)):
+        dominated = (points <= points[i]).all(1) & (points < points[i]).any(1)
+        keep[i] = not dominated.any()
+    return keep
+
+
+def _candidate(types: list[GroupType], n: np.ndarray, k: int, m: dict[str, np.ndarray], i: int) -> Candidate:
+    return Candidate(replicas={t.name: int(c) for t, c in zip(types, n, strict=True) if c > 0},
+                     inflight_prompts=int(k), throughput_tokens_per_s=float(m["throughput"][i]),
+                     time_per_update_s=float(m["time_per_update_s"][i]), staleness=float(m["staleness"][i]),
+                     usd_per_hour=float(m["usd_per_hour"][i]), cost_per_update_usd=float(m["cost_per_update"][i]),
+                     cost_per_effective_update_usd=float(m["cost_per_effective_update"][i]),
+                     kept_share=float(m["kept_share"][i]), trainer_bound=bool(m["trainer_bound"][i]))
+
+
+def candidate_plan(c: Candidate, types: list[GroupType], cfg: PlannerConfig, name: str = "planned") -> Plan:
+    """The Plan for a candidate (capacity-proportional routing, fixed replicas, in-flight weight sync)."""
+    by_name = {t.name: t for t in types}
+    groups = tuple(GroupPlan(name=g, accelerator=by_name[g].accelerator, precision=by_name[g].precision,
+                             kv_dtype=by_name[g].kv_dtype, replicas=r) for g, r in c.replicas.items())
+    wl = load_workload(cfg.workload)
+    return Plan(name=name, groups=groups, seed=cfg.seed, model=cfg.model, workload=cfg.workload,
+                price_table=cfg.price_table, description=f"mixfleet plan ({cfg.objective})",
+                trainer=TrainerPlan(accelerator=cfg.trainer_accelerator, gpus=cfg.trainer_gpus),
+                policies=PoliciesPlan(batcher=PolicyRef(name="fifo", settings={
+                    "prompts_per_update": wl.prompts_per_update, "samples_per_prompt": wl.samples_per_prompt,
+                    "inflight_prompts": c.inflight_prompts})))
+
+
+def plan_mix(cfg: PlannerConfig, progress: Callable[[str], None] | None = None) -> PlanResult:
+    """Screen, pick the best feasible candidate by the objective, verify the top few in the DES."""
+    say = progress or (lambda _m: None)
+    say("group types")
+    types = group_types(cfg)
+    if not types:
+        return PlanResult(best=None, plan=None, pareto=[], screened=0, feasible=0, types=[],
+                          note="no (accelerator, precision) in the pool fits the model")
+    say(f"screening ({len(types)} group types)")
+    n, k, m = screen(types, cfg)
+    ok = _feasible(m, cfg)
+    idx = np.flatnonzero(ok)
+    if not len(idx):
+        return PlanResult(best=None, plan=None, pareto=[], screened=len(n), feasible=0, types=types,
+                          note="no candidate meets the constraints; relax one (staleness, time, budget, caps)")
+    obj = m[cfg.objective][idx]
+    order = idx[np.lexsort((m["time_per_update_s"][idx], obj))]
+    pts = np.stack([m["cost_per_update"][idx], m["time_per_update_s"][idx], m["staleness"][idx]], axis=1)
+    par = idx[pareto_mask(pts)]
+    par = par[np.argsort(m["cost_per_update"][par])]
+    pareto = [_candidate(types, n[i], k[i], m, i) for i in par]
+    top = [_candidate(types, n[i], k[i], m, i) for i in order[:max(cfg.verify, 1)]]
+    if cfg.verify:
+        from mixfleet.twin.sim import simulate
+        verified = []
+        for j, c in enumerate(top[:cfg.verify]):
+            say(f"verifying candidate {j + 1}/{min(cfg.verify, len(top))} in the DES")
+            r = simulate(candidate_plan(c, types, cfg), updates=cfg.verify_updates, seed=cfg.seed)
+            s = r.summary
+            verified.append(Candidate(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, "verified": {
+                "time_per_update_s": s.time_per_update_mean_s, "cost_per_update_usd": s.cost_per_update_usd,
+                "staleness": s.staleness_mean, "updates": cfg.verify_updates}}))
+        top = verified + top[cfg.verify:]
+    best = top[0]
+    return PlanResult(best=best, plan=candidate_plan(best, types, cfg), pareto=pareto, screened=len(n),
+                      feasible=int(ok.sum()), types=types)
