@@ -1,9 +1,211 @@
-"""`mixfleet` commands: plan, simulate, compare: the twin and the mix planner."""
+"""`mixfleet` commands: plan, simulate, compare: the mix planner and the twin (dry runs).
+
+Rendering only: the work is in `mixfleet.twin` (planner.py, sim.py). Bad names, files or values print
+one clear line (the field, the value, what is allowed) and exit with code 2, never a traceback.
+"""
 
 from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
 
 import typer
 
 
+def _fail(e: Exception) -> None:
+    typer.echo(f"error: {e}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _num(x: Any, spec: str = ",.2f") -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "—"
+    if spec.endswith("f") and 0 < abs(x) < 0.1:
+        return format(x, ".3g")  # small costs (CPU plans) keep their digits
+    return format(x, spec)
+
+
+def _caps(items: list[str]) -> dict[str, int]:
+    from mixfleet.costmodel.errors import SpecError
+
+    out = {}
+    for it in items:
+        name, _, n = it.partition("=")
+        if not n.strip().isdigit():
+            raise SpecError("command line", "--max-gpus", it, "ACCELERATOR=GPUS, e.g. H100=32")
+        out[name.strip()] = int(n)
+    return out
+
+
+def _progress(total: int, label: str):
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+    return Progress(TextColumn(label), BarColumn(), TextColumn("{task.completed}/{task.total}"), TimeElapsedColumn(),
+                    transient=True)
+
+
+def _simulate(plan: str, updates: int, seed: int | None, out: str | None, price_table: str | None, label: str):
+    from mixfleet.twin.sim import simulate
+
+    with _progress(updates, label) as bar:
+        task = bar.add_task(label, total=updates)
+        return simulate(plan, updates=updates, seed=seed, out=out, price_table=price_table,
+                        progress=lambda v: bar.update(task, completed=v))
+
+
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the `mixfleet` app."""
+
+    @app.command("plan")
+    def plan_cmd(
+        model: str = typer.Option("qwen3.6-35b-a3b", "--model", "-m", help="Model spec name or TOML path."),
+        workload: str = typer.Option("seed-agentic-coding", "--workload", "-w", help="Workload name or TOML path."),
+        price_table: str = typer.Option("modal", "--price-table", "-p", help="Price table (modal, runpod)."),
+        accelerators: str = typer.Option("", "--accelerators", help="Comma-separated pool (default: every GPU)."),
+        max_gpus: list[str] = typer.Option([], "--max-gpus", help="Cap, ACCELERATOR=GPUS (repeatable)."),
+        default_max_gpus: int = typer.Option(64, "--default-max-gpus", help="Cap for accelerators not named."),
+        kv_dtypes: str = typer.Option("fp8_e4m3", "--kv-dtypes", help="KV-cache dtypes to consider."),
+        trainer: str = typer.Option("B200", "--trainer", help="Trainer accelerator."),
+        trainer_gpus: int = typer.Option(8, "--trainer-gpus", help="Trainer GPUs."),
+        max_staleness: float = typer.Option(None, "--max-staleness", help="Max mean staleness, versions."),
+        max_time: float = typer.Option(None, "--max-time-per-update", help="Max seconds per update."),
+        budget: float = typer.Option(None, "--budget", help="Max USD per hour (fleet + trainer)."),
+        objective: str = typer.Option("cost_per_update", "--objective",
+                                      help="cost_per_update | cost_per_effective_update."),
+        verify: int = typer.Option(1, "--verify", help="Best candidates to verify in the DES (0: none)."),
+        verify_updates: int = typer.Option(2, "--verify-updates", help="Updates per DES verification."),
+        out: Path = typer.Option(None, "--out", "-o", help="Write the chosen plan here (TOML)."),
+        pareto_n: int = typer.Option(12, "--pareto", help="Pareto rows to print."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+    ) -> None:
+        """Find the fleet mix with the lowest cost per (effective) update under the constraints."""
+        from mixfleet.costmodel.errors import SpecError
+        from mixfleet.policies.plan import save_plan
+        from mixfleet.twin.planner import PlannerConfig, plan_mix
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console(stderr=True)
+        try:
+            cfg = PlannerConfig(model=model, workload=workload, price_table=price_table,
+                                accelerators=tuple(a.strip() for a in accelerators.split(",") if a.strip()),
+                                max_gpus=_caps(max_gpus), default_max_gpus=default_max_gpus,
+                                kv_dtypes=tuple(k.strip() for k in kv_dtypes.split(",") if k.strip()),
+                                trainer_accelerator=trainer, trainer_gpus=trainer_gpus, max_staleness=max_staleness,
+                                max_time_per_update_s=max_time, max_usd_per_hour=budget, objective=objective,
+                                verify=verify, verify_updates=verify_updates)
+            with console.status("planning") as status:
+                result = plan_mix(cfg, progress=lambda m: status.update(f"planning: {m}"))
+        except (SpecError, FileNotFoundError) as e:
+            _fail(e)
+        if result.best is None:
+            typer.echo(f"no plan: {result.note}", err=True)
+            raise typer.Exit(code=1)
+        if out is not None:
+            save_plan(result.plan, out)
+        if as_json:
+            typer.echo(json.dumps({"best": result.best.to_dict(), "pareto": [c.to_dict() for c in result.pareto],
+                                   "screened": result.screened, "feasible": result.feasible,
+                                   "plan_file": str(out) if out else None}, indent=2))
+            return
+        b = result.best
+        t = Table(title=f"Chosen mix ({cfg.objective}; {result.screened} candidates screened, {result.feasible} "
+                        "feasible)")
+        for col in ("group", "replicas", "GPUs", "tokens/s", "USD/h", "prior masked share"):
+            t.add_column(col, justify="right" if col != "group" else "left")
+        types = {x.name: x for x in result.types}
+        for g, n in b.replicas.items():
+            x = types[g]
+            t.add_row(g, str(n), str(n * x.tp), _num(n * x.tokens_per_s, ",.0f"), _num(n * x.usd_per_hour),
+                      _num(x.masked_share, ".3%"))
+        Console().print(t)
+        lines = [f"prompts in flight {b.inflight_prompts}; throughput {_num(b.throughput_tokens_per_s, ',.0f')} tok/s; "
+                 f"time/update {_num(b.time_per_update_s, ',.0f')} s; staleness {_num(b.staleness, '.2f')}; "
+                 f"USD/h {_num(b.usd_per_hour)}; cost/update {_num(b.cost_per_update_usd)}; "
+                 f"cost/effective update {_num(b.cost_per_effective_update_usd)}"
+                 + ("; trainer-bound" if b.trainer_bound else "")]
+        if b.verified:
+            v = b.verified
+            lines.append(f"DES ({v['updates']} updates): time/update {_num(v['time_per_update_s'], ',.0f')} s, "
+                         f"cost/update {_num(v['cost_per_update_usd'])}, staleness {_num(v['staleness'], '.2f')} "
+                         "(includes filling the pipeline)")
+        for line in lines:
+            typer.echo(line)
+        p = Table(title="Pareto set (cost/update vs time/update vs staleness)")
+        for col in ("cost/update USD", "time/update s", "staleness", "in flight", "mix"):
+            p.add_column(col, justify="right" if col != "mix" else "left")
+        for c in result.pareto[:pareto_n]:
+            p.add_row(_num(c.cost_per_update_usd), _num(c.time_per_update_s, ",.0f"), _num(c.staleness, ".2f"),
+                      str(c.inflight_prompts), ", ".join(f"{g} x{n}" for g, n in c.replicas.items()))
+        Console().print(p)
+        if out is not None:
+            typer.echo(f"plan written to {out}")
+
+    @app.command("simulate")
+    def simulate_cmd(
+        plan: str = typer.Argument(..., help="Plan TOML path or shipped plan name (e.g. seed-mixed)."),
+        updates: int = typer.Option(10, "--updates", "-n", help="Trainer updates to simulate."),
+        out: Path = typer.Option(None, "--out", "-o", help="Run-log folder (default: a temporary one)."),
+        seed: int = typer.Option(None, "--seed", help="Override the plan's seed."),
+        price_table: str = typer.Option(None, "--price-table", "-p", help="Override the plan's price table."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    ) -> None:
+        """Dry-run a plan in the twin: run log + summary."""
+        from mixfleet.costmodel.errors import SpecError
+
+        try:
+            r = _simulate(plan, updates, seed, str(out) if out else None, price_table, "simulating")
+        except (SpecError, FileNotFoundError) as e:
+            _fail(e)
+        if as_json:
+            typer.echo(json.dumps(r.to_dict(), indent=2))
+            return
+        _print_summaries([(Path(plan).stem, r)])
+        typer.echo(f"simulated {r.simulated_s:,.0f} s in {r.wall_s:,.1f} s wall ({r.events:,} events, "
+                   f"{r.events_per_s:,.0f}/s); run log: {r.runlog_dir or '(not kept; pass --out)'}")
+
+    @app.command("compare")
+    def compare_cmd(
+        a: str = typer.Argument(..., help="First plan (TOML path or shipped name)."),
+        b: str = typer.Argument(..., help="Second plan."),
+        updates: int = typer.Option(6, "--updates", "-n", help="Trainer updates to simulate each."),
+        seed: int = typer.Option(None, "--seed", help="Override the plans' seed."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    ) -> None:
+        """Dry-run two plans and put them side by side."""
+        from mixfleet.costmodel.errors import SpecError
+
+        try:
+            ra = _simulate(a, updates, seed, None, None, f"simulating {Path(a).stem}")
+            rb = _simulate(b, updates, seed, None, None, f"simulating {Path(b).stem}")
+        except (SpecError, FileNotFoundError) as e:
+            _fail(e)
+        if as_json:
+            typer.echo(json.dumps({Path(a).stem: ra.to_dict(), Path(b).stem: rb.to_dict()}, indent=2))
+            return
+        _print_summaries([(Path(a).stem, ra), (Path(b).stem, rb)])
+
+
+def _print_summaries(runs: list[tuple[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"Twin dry run ({runs[0][1].updates} updates)")
+    t.add_column("metric")
+    for name, _ in runs:
+        t.add_column(name, justify="right")
+    rows = [("cost/update USD", "cost_per_update_usd", ",.2f"), ("  samplers", "cost_sampler_per_update_usd", ",.2f"),
+            ("  trainer", "cost_trainer_per_update_usd", ",.2f"), ("time/update s", "time_per_update_mean_s", ",.0f"),
+            ("time/update p95 s", "time_per_update_p95_s", ",.0f"), ("staleness mean", "staleness_mean", ".2f"),
+            ("staleness p95", "staleness_p95", ".2f"), ("trainer idle", "trainer_idle_share", ".1%"),
+            ("utilization", "utilization", ".1%"), ("tokens/s", "tokens_per_s", ",.0f"),
+            ("KL k3 (prior)", "kl_k3", ".2e"), ("extreme share (prior)", "extreme_share", ".3%")]
+    for label, field, spec in rows:
+        t.add_row(label, *(_num(getattr(r.summary, field, None), spec) for _, r in runs))
+    groups = sorted({g for _, r in runs for g in r.summary.group_share_of_samples})
+    for g in groups:
+        t.add_row(f"share of samples: {g}",
+                  *(_num(r.summary.group_share_of_samples.get(g), ".1%") for _, r in runs))
+    Console().print(t)
