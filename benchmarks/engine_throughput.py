@@ -12,8 +12,8 @@ end-to-end tokens/s (prefill included) and steady decode tokens/s (the decode-on
         [--device cuda] [--fp8-scaled-mm]
 
 Without --model a seeded tiny checkpoint is written to a temporary folder. `--device cuda` runs on
-a GPU; `--fp8-scaled-mm` adds an fp8 row whose linears run real FP8 GEMMs (`torch._scaled_mm`,
-Hopper or newer) next to the dequantize-then-bf16 fp8 row.
+a GPU; `--fp8-scaled-mm` adds an fp8 row whose linears run real FP8 GEMMs (`torch._scaled_mm`:
+Hopper or newer, or CPU) next to the dequantize-then-bf16 fp8 row.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--fp8-scaled-mm", action="store_true", help="add fp8 with torch._scaled_mm (CUDA, Hopper+)")
+    ap.add_argument("--fp8-scaled-mm", action="store_true", help="add fp8 with torch._scaled_mm (Hopper+ or CPU)")
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
 

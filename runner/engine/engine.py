@@ -50,7 +50,7 @@ class EngineConfig:
     max_running_requests: int = 64           # batch size limit
     sampling_mask_max_tokens: int = 512      # largest kept set a request may ask to have returned
     fp8_scaling: str = "block"               # fp8 weight scales: block (128x128) | channel
-    fp8_scaled_mm: bool = False              # fp8 weights through torch._scaled_mm (CUDA, Hopper+)
+    fp8_scaled_mm: bool = False              # fp8 linears as real FP8 GEMMs (torch._scaled_mm; Hopper+ or CPU)
     device: str = "cpu"
     seed: int = 0                            # seeds requests that bring no sampling_seed
     max_cached_sessions: int = 256           # sessions whose last turn's KV is kept (LRU)
@@ -73,8 +73,8 @@ class EngineConfig:
                 raise bad(name, "a positive integer")
         if not isinstance(self.max_cached_sessions, int) or self.max_cached_sessions < 0:
             raise bad("max_cached_sessions", "an integer >= 0")
-        if self.fp8_scaled_mm and (self.precision != "fp8" or not self.device.startswith("cuda")):
-            raise bad("fp8_scaled_mm", "True only with precision 'fp8' on a cuda device")
+        if self.fp8_scaled_mm and self.precision != "fp8":
+            raise bad("fp8_scaled_mm", "True only with precision 'fp8'")
 
     @property
     def kernel_dtype(self) -> str:

@@ -95,16 +95,18 @@ def build_weights(cfg: HFConfig, tensors: dict[str, torch.Tensor], *, precision:
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        q = {n: fake_quantize(tensors[p + n + ".weight"].to(torch.float32), precision, fp8_scaling=fp8_scaling)
-             for n in _LINEARS}
         fp8 = None
-        if fp8_scaled_mm:
+        if fp8_scaled_mm:        # per-channel FP8 operands; the dequantized copies hold the same values
             fp8 = {n: quantize_fp8(tensors[p + n + ".weight"].to(torch.float32), "channel") for n in _LINEARS}
+            q = {n: w.dequantize() for n, w in fp8.items()}
             fp8 = {n: Fp8Weight(w.data.to(device), w.scale.to(device), w.scaling) for n, w in fp8.items()}
             fp8["qkv"] = Fp8Weight(torch.cat([fp8[n].data for n in _LINEARS[:3]]),
                                    torch.cat([fp8[n].scale for n in _LINEARS[:3]]), "channel")
             fp8["gate_up"] = Fp8Weight(torch.cat([fp8[n].data for n in _LINEARS[4:6]]),
                                        torch.cat([fp8[n].scale for n in _LINEARS[4:6]]), "channel")
+        else:
+            q = {n: fake_quantize(tensors[p + n + ".weight"].to(torch.float32), precision, fp8_scaling=fp8_scaling)
+                 for n in _LINEARS}
         layers.append(LayerWeights(
             ln1=plain(p + "input_layernorm.weight"), ln2=plain(p + "post_attention_layernorm.weight"),
             wqkv=torch.cat([q["self_attn.q_proj"], q["self_attn.k_proj"], q["self_attn.v_proj"]]).to(device, kdt),
@@ -142,8 +144,9 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
 
 
-def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
-    """A real FP8 GEMM (CUDA, Hopper+): per-token activation scales x per-channel weight scales."""
+def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
+    """A real FP8 GEMM (`torch._scaled_mm`: CUDA Hopper+, or CPU): activations quantized to E4M3 with
+    one scale per token, times the E4M3 weight with one scale per output channel; bf16 out."""
     m = x.shape[0]
     pad = (-m) % 16
     xf = x.to(torch.float32)
@@ -157,7 +160,7 @@ def _scaled_mm_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
 
 def _linear(x: torch.Tensor, w: torch.Tensor, fp8: Fp8Weight | None) -> torch.Tensor:
     if fp8 is not None:
-        return _scaled_mm_linear(x, fp8)
+        return scaled_mm_linear(x, fp8)
     return F.linear(x, w)
 
 
