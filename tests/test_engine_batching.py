@@ -291,3 +291,16 @@ def test_engine_thread_with_updates_from_other_threads(ckpts) -> None:
     assert not thread.is_alive()
     assert all(len(r.output_ids) == 30 for r in done.values())
     assert all(r.weight_version == "7" for r in done.values())
+
+
+def test_session_cache_is_lru_bounded(ckpts) -> None:
+    ck, _ = ckpts
+    eng, c = fp32(ck, max_cached_sessions=1), Collector()
+    for rid, sess in (("a1", "A"), ("b1", "B")):
+        c.add(eng, req(rid, prompt(6), 4, session=sess))
+        drain(eng)
+    c.add(eng, req("a2", prompt(6) + c.results["a1"].output_ids, 2, session="A"))   # A was evicted by B
+    c.add(eng, req("b2", prompt(6) + c.results["b1"].output_ids, 2, session="B"))
+    drain(eng)
+    assert c.results["a2"].cached_tokens == 0
+    assert c.results["b2"].cached_tokens == len(prompt(6)) + 3

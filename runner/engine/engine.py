@@ -53,7 +53,8 @@ class EngineConfig:
     fp8_scaled_mm: bool = False              # fp8 linears as real FP8 GEMMs (torch._scaled_mm; Hopper+ or CPU)
     device: str = "cpu"
     seed: int = 0                            # seeds requests that bring no sampling_seed
-    max_cached_sessions: int = 256           # sessions whose last turn's KV is kept (LRU)
+    max_cached_sessions: int = 256           # sessions whose last turn's KV is kept (LRU; their tokens
+                                             # together at most max_total_tokens)
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: object) -> ValueError:
@@ -272,7 +273,9 @@ class Engine:
         tokens = (list(r.req.input_ids) + r.output)[: r.kv_len]
         self._sessions[sid] = self._kv.export(slot, tokens, version)
         self._sessions.move_to_end(sid)
-        while len(self._sessions) > self.config.max_cached_sessions:
+        cap_tokens = self.config.max_total_tokens      # cached KV is bounded like the running KV
+        while (len(self._sessions) > self.config.max_cached_sessions
+               or sum(len(x.tokens) for x in self._sessions.values()) > cap_tokens):
             self._sessions.popitem(last=False)
 
     def abort(self, rid: str | None = None, *, abort_all: bool = False) -> int:
