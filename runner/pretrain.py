@@ -58,7 +58,7 @@ class PretrainConfig:
     demos: DemoConfig = field(default_factory=DemoConfig)
     steps: int = 150                      # optimizer steps
     rows_per_step: int = 2                # packed rows per step
-    row_tokens: int = 1024                # tokens per packed row (<= the model's context)
+    row_tokens: int | None = None         # tokens per packed row (<= the model's context; None: the context)
     lr: float = 2e-3                      # AdamW peak learning rate (constant after warmup)
     warmup_steps: int = 10
     weight_decay: float = 0.0
@@ -67,6 +67,8 @@ class PretrainConfig:
     def __post_init__(self) -> None:
         for name, lo in (("steps", 1), ("rows_per_step", 1), ("row_tokens", 16), ("warmup_steps", 0)):
             v = getattr(self, name)
+            if name == "row_tokens" and v is None:
+                continue
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"pretrain.{name}: {v!r} must be an integer >= {lo}")
         if not (isinstance(self.lr, int | float) and 0 < self.lr < 1):
@@ -151,9 +153,9 @@ def train_base_policy(config: PretrainConfig, out_dir: Path, *, progress: Progre
     from mixfleet.runner.trainer.megatron_model import BuildOptions
 
     spec = config.spec()
-    if config.row_tokens > spec.max_context:
-        raise ValueError(f"pretrain.row_tokens: {config.row_tokens} exceeds model '{spec.name}' context "
-                         f"{spec.max_context}")
+    row_tokens = config.row_tokens or spec.max_context
+    if row_tokens > spec.max_context:
+        raise ValueError(f"pretrain.row_tokens: {row_tokens} exceeds model '{spec.name}' context {spec.max_context}")
     t0 = time.perf_counter()
     agent = AgentConfig(context_length=spec.max_context)
     episodes = generate_demos(config.demos, agent=agent)
@@ -170,7 +172,7 @@ def train_base_policy(config: PretrainConfig, out_dir: Path, *, progress: Progre
     t1 = time.perf_counter()
     for step in range(config.steps):
         if len(rows) < config.rows_per_step:
-            rows.extend(pack_episodes(episodes, config.row_tokens, rng))
+            rows.extend(pack_episodes(episodes, row_tokens, rng))
             epochs += 1
         chunk, rows = rows[: config.rows_per_step], rows[config.rows_per_step:]
         batch = {k: torch.tensor([r[k] for r in chunk], dtype=torch.long) for k in chunk[0]}
@@ -194,6 +196,10 @@ def pretrain(config: PretrainConfig | None = None, *, cache_dir: str | Path | No
     `out`: also copy the checkpoint folder there (created; existing files of the same names replaced).
     """
     config = config or PretrainConfig()
+    spec = config.spec()
+    if (config.row_tokens or 0) > spec.max_context:
+        raise ValueError(f"pretrain.row_tokens: {config.row_tokens} exceeds model '{spec.name}' context "
+                         f"{spec.max_context}")
     key = cache_key(config)
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / key

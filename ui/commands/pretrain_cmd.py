@@ -40,6 +40,7 @@ def register_pretrain(app: typer.Typer) -> None:
     ) -> None:
         """Train the base policy on synthetic demonstrations (cached) and print its measured reward."""
         import dataclasses
+        import warnings
 
         import torch
         from mixfleet.costmodel.errors import SpecError
@@ -54,6 +55,7 @@ def register_pretrain(app: typer.Typer) -> None:
         if eval_episodes < 0:
             _fail(ValueError(f"--eval-episodes: {eval_episodes} must be >= 0"))
         torch.set_num_threads(threads)
+        warnings.filterwarnings("ignore", category=UserWarning, module=r"megatron\..*")
         try:
             demo_kw = {"task": task, "seed": seed}
             if demos is not None:
