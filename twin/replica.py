@@ -16,6 +16,7 @@ splitting each running request's tokens by version; `drain` stops admission unti
 from __future__ import annotations
 
 import heapq
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class Replica:
         self.tokens_generated = 0
         self.idle_since_s: float | None = 0.0
         self.gen = 0                     # the world's wake-up generation (stale wake-ups are ignored)
+        self.wake_at = math.inf          # when the world's pending wake-up fires
         self.pending: tuple[int, float] | None = None  # (version, transfer done at s) while draining
 
     # ---- state ------------------------------------------------------------------------------------

@@ -23,15 +23,12 @@ from mixfleet.twin.replica import Replica, ReplicaRates, Request
 
 
 class CountingEnvironment(simpy.Environment):
-    """A SimPy environment that counts the events it schedules (for events/s)."""
+    """A SimPy environment that says how many events it has scheduled (for events/s)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.scheduled = 0
-
-    def schedule(self, event: Any, priority: Any = 1, delay: float = 0) -> None:  # type: ignore[override]
-        self.scheduled += 1
-        super().schedule(event, priority, delay)
+    @property
+    def scheduled(self) -> int:
+        """Events scheduled so far (SimPy numbers every scheduled event; peeking costs one number)."""
+        return next(self._eid)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,15 +172,19 @@ class World:
 
     def poke(self, rep: Replica) -> None:
         """(Re)schedule the replica's next completion; an older wake-up becomes a no-op."""
-        rep.gen += 1
         t = rep.next_event_s()
+        if t is not None and rep.wake_at <= t:
+            return  # the pending wake-up comes first; it reschedules if nothing is due by then
+        rep.gen += 1
+        rep.wake_at = math.inf if t is None else t
         if t is not None:
-            gen = rep.gen
-            self.env.timeout(max(0.0, t - self.env.now)).callbacks.append(lambda _e: self._wake(rep, gen))
+            self.env.timeout(max(0.0, t - self.env.now), (rep, rep.gen)).callbacks.append(self._wake)
 
-    def _wake(self, rep: Replica, gen: int) -> None:
+    def _wake(self, event: simpy.Event) -> None:
+        rep, gen = event.value
         if gen != rep.gen or not rep.up:
             return
+        rep.wake_at = math.inf
         now = self.env.now
         rep.advance_to(now)
         for req in rep.complete_due(now):
@@ -259,18 +260,20 @@ class World:
     def _begin(self, s: Session) -> None:
         s.turn, s.context, s.pending_new = 0, 0, s.ep.prompt_tokens
         s.remaining_reply, s.prompt_total = s.ep.reply_tokens[0], s.ep.prompt_tokens
-        s.tokens_by_version, s.start_s, s.cached_on = {}, self.env.now, None
+        s.tokens_by_version, s.start_s, s.cached_on, s.replica = {}, self.env.now, None, None
         self._turn(s)
 
     def _turn(self, s: Session) -> None:
-        """Send the session's next request to its (sticky) replica."""
-        route = self.router.route(s.sid, self.fleet_view())
-        if route is None:
-            self.parked.append(s)
-            return
-        g = self.groups[route[0]]
-        rep = next(r for r in g.replicas if r.index == route[1])
-        s.replica = rep
+        """Send the session's next request to its (sticky) replica; the router picks one for a new session
+        or when the pinned replica is gone."""
+        rep = s.replica
+        if rep is None or not rep.up:
+            route = self.router.route(s.sid, self.fleet_view())
+            if route is None:
+                self.parked.append(s)
+                return
+            rep = next(r for r in self.groups[route[0]].replicas if r.index == route[1])
+            s.replica = rep
         ctx = s.context + s.pending_new
         prefill = s.pending_new if s.cached_on is rep else ctx
         now = self.env.now
@@ -309,7 +312,10 @@ class World:
             return
         s.pending_new, s.remaining_reply = s.ep.tool_tokens[s.turn - 1], s.ep.reply_tokens[s.turn]
         s.prompt_total += s.pending_new
-        self.env.timeout(s.ep.tool_s[s.turn - 1]).callbacks.append(lambda _e: self._turn(s))
+        self.env.timeout(s.ep.tool_s[s.turn - 1], s).callbacks.append(self._tool_done)
+
+    def _tool_done(self, event: simpy.Event) -> None:
+        self._turn(event.value)
 
     def _finish(self, s: Session) -> None:
         s.end_s = self.env.now

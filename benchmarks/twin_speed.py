@@ -1,0 +1,69 @@
+"""Twin and planner speed at the seed's scale (1,024 trajectories per update, ~68 turns each on average).
+
+Runs `simulate` on data/fleets/seed-mixed.toml for --updates updates and `mixfleet plan`'s default search
+(the default pool, one DES-verified candidate), and prints and writes (benchmarks/results/twin_speed.json):
+simulated events per second, wall and CPU seconds per simulated update, the projected wall time of a
+200-update dry run, and the planner's wall time. Goal (issue 3): 200 updates < 60 s, plan < 60 s, one core.
+Wall seconds depend on how busy the machine is; CPU seconds are reported next to them.
+
+    python benchmarks/twin_speed.py [--updates 20] [--plan-verify 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+from mixfleet.twin.planner import PlannerConfig, plan_mix
+from mixfleet.twin.sim import simulate
+
+OUT = Path(__file__).resolve().parent / "results" / "twin_speed.json"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--updates", type=int, default=20)
+    ap.add_argument("--plan-verify", type=int, default=1, help="candidates the planner verifies in the DES")
+    ap.add_argument("--out", type=Path, default=OUT)
+    args = ap.parse_args()
+
+    c0, w0 = time.process_time(), time.perf_counter()
+    marks: list[tuple[int, float, float]] = []
+    r = simulate("seed-mixed", updates=args.updates,
+                 progress=lambda v: marks.append((v, time.perf_counter() - w0, time.process_time() - c0)))
+    cpu_s, wall_s = time.process_time() - c0, time.perf_counter() - w0
+    half = len(marks) // 2       # steady state: the second half of the updates (the first ones fill the pipeline)
+    (v0, w_a, c_a), (v1, w_b, c_b) = marks[half - 1], marks[-1]
+    steady_wall, steady_cpu = (w_b - w_a) / (v1 - v0), (c_b - c_a) / (v1 - v0)
+    sim = {"plan": "seed-mixed", "updates": args.updates, "trajectories_per_update": 1024,
+           "turns_mean_per_trajectory": float(r.summary.turns_mean), "events": r.events,
+           "wall_s": wall_s, "cpu_s": cpu_s, "events_per_wall_s": r.events / wall_s,
+           "events_per_cpu_s": r.events / cpu_s,
+           "steady_wall_s_per_update": steady_wall, "steady_cpu_s_per_update": steady_cpu,
+           "projected_200_updates_wall_s": w_a + steady_wall * (200 - v0),
+           "projected_200_updates_cpu_s": c_a + steady_cpu * (200 - v0),
+           "simulated_time_per_update_s": r.summary.time_per_update_mean_s,
+           "staleness_mean": r.summary.staleness_mean}
+    print(json.dumps(sim, indent=2))
+
+    c0, w0 = time.process_time(), time.perf_counter()
+    res = plan_mix(PlannerConfig(verify=args.plan_verify))
+    plan = {"verify": args.plan_verify, "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0,
+            "screened": res.screened, "feasible": res.feasible,
+            "best": res.best.replicas if res.best else None}
+    print(json.dumps(plan, indent=2))
+    out = {"simulate": sim, "plan": plan,
+           "goal": {"200_updates_s": 60, "plan_s": 60},
+           "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
+                       "load_avg_1m": os.getloadavg()[0]}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=2))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
