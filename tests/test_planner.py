@@ -1,0 +1,73 @@
+"""The planner: group types from the cost model, the analytic screen's arithmetic, caps and constraints,
+the Pareto set, and a DES-verified plan that loads and simulates. Tiny model and workload for speed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.workload import load_workload
+from mixfleet.twin.planner import PlannerConfig, group_types, pareto_mask, plan_mix, screen
+from mixfleet.twin.sim import simulate
+
+TINY = {"model": "tiny", "workload": "tiny-cpu", "accelerators": ("H100", "A100-80GB"),
+        "max_gpus": {"H100": 4, "A100-80GB": 2}, "trainer_accelerator": "H100", "trainer_gpus": 1}
+
+
+def test_group_types_are_the_native_precisions_that_fit() -> None:
+    names = sorted(t.name for t in group_types(PlannerConfig(**TINY)))
+    assert names == ["A100-80GB-BF16", "H100-BF16", "H100-FP8"]          # no FP4 on Hopper, no FP8 on A100
+    seed = group_types(PlannerConfig())
+    assert {t.accelerator for t in seed} == {"B200", "B300", "H200", "H100", "A100-80GB", "RTX-PRO-6000"}
+    assert all(t.tokens_per_s > 0 and t.usd_per_hour > 0 and 0 <= t.masked_share < 0.01 for t in seed)
+
+
+def test_pareto_mask_keeps_exactly_the_non_dominated_points() -> None:
+    pts = np.array([[1, 5, 2], [2, 4, 2], [2, 5, 2], [1, 5, 3], [3, 1, np.inf], [1, 5, 2]], dtype=float)
+    assert pareto_mask(pts).tolist() == [True, True, False, False, True, True]
+
+
+def test_screen_arithmetic_for_one_candidate() -> None:
+    cfg = PlannerConfig(**TINY)
+    types = group_types(cfg)
+    n, k, m = screen(types, cfg)
+    wl = load_workload("tiny-cpu")
+    i = int(np.argmin(m["cost_per_update"]))
+    tps = np.array([t.tokens_per_s for t in types])
+    masked = np.array([t.masked_share for t in types])
+    price = np.array([t.usd_per_hour for t in types])
+    share = n[i] * tps / (n[i] @ tps)
+    assert m["kept_share"][i] == pytest.approx(1 - share @ masked)
+    assert m["cost_per_effective_update"][i] == pytest.approx(m["cost_per_update"][i] / m["kept_share"][i])
+    assert m["usd_per_hour"][i] == pytest.approx(n[i] @ price + 3.95)       # + the trainer: 1 H100 (modal)
+    gen = wl.prompts_per_update * wl.samples_per_prompt * wl.mean_generated_tokens_per_episode
+    assert m["time_per_update_s"][i] >= gen / (n[i] @ tps) - 1e-9           # never faster than the fleet
+    assert m["cost_per_update"][i] == pytest.approx(m["usd_per_hour"][i] * m["time_per_update_s"][i] / 3600)
+    assert (n @ np.array([t.tp if t.accelerator == "H100" else 0 for t in types]) <= 4).all()   # GPU caps
+    assert set(np.unique(k)) <= {f * wl.prompts_per_update for f in (1, 2, 3, 4, 6, 8)}
+
+
+def test_constraints_bind_and_infeasible_requests_say_what_to_relax() -> None:
+    free = plan_mix(PlannerConfig(**TINY, verify=0))
+    bound = plan_mix(PlannerConfig(**TINY, verify=0, max_staleness=0.6))
+    assert bound.best.staleness <= 0.6 < max(c.staleness for c in free.pareto)
+    none = plan_mix(PlannerConfig(**TINY, verify=0, max_time_per_update_s=1e-6))
+    assert none.best is None and "relax" in none.note
+    with pytest.raises(SpecError, match="cost_per_effective_update"):
+        PlannerConfig(objective="cheapest")
+
+
+def test_pareto_set_is_sorted_and_non_dominated() -> None:
+    r = plan_mix(PlannerConfig(**TINY, verify=0))
+    costs = [c.cost_per_update_usd for c in r.pareto]
+    assert costs == sorted(costs) and r.best.cost_per_update_usd == pytest.approx(costs[0])
+    pts = np.array([[c.cost_per_update_usd, c.time_per_update_s, c.staleness] for c in r.pareto])
+    assert pareto_mask(pts).all()
+
+
+def test_the_chosen_plan_is_verified_in_the_des_and_runs_again(tmp_path) -> None:
+    r = plan_mix(PlannerConfig(**TINY, verify=1, verify_updates=2))
+    assert r.best.verified["updates"] == 2 and r.best.verified["time_per_update_s"] > 0
+    assert [g.name for g in r.plan.groups] == list(r.best.replicas)
+    again = simulate(r.plan, updates=2)
+    assert again.summary.updates == 2
