@@ -37,7 +37,6 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-
     from mixfleet.policies.plan import load_plan
     from mixfleet.runner.orchestrator import RunConfig, run_plan
 
@@ -52,7 +51,8 @@ def main() -> None:
     for mode in ("sync", "async"):
         out = root / mode
         shutil.rmtree(out, ignore_errors=True)
-        cfg = RunConfig(out_dir=out, updates=args.updates, init_checkpoint=args.init, mode=mode, eval_every=0)
+        cfg = RunConfig.for_plan(plan, out_dir=out, updates=args.updates, init_checkpoint=args.init, mode=mode,
+                                 eval_every=0, task=(plan.embedded.task if plan.embedded else "") or "guess")
         t0 = time.perf_counter()
         res = run_plan(plan, cfg)
         from mixfleet.costmodel.runlog import RunLog

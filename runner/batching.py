@@ -60,7 +60,7 @@ class TrainBatch:
     """Tensors for one update (CPU). `tensors` goes to the trainer; the rest is bookkeeping."""
 
     tensors: dict[str, torch.Tensor]       # input_ids [B, S] + flattened per-token fields (see module doc)
-    group_names: tuple[str, ...]           # group id i in tensors["group_ids"] is group_names[i]
+    group_names: tuple[str, ...]           # tensors["group_ids"] = 2 i + (stale > 0) for group_names[i]
     trained_version: int                   # the version this update produces
     rewards: list[float]
     staleness: np.ndarray                  # per trained token, versions
@@ -144,11 +144,11 @@ def build_batch(items: Sequence[BatchItem], *, trained_version: int, group_names
             mask[pos] = True
             logq[pos] = float(ep.logprobs[t])
             g = ep.group_ids[t]
-            if g is not None and g in gid:
-                groups[pos] = gid[g]
             u = version_int(ep.weight_versions[t])
             versions[pos] = u
             st = (trained_version - 1) - u if u >= 0 else 0
+            if g is not None and g in gid:
+                groups[pos] = 2 * gid[g] + (1 if st > 0 else 0)
             staleness.append(st)
             if g is not None:
                 tokens_by_group[g] = tokens_by_group.get(g, 0) + 1
@@ -191,14 +191,32 @@ def correction_batch(tensors: Mapping[str, torch.Tensor]) -> CorrectionBatch:
                            group_ids=tensors.get("group_ids"), sequence_ids=tensors.get("sequence_ids"))
 
 
-def group_metrics(metrics: Mapping[str, Any], group_names: Sequence[str]) -> dict[str, dict[str, float]]:
-    """`policy_loss`'s 'group/<id>/<name>' metrics as {group name: {name: value}}."""
-    out: dict[str, dict[str, float]] = {}
+def group_metrics(metrics: Mapping[str, Any], group_names: Sequence[str],
+                  ) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
+    """`policy_loss`'s per-group metrics ('group/<id>/<name>', id = 2 i + stale) as two dicts
+    {group name: {name: value}}: over all the group's tokens, and over its on-policy (staleness 0) tokens
+    only, where the sampler/trainer gap is the precision mismatch alone (no policy drift). Token means are
+    recombined exactly from the two halves by their token counts; ESS is not (left out of the first)."""
+    parts: dict[int, dict[str, float]] = {}
     for key, value in metrics.items():
-        if not key.startswith("group/"):
+        if key.startswith("group/"):
+            _, gid, name = key.split("/", 2)
+            parts.setdefault(int(gid), {})[name] = float(value)
+    combined: dict[str, dict[str, float]] = {}
+    fresh: dict[str, dict[str, float]] = {}
+    for i, name in enumerate(group_names):
+        halves = [parts[j] for j in (2 * i, 2 * i + 1) if j in parts]
+        if 2 * i in parts:
+            fresh[name] = dict(parts[2 * i])
+        if not halves:
             continue
-        _, gid, name = key.split("/", 2)
-        i = int(gid)
-        if 0 <= i < len(group_names):
-            out.setdefault(group_names[i], {})[name] = float(value)
-    return out
+        n = sum(h.get("tokens", 0.0) for h in halves)
+        out = {"tokens": n}
+        for key in set().union(*halves):
+            if key in ("tokens", "ess", "fallback_rows"):
+                continue
+            vals = [(h[key], h.get("tokens", 0.0)) for h in halves if key in h]
+            w = sum(c for _, c in vals)
+            out[key] = sum(v * c for v, c in vals) / w if w > 0 else float("nan")
+        combined[name] = out
+    return combined, fresh

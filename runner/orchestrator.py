@@ -107,6 +107,20 @@ class RunConfig:
         if not self.lr > 0:
             raise ValueError(f"RunConfig.lr = {self.lr!r}; allowed: > 0")
 
+    @classmethod
+    def for_plan(cls, plan: Plan, **kw: Any) -> RunConfig:
+        """A RunConfig from the plan's `[embedded.extra]` runner settings (e.g. lr, trainer_threads,
+        eval_problems, top_k_record), then `kw` (explicit arguments win; None values are ignored)."""
+        settable = {"lr", "grad_clip_norm", "trainer_threads", "sampler_threads", "eval_problems", "top_k_record",
+                    "task_options", "max_turns", "max_new_tokens", "temperature", "eval_at_start"}
+        extra = dict((plan.embedded.extra if plan.embedded is not None else {}) or {})
+        for key in extra:
+            if key not in settable:
+                raise ValueError(f"plan '{plan.name}' [embedded.extra]: unknown runner setting {key!r}; "
+                                 f"allowed: {', '.join(sorted(settable))}")
+        extra.update({k: v for k, v in kw.items() if v is not None})
+        return cls(**extra)
+
 
 @dataclass
 class Replica:
@@ -180,6 +194,7 @@ class UpdateView:
     reward_mean: float
     kl_k3: float
     kl_by_group: dict[str, float]
+    kl_on_policy_by_group: dict[str, float]      # staleness-0 tokens only: the precision mismatch
     staleness_mean: float
     staleness_max: float
     tokens_per_s: float
@@ -248,6 +263,7 @@ class Orchestrator:
         self.tokens_generated: dict[str, int] = {g.name: 0 for g in self.fleet.groups}
         self.restarts = 0                             # turns re-run on another replica after a replica loss
         self.trained_restarted = 0                    # trained trajectories that were re-routed at least once
+        self.fresh_kl: dict[str, list[float]] = {}    # group -> [k3 * tokens, k1 * tokens, tokens], staleness 0
         self.trainer_busy_s = 0.0
         self.cost_sampler_usd = 0.0
         self.last_pass_at_k = math.nan
@@ -334,6 +350,8 @@ class Orchestrator:
             self.restarts = int(st.get("restarts", 0))
             self.trainer_busy_s = float(st.get("trainer_busy_s", 0.0))
             self.cost_sampler_usd = float(st.get("cost_sampler_usd", 0.0))
+            self.fresh_kl = {g: [float(x) for x in a] for g, a in st.get("fresh_kl", {}).items()}
+            self.trained_restarted = int(st.get("trained_restarted", 0))
             self._t0 = time.monotonic() - float(st.get("elapsed_s", 0.0))
             self._last_update_end_s = float(st.get("elapsed_s", 0.0))
             self.event("resume", version=self.version, detail=json.dumps({"dropped_rows": dropped}))
@@ -695,7 +713,14 @@ class Orchestrator:
             for s, ep in p.done:
                 self._write_trajectory(s, ep, trained_version=v)
                 self.trained_restarted += s.restarts > 0
-        by_group = group_metrics(metrics, batch.group_names)
+        by_group, fresh = group_metrics(metrics, batch.group_names)
+        for g, m in fresh.items():
+            acc = self.fresh_kl.setdefault(g, [0.0, 0.0, 0.0])
+            acc[0] += m.get("k3", 0.0) * m.get("tokens", 0.0)
+            acc[1] += m.get("k1", 0.0) * m.get("tokens", 0.0)
+            acc[2] += m.get("tokens", 0.0)
+        self.event("note", version=v, detail=json.dumps({"on_policy_kl": {
+            g: {"k3": m.get("k3"), "k1": m.get("k1"), "tokens": m.get("tokens")} for g, m in fresh.items()}}))
         n = batch.num_trajectories
         window_cost = 0.0
         for g in self.fleet.groups:
@@ -735,6 +760,7 @@ class Orchestrator:
         return UpdateView(version=v, target=self.target, elapsed_s=now, reward_mean=reward,
                           kl_k3=float(metrics.get("k3", math.nan)),
                           kl_by_group={g: m.get("k3", math.nan) for g, m in by_group.items()},
+                          kl_on_policy_by_group={g: m.get("k3", math.nan) for g, m in fresh.items()},
                           staleness_mean=st["staleness_mean"], staleness_max=st["staleness_max"],
                           tokens_per_s=gen_total / max(now, 1e-9), pass_at_k=pass_at_k, restarts=self.restarts,
                           replicas_up={g: sum(1 for r in reps if r.up) for g, reps in self.replicas.items()},
@@ -746,7 +772,8 @@ class Orchestrator:
         tmp = state_dir / f".{ORCH_STATE_FILE}.tmp"
         tmp.write_text(json.dumps({"version": self.version, "started_prompts": self.started_prompts,
                                    "restarts": self.restarts, "trainer_busy_s": self.trainer_busy_s,
-                                   "cost_sampler_usd": self.cost_sampler_usd, "elapsed_s": self.now()}))
+                                   "cost_sampler_usd": self.cost_sampler_usd, "elapsed_s": self.now(),
+                                   "fresh_kl": self.fresh_kl, "trained_restarted": self.trained_restarted}))
         os.replace(tmp, state_dir / ORCH_STATE_FILE)
 
     # ---- the loop --------------------------------------------------------------------------------------
@@ -780,8 +807,13 @@ class Orchestrator:
         finally:
             await self._stop(status)
         return {"version": self.version, "elapsed_s": self.now(), "restarts": self.restarts,
+                "on_policy_kl_by_group": self.on_policy_kl(),
                 "trainer_idle_share": 1.0 - self.trainer_busy_s / max(self.now(), 1e-9), "out": str(self.out),
                 **self.loop_stats()}
+
+    def on_policy_kl(self) -> dict[str, dict[str, float]]:
+        """Per group, k3 / k1 over its staleness-0 trained tokens of the whole run (the precision mismatch alone)."""
+        return {g: {"k3": a[0] / a[2], "k1": a[1] / a[2], "tokens": a[2]} for g, a in self.fresh_kl.items() if a[2] > 0}
 
     def loop_stats(self) -> dict[str, float]:
         """Seconds of the update loop (first prompts started -> last update logged) and the trainer's idle
@@ -811,7 +843,7 @@ class Orchestrator:
         if self.writer is not None:
             self.writer.update_header(wall_s=self.now(), trainer_busy_s=self.trainer_busy_s,
                                       trainer_idle_share=1.0 - self.trainer_busy_s / max(self.now(), 1e-9),
-                                      **self.loop_stats())
+                                      on_policy_kl_by_group=self.on_policy_kl(), **self.loop_stats())
             self.writer.close(status)
             self.writer = None
 

@@ -69,7 +69,9 @@ def test_shift_mask_advantages_and_staleness_are_exact() -> None:
     assert batch.staleness_by_group["B"] == pytest.approx(0.5)
     assert batch.num_tokens == 7 and batch.num_trajectories == 3
     g = t["group_ids"].view(3, s)
-    assert g[1, 1].item() == 1 and g[0, 1].item() == 0 and g[0, 0].item() == -1
+    # group id 2 i + (stale > 0): A's tokens of version 0 are stale (2), C's of version 2 fresh (0); B: 1 -> 3, 2 -> 2
+    assert g[0, 1].item() == 1 and g[2, 0].item() == 0 and g[1, 1].item() == 3 and g[1, 2].item() == 2
+    assert g[0, 0].item() == -1
     assert t["topk_ids"].view(3, s, 2)[0, 1].tolist() == [21, 7]
     assert "kept_ids" not in t
 
@@ -89,9 +91,13 @@ def test_kept_sets_and_the_loss_run_on_the_batch() -> None:
         cfg = CorrectionConfig(method=method, top_p_replay=replay)
         loss, metrics = policy_loss(logits, correction_batch(tens), cfg)
         assert math.isfinite(float(loss.detach()))
-        per_group = group_metrics(metrics, batch.group_names)
+        per_group, fresh = group_metrics(metrics, batch.group_names)
         assert set(per_group) == {"A", "B"}
         assert per_group["A"]["tokens"] == 5 and per_group["B"]["tokens"] == 2
+        assert fresh["A"]["tokens"] == 2 and fresh["B"]["tokens"] == 1          # staleness-0 tokens only
+        a_all = (metrics["group/0/k3"] * 2 + metrics["group/1/k3"] * 3) / 5    # recombined token mean
+        assert per_group["A"]["k3"] == pytest.approx(float(a_all))
+        assert fresh["A"]["k3"] == pytest.approx(float(metrics["group/0/k3"]))
 
 
 def test_bad_inputs_are_refused() -> None:

@@ -72,8 +72,11 @@ class LiveView:
         self.rows.append(view)
         if self.live is not None:
             self.live.update(self.render())
-        elif not self.quiet:
-            self.console.print(f"update {view.version}: reward {view.reward_mean:.3f}")
+        else:
+            kl = " ".join(f"{g}={_fmt(view.kl_by_group.get(g, math.nan), '.1e')}" for g in self.groups)
+            self.console.print(f"update {view.version}/{view.target} t={view.elapsed_s:.0f}s reward "
+                               f"{view.reward_mean:.3f} k3 {kl} stale {view.staleness_mean:.2f} "
+                               f"tok/s {view.tokens_per_s:.0f} pass@k {_fmt(view.pass_at_k, '.2f')}", highlight=False)
 
     def on_event(self, rec: Any) -> None:
         if rec.kind in ("weight_push",):
@@ -82,6 +85,8 @@ class LiveView:
         self.events.append(f"[{rec.time_s:7.1f}s] {rec.kind} {where} {rec.detail[:90]}")
         if self.live is not None:
             self.live.update(self.render())
+        elif self.quiet and rec.kind not in ("note",):
+            self.console.print(self.events[-1], highlight=False)
 
 
 def _parse_attach(items: list[str]) -> dict[str, list[str]]:
@@ -105,7 +110,7 @@ def default_base_policy(progress: bool = True) -> str:
 
 def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, embedded: bool, address: str | None,
                 init: str | None, mode: str, attach: list[str], kill_at: list[str], eval_every: int | None,
-                task: str | None, quiet: bool) -> None:
+                task: str | None, quiet: bool, trainer_threads: int | None = None) -> None:
     """Body of `mixfleet run` (see its help)."""
     import torch
     from mixfleet.costmodel.catalog import load_catalog
@@ -143,9 +148,10 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
             kills.setdefault(int(u), []).append(g)
         init_path = init or default_base_policy(progress=not quiet)
         emb = plan.embedded
-        cfg = RunConfig(out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
-                        fleet_mode=fleet_mode, attach=attach_map, address=address, resume=resume,
-                        task=task or (emb.task if emb and emb.task else "guess"), eval_every=eval_every)
+        cfg = RunConfig.for_plan(plan, out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
+                                 fleet_mode=fleet_mode, attach=attach_map, address=address, resume=resume,
+                                 task=task or (emb.task if emb and emb.task else "guess"), eval_every=eval_every,
+                                 trainer_threads=trainer_threads)
     except (SpecError, ValueError) as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
@@ -191,11 +197,13 @@ def register_run(app: typer.Typer) -> None:
         eval_every: int = typer.Option(None, "--eval-every", min=0, help="pass@k every N updates (0: never; "
                                                                          "default: the plan's)."),
         task: str = typer.Option(None, "--task", help="Task name (default: the plan's, else guess)."),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="No live view."),
+        trainer_threads: int = typer.Option(None, "--trainer-threads", min=1,
+                                            help="Torch threads of the trainer (default: the plan's, else 1)."),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="Plain progress lines instead of the live view."),
     ) -> None:
         """Run a plan for real: fully asynchronous RL, Megatron-core trainer, mixed samplers, the plan's policies."""
         if mode not in ("async", "sync"):
             typer.secho(f"error: --mode {mode!r}; allowed: async, sync", fg=typer.colors.RED, err=True)
             raise typer.Exit(2)
         run_command(plan, out, updates, resume, embedded, address, init, mode, attach, kill_at, eval_every, task,
-                    quiet)
+                    quiet, trainer_threads)
