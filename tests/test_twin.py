@@ -236,3 +236,35 @@ def test_the_same_seed_gives_the_same_run(tmp_path: Path) -> None:
     b = sim(tmp_path / "b", groups, wl, updates=5, faults={"preemptions_per_replica_hour": 300.0})
     ta, tb = (RunLog.open(tmp_path / x / "run").trajectories.drop(columns=["run_id"]) for x in "ab")
     assert ta.equals(tb) and a.simulated_s == b.simulated_s and a.events == b.events
+
+
+def test_drain_never_mixes_versions_within_a_request_and_in_flight_does(tmp_path: Path) -> None:
+    wl = workload(reply_tokens={"kind": "uniform", "low": 50, "high": 300, "integer": True}, samples_per_prompt=2,
+                  prompts_per_update=2)
+    mixed = {}
+    for ws in ("drain", "in_flight"):
+        g = gsetup(rates=FixedRates(step_s=0.01), sync_s=0.2)
+        sim(tmp_path / ws, [g], wl, updates=10, train_s=0.3,
+            policies={"weight_sync": {"name": ws}, "batcher": {"inflight_prompts": 6}})
+        t = RunLog.open(tmp_path / ws / "run").trajectories
+        mixed[ws] = int((t.version_start != t.version_end).sum())   # one-turn trajectories: one request each
+    assert mixed["drain"] == 0 and mixed["in_flight"] > 0
+
+
+def test_queue_based_autoscaling_pays_cold_starts(tmp_path: Path) -> None:
+    g = GroupSetup(name="g", rates=FixedRates(step_s=0.01, per_seq_s=0.002, cold_start_s=5.0, price_usd_per_hour=3600),
+                   replicas=1, min_replicas=1, max_replicas=4, capacity_tokens_per_s=100.0, usd_per_mtoken=1.0,
+                   weight_sync_s=0.0)
+    wl = workload(samples_per_prompt=8, prompts_per_update=4, turns=3, tool_latency_s=0.1)
+    sim(tmp_path, [g], wl, updates=6, train_s=0.1,
+        policies={"autoscaler": {"name": "queue_based", "interval_s": 2.0, "target_backlog_s": 1.0,
+                                 "idle_timeout_s": 1000.0}})
+    # (the world takes min/max replicas from the GroupSetup: 1..4)
+    log = RunLog.open(tmp_path / "run")
+    ev, u = log.events, log.updates
+    ups = ev[ev.kind == "ready"]
+    assert 1 <= len(ups) <= 3 and (ev[ev.kind == "cold_start"].duration_s == 5.0).all()
+    starts = ev[ev.kind == "cold_start"].time_s.to_numpy()
+    end = u.end_s.iloc[-1]
+    # 1 USD per replica-second: the first replica all along, each started one from its cold start on
+    assert u.cost_sampler_usd.iloc[-1] == pytest.approx(end + (end - starts).sum(), rel=1e-9)
