@@ -11,7 +11,8 @@ Three ways a group becomes replicas:
 
 Routing weights: capacity-proportional routing needs each group's serving capacity. It comes from the
 cost model (costmodel/roofline.py) for the plan's accelerator / precision / KV dtype at the workload's
-mean decode context, exactly as the twin computes it, so a rehearsal routes like the real fleet would.
+mean decode context, exactly as the twin computes it. When a rehearsal scales a group of R planned replicas
+down to n, each local replica carries R / n replicas' weight, so the groups' routing shares stay the plan's.
 """
 
 from __future__ import annotations
@@ -122,6 +123,8 @@ def fleet_from_plan(plan: Plan, *, mode: str = "embedded", attach: Mapping[str, 
         if mode == "embedded":
             n = min(g.replicas, cap)
             lo, hi, tp = min(g.min_replicas or 0, n), min(max(g.max_replicas or n, n), cap), 1
+            if n > 0:                  # a scaled-down group keeps the plan's share of the routing weight
+                tps *= g.replicas / n
         elif mode == "attach":
             if not urls and g.replicas > 0:
                 raise ValueError(f"fleet group '{g.name}': mode 'attach' needs its URLs (attach={{'{g.name}': "

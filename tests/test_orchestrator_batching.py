@@ -131,6 +131,9 @@ def test_fleet_scales_embedded_groups_down_and_keeps_their_formats() -> None:
     assert fleet.resources == {"H100": 2.0, "B200": 2.0}
     real = fleet_from_plan(plan_from_dict(_plan()), mode="sglang")
     assert real.groups[0].replicas == 10
+    # scaled down 10 -> 2, each local replica carries 5 planned replicas' routing weight
+    assert a.capacity_tokens_per_s == pytest.approx(5 * real.groups[0].capacity_tokens_per_s)
+    assert b.capacity_tokens_per_s == pytest.approx(2 * real.groups[1].capacity_tokens_per_s)
     with pytest.raises(ValueError, match="attach"):
         fleet_from_plan(plan_from_dict(_plan()), mode="attach")
     att = fleet_from_plan(plan_from_dict(_plan()), mode="attach",
