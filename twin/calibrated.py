@@ -1,0 +1,267 @@
+"""The twin with a Calibration, and the fidelity check: does the twin predict what a real run did?
+
+`calibrated_setup(plan, cal)` is `rates.build_setup` with the fitted values in place of the priors: each
+group's replica model (decode scale, prefill overhead), weight-sync time and mismatch (KL, its growth with
+staleness, extreme-ratio share), the trainer's step time (scale, overhead, per-update overhead) and the
+measured workload. Routing weights stay the prior's, because that is what the real runner routes with
+(runner/fleet.py); pass `calibrated_routing=True` to route by the calibrated capacities instead.
+`simulate(plan, setup=calibrated_setup(plan, cal))` is a calibrated dry run.
+
+`fidelity(plan, runlog, calibration)` simulates the plan with the run's seed, number of updates, replica
+counts (an embedded rehearsal scales groups down; the twin simulates what actually ran) and workload,
+and lays predicted next to measured: time per update (mean, p95), per-group tokens/s and share of
+samples, mean staleness, trainer idle share, per-group KL and extreme-ratio share, cost per update.
+Time per update is measured from the start of the update loop (the runner's start-up, before the first
+prompt, is not the plan's behaviour; the twin starts with its replicas up).
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mixfleet.costmodel.calibration import Calibration, loop_start_s
+from mixfleet.costmodel.catalog import load_catalog
+from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.mismatch import mismatch_prior
+from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.roofline import weight_sync_s
+from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.runsummary import summarize
+from mixfleet.costmodel.workload import load_workload
+from mixfleet.policies.plan import Plan, load_plan, with_overrides
+from mixfleet.twin.rates import Setup, TabulatedRates, group_replica_model, nominal_point
+from mixfleet.twin.world import GroupSetup, TrainerSetup
+
+
+def calibrated_setup(plan: Plan, cal: Calibration, *, price_table: str | None = None,
+                     calibrated_routing: bool = False, use_workload: bool = True) -> tuple[Setup, list[str]]:
+    """The world's setup for `plan` with `cal`'s fitted values; also the notes (groups left at the prior)."""
+    cat = load_catalog(price_table or plan.price_table or None)
+    model = load_model_spec(plan.model)
+    base_wl = load_workload(plan.workload)
+    workload = (cal.workload_spec(base_wl) if use_workload else None) or base_wl
+    trainer_acc = cat.accelerator(plan.trainer.accelerator)
+    notes: list[str] = []
+    if cal.model and cal.model != model.name:
+        notes.append(f"calibrated on model {cal.model}, plan runs {model.name}: the fitted factors are applied as is")
+    ctx = base_wl.mean_decode_context
+    groups, models = [], {}
+    for g in plan.groups:
+        prior_rm = group_replica_model(plan, g, model, cat, workload)
+        gc = cal.group(g.name, (g.accelerator, g.precision, g.kv_dtype, g.kernel))
+        prior = mismatch_prior(g.accelerator, g.precision, g.kv_dtype)
+        if gc is None:
+            notes.append(f"group {g.name}: not in the calibration (prior values)")
+            rm, sync = prior_rm, weight_sync_s(prior_rm, trainer_acc)
+            kl, ext, growth = prior.kl_k3, prior.extreme_share, prior.growth_per_staleness
+        else:
+            rm, sync = gc.apply(prior_rm), gc.weight_sync_s.value
+            kl, ext, growth = gc.kl_k3.value, gc.extreme_share.value, gc.kl_growth_per_staleness.value
+        models[g.name] = rm
+        tps, usd_mtok = nominal_point(rm if calibrated_routing else prior_rm, ctx)
+        groups.append(GroupSetup(
+            name=g.name, rates=TabulatedRates(rm, workload.max_context), replicas=g.replicas,
+            min_replicas=g.min_replicas, max_replicas=g.max_replicas, capacity_tokens_per_s=tps,
+            usd_per_mtoken=usd_mtok, weight_sync_s=sync, kl_k3=kl, extreme_share=ext, kl_growth_per_version=growth))
+    if plan.trainer.accelerator != cal.trainer_accelerator:
+        notes.append(f"trainer {plan.trainer.accelerator} differs from the calibrated {cal.trainer_accelerator}: "
+                     "the fitted scale and overheads are applied as is")
+    gpus = plan.trainer.gpus
+    trainer = TrainerSetup(
+        train_step_s=lambda tokens: float(cal.trainer_step_s(model, cat, gpus, tokens)
+                                          if plan.trainer.accelerator == cal.trainer_accelerator
+                                          else _other_trainer(cal, model, cat, trainer_acc.name, gpus, tokens)),
+        usd_per_hour=gpus * trainer_acc.price_usd_per_gpu_hour)
+    return Setup(groups=groups, trainer=trainer, workload=workload, models=models), notes
+
+
+def _other_trainer(cal: Calibration, model: Any, cat: Any, acc: str, gpus: int, tokens: float) -> float:
+    from mixfleet.costmodel.roofline import trainer_step_s
+
+    base = float(trainer_step_s(model, cat.accelerator(acc), gpus, tokens, overhead_s=0.0))
+    return cal.trainer_scale.value * base + cal.trainer_overhead_s.value + cal.update_overhead_s.value
+
+
+def plan_as_run(plan: Plan, log: RunLog) -> Plan:
+    """The plan with each group's replica count set to what the run really started (embedded rehearsals
+    scale groups down; the runner header records `runner.groups.<name>.replicas`)."""
+    ran = (log.header.get("runner") or {}).get("groups") or {}
+    over: dict[str, Any] = {}
+    for g in plan.groups:
+        info = ran.get(g.name)
+        if isinstance(info, dict) and isinstance(info.get("replicas"), int) and info["replicas"] != g.replicas:
+            n = int(info["replicas"])
+            over[f"groups.{g.name}.min_replicas"] = min(g.min_replicas, n)
+            over[f"groups.{g.name}.max_replicas"] = n
+            over[f"groups.{g.name}.replicas"] = n
+    if not over:
+        return plan
+    # replicas first lowered together with its bounds (with_overrides validates the merged plan once)
+    return with_overrides(plan, over)
+
+
+# ---- the comparison -------------------------------------------------------------------------------
+
+@dataclass(frozen=True, kw_only=True)
+class FidelityRow:
+    metric: str
+    measured: float
+    predicted: float
+    unit: str = ""
+    kind: str = "rel"                # "rel": relative error; "pp": difference in percentage points; "abs"
+
+    @property
+    def error(self) -> float:
+        """Relative error (predicted - measured) / |measured|, or the difference for kind "pp" / "abs"."""
+        a, b = self.measured, self.predicted
+        if not (math.isfinite(a) and math.isfinite(b)):
+            return math.nan
+        if self.kind == "pp":
+            return 100.0 * (b - a)
+        if self.kind == "abs":
+            return b - a
+        return 0.0 if a == b else ((b - a) / abs(a) if a != 0 else math.nan)
+
+    def to_dict(self) -> dict[str, Any]:
+        def clean(x: float) -> float | None:
+            return float(x) if math.isfinite(x) else None
+        return {"metric": self.metric, "measured": clean(self.measured), "predicted": clean(self.predicted),
+                "unit": self.unit, "error": clean(self.error),
+                "error_kind": {"rel": "relative", "pp": "percentage points", "abs": "difference"}[self.kind]}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FidelityReport:
+    plan: str
+    runlog: str
+    calibration: str                 # path or "" (priors)
+    updates: int
+    seed: int
+    rows: list[FidelityRow]
+    notes: list[str] = field(default_factory=list)
+    twin_runlog: str = ""
+
+    def row(self, metric: str) -> FidelityRow:
+        for r in self.rows:
+            if r.metric == metric:
+                return r
+        raise KeyError(metric)
+
+    def goals(self) -> dict[str, Any]:
+        """The cross-validation goals: time/update within 10%, share of samples within 3 pp, staleness 0.5."""
+        t = self.row("time_per_update_mean_s").error
+        shares = [abs(r.error) for r in self.rows if r.metric.startswith("share_of_samples[")]
+        st = self.row("staleness_mean").error
+        return {"time_per_update_within_10pct": bool(math.isfinite(t) and abs(t) <= 0.10),
+                "time_per_update_rel_error": t if math.isfinite(t) else None,
+                "share_of_samples_within_3pp": bool(shares and max(shares) <= 3.0),
+                "share_of_samples_max_error_pp": max(shares) if shares else None,
+                "staleness_within_half_update": bool(math.isfinite(st) and abs(st) <= 0.5),
+                "staleness_error_updates": st if math.isfinite(st) else None}
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"plan": self.plan, "runlog": self.runlog, "calibration": self.calibration, "updates": self.updates,
+                "seed": self.seed, "rows": [r.to_dict() for r in self.rows], "goals": self.goals(),
+                "notes": list(self.notes)}
+
+
+def run_metrics(path: str | Path) -> dict[str, Any]:
+    """The fidelity metrics of one run log (the same definitions for the twin and the runner)."""
+    log = RunLog.open(path)
+    s = summarize(log)
+    up = log.updates.sort_values("version")
+    ends = up["end_s"].to_numpy(dtype=np.float64)
+    t0 = loop_start_s(log)
+    iv = np.diff(ends, prepend=t0) if len(ends) else np.array([])
+    span = float(ends.max()) - t0 if len(ends) else math.nan
+    busy = float((up["train_step_s"] + up["weight_sync_s"]).sum())
+    gr = log.groups
+    out: dict[str, Any] = {
+        "time_per_update_mean_s": float(iv.mean()) if len(iv) else math.nan,
+        "time_per_update_p95_s": float(np.percentile(iv, 95)) if len(iv) else math.nan,
+        "staleness_mean": s.staleness_mean,
+        "trainer_idle_share": 1.0 - busy / span if span > 0 else math.nan,
+        "cost_per_update_usd": s.cost_per_update_usd,
+        "cost_sampler_per_update_usd": s.cost_sampler_per_update_usd,
+        "kl_k3": s.kl_k3, "extreme_share": s.extreme_share,
+        "groups": {},
+    }
+    for g in s.group_share_of_samples:
+        tok = float(gr.loc[gr["group"] == g, "tokens_generated"].sum()) if len(gr) else math.nan
+        out["groups"][g] = {"tokens_per_s": tok / span if span > 0 else math.nan,
+                            "share_of_samples": s.group_share_of_samples.get(g, math.nan),
+                            "kl_k3": s.group_kl_k3.get(g, math.nan),
+                            "extreme_share": s.group_extreme_share.get(g, math.nan)}
+    return out
+
+
+def compare_metrics(measured: dict[str, Any], predicted: dict[str, Any]) -> list[FidelityRow]:
+    rows = [FidelityRow(metric="time_per_update_mean_s", measured=measured["time_per_update_mean_s"],
+                        predicted=predicted["time_per_update_mean_s"], unit="s"),
+            FidelityRow(metric="time_per_update_p95_s", measured=measured["time_per_update_p95_s"],
+                        predicted=predicted["time_per_update_p95_s"], unit="s"),
+            FidelityRow(metric="staleness_mean", measured=measured["staleness_mean"],
+                        predicted=predicted["staleness_mean"], unit="versions", kind="abs"),
+            FidelityRow(metric="trainer_idle_share", measured=measured["trainer_idle_share"],
+                        predicted=predicted["trainer_idle_share"], unit="share", kind="pp"),
+            FidelityRow(metric="cost_per_update_usd", measured=measured["cost_per_update_usd"],
+                        predicted=predicted["cost_per_update_usd"], unit="USD"),
+            FidelityRow(metric="cost_sampler_per_update_usd", measured=measured["cost_sampler_per_update_usd"],
+                        predicted=predicted["cost_sampler_per_update_usd"], unit="USD"),
+            FidelityRow(metric="kl_k3", measured=measured["kl_k3"], predicted=predicted["kl_k3"], unit="nats/token"),
+            FidelityRow(metric="extreme_share", measured=measured["extreme_share"],
+                        predicted=predicted["extreme_share"], unit="share", kind="pp")]
+    for g in sorted(set(measured["groups"]) | set(predicted["groups"])):
+        m, p = measured["groups"].get(g, {}), predicted["groups"].get(g, {})
+        for key, unit, kind in (("tokens_per_s", "tokens/s", "rel"), ("share_of_samples", "share", "pp"),
+                                ("kl_k3", "nats/token", "rel"), ("extreme_share", "share", "pp")):
+            rows.append(FidelityRow(metric=f"{key}[{g}]", measured=m.get(key, math.nan),
+                                    predicted=p.get(key, math.nan), unit=unit, kind=kind))
+    return rows
+
+
+def fidelity(plan: Plan | str | Path, runlog: str | Path, calibration: Calibration | str | Path | None = None, *,
+             keep_twin_log: str | Path | None = None, price_table: str | None = None) -> FidelityReport:
+    """Simulate `plan` as `runlog` ran it (seed, updates, replica counts, workload) and compare."""
+    from mixfleet.twin.sim import simulate
+
+    if not RunLog.is_run_log(runlog):
+        raise SpecError("fidelity", "runlog", str(runlog), "a run log folder (with run.json)")
+    log = RunLog.open(runlog)
+    n = len(log.updates)
+    if n < 1:
+        raise SpecError("fidelity", "runlog", str(runlog), "a run log with at least one finished update")
+    plan_name = str(plan)
+    plan = plan if isinstance(plan, Plan) else load_plan(plan)
+    plan = plan_as_run(plan, log)
+    cal = calibration if isinstance(calibration, Calibration) or calibration is None else Calibration.load(calibration)
+    notes: list[str] = []
+    setup = None
+    if cal is not None:
+        setup, notes = calibrated_setup(plan, cal, price_table=price_table)
+    else:
+        notes.append("no calibration: the cost model's priors and the plan's workload")
+    seed = int(log.header.get("seed", plan.seed))
+    out = Path(keep_twin_log) if keep_twin_log is not None else Path(tempfile.mkdtemp(prefix="mixfleet-fid-"))
+    if out.exists() and keep_twin_log is not None:
+        shutil.rmtree(out)
+    try:
+        simulate(replace(plan, seed=seed), updates=n, seed=seed, out=out, price_table=price_table, setup=setup)
+        predicted = run_metrics(out)
+    finally:
+        if keep_twin_log is None:
+            shutil.rmtree(out, ignore_errors=True)
+    measured = run_metrics(runlog)
+    if log.header.get("source") == "runner":
+        up = log.updates
+        if len(up) and float(up["cost_trainer_usd"].fillna(0).max()) == 0.0:
+            notes.append("the run log has no trainer cost (cost_trainer_usd = 0): compare cost_sampler_per_update")
+    return FidelityReport(plan=plan_name, runlog=str(runlog), calibration=(cal.source_path if cal else ""),
+                          updates=n, seed=seed, rows=compare_metrics(measured, predicted), notes=notes,
+                          twin_runlog=str(keep_twin_log) if keep_twin_log else "")
