@@ -33,7 +33,7 @@ def test_compare_puts_two_plans_side_by_side(tmp_path: Path) -> None:
     for needle in ("tiny-cpu", "tiny-two", "cost/update USD", "time/update s", "staleness mean",
                    "share of samples: cpu-nvfp4"):
         assert needle in res.stdout
-    js = json.loads(runner.invoke(app, ["compare", "tiny-cpu", str(other), "--updates", "2", "--json"]).stdout)
+    js = json.loads(runner.invoke(app, ["compare", "tiny-cpu", str(other), "--updates", "1", "--json"]).stdout)
     assert js["tiny-two"]["summary"]["group_share_of_samples"]["cpu-bf16"] > \
         js["tiny-cpu"]["summary"]["group_share_of_samples"]["cpu-bf16"]
 
