@@ -1,0 +1,221 @@
+"""Calibration: recovers known parameters from a run log the twin made with them; refuses thin data; TOML
+round trip; the calibrated twin uses the values; fidelity of the twin against its own log is exact; CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import typer
+from mixfleet.costmodel.calibration import (
+    Calibration,
+    CalibrationError,
+    Fitted,
+    GroupCalibration,
+    calibrate,
+    complete_until_s,
+)
+from mixfleet.costmodel.workload import load_workload
+from mixfleet.policies.plan import load_plan
+from mixfleet.twin.calibrated import calibrated_setup, fidelity, plan_as_run
+from mixfleet.twin.rates import build_setup
+from mixfleet.twin.sim import simulate
+from typer.testing import CliRunner
+
+PLAN = "tiny-cpu"
+TURN_LATENCY_S = 0.02
+# (decode_scale, weight_sync_s, kl_k3, kl growth, extreme share) per group: far from the priors on purpose
+TRUTH = {"cpu-bf16": (1.3, 0.02, 2e-3, 0.1, 3e-4), "cpu-fp8": (0.8, 0.03, 1e-2, 0.2, 2e-3),
+         "cpu-nvfp4": (1.1, 0.05, 3e-3, 0.05, 5e-4)}
+TRAINER_SCALE, TRAINER_OVERHEAD_S = 0.7, 0.5
+
+
+def truth_calibration() -> Calibration:
+    plan = load_plan(PLAN)
+    setup = build_setup(plan)
+    wl = load_workload(plan.workload).to_dict()
+    wl["tool_latency_s"] = {"kind": "const", "value": TURN_LATENCY_S}
+    groups = []
+    for g in plan.groups:
+        d, sync, kl, growth, ext = TRUTH[g.name]
+        prior_pf = setup.models[g.name].prefill_overhead_s
+        groups.append(GroupCalibration(
+            name=g.name, accelerator=g.accelerator, precision=g.precision, kv_dtype=g.kv_dtype, kernel=g.kernel,
+            decode_scale=Fitted(value=d), prefill_overhead_s=Fitted(value=d * prior_pf),
+            weight_sync_s=Fitted(value=sync), kl_k3=Fitted(value=kl), kl_growth_per_staleness=Fitted(value=growth),
+            extreme_share=Fitted(value=ext), extreme_growth_per_staleness=Fitted(value=0.0)))
+    return Calibration(groups=tuple(groups), trainer_accelerator=plan.trainer.accelerator,
+                       trainer_gpus=plan.trainer.gpus, trainer_scale=Fitted(value=TRAINER_SCALE),
+                       trainer_overhead_s=Fitted(value=TRAINER_OVERHEAD_S), update_overhead_s=Fitted(value=0.0),
+                       turn_latency_s=Fitted(value=TURN_LATENCY_S), model="tiny", workload=wl)
+
+
+@pytest.fixture(scope="module")
+def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Calibration]:
+    """A twin run log made with the truth's parameters (perturbed from the priors)."""
+    truth = truth_calibration()
+    plan = load_plan(PLAN)
+    setup, notes = calibrated_setup(plan, truth)
+    assert notes == []
+    out = tmp_path_factory.mktemp("cal") / "synthetic"
+    simulate(plan, updates=10, out=out, setup=setup)
+    return out, truth
+
+
+@pytest.fixture(scope="module")
+def fitted(synthetic: tuple[Path, Calibration]) -> Calibration:
+    return calibrate([synthetic[0]])
+
+
+def _rel(a: float, b: float) -> float:
+    return abs(a - b) / abs(b)
+
+
+def test_recovers_known_parameters_within_5_percent(fitted: Calibration) -> None:
+    for name, (d, sync, kl, growth, ext) in TRUTH.items():
+        g = fitted.group(name)
+        assert g is not None
+        assert _rel(g.decode_scale.value, d) < 0.05, (name, g.decode_scale)
+        assert g.decode_scale.stderr > 0 and math.isfinite(g.decode_scale.stderr)
+        assert _rel(g.weight_sync_s.value, sync) < 0.05
+        assert _rel(g.kl_k3.value, kl) < 0.05
+        assert _rel(g.kl_growth_per_staleness.value, growth) < 0.05
+        assert _rel(g.extreme_share.value, ext) < 0.05
+        assert g.extreme_growth_per_staleness.value < 1e-3  # the twin does not grow the extreme share
+        # the priors were far from the truth: the fit moved
+        assert _rel(g.decode_scale.prior, d) > 0.05 or _rel(g.kl_k3.prior, kl) > 0.05
+    assert _rel(fitted.trainer_scale.value, TRAINER_SCALE) < 0.05
+    assert _rel(fitted.trainer_overhead_s.value, TRAINER_OVERHEAD_S) < 0.05
+    assert abs(fitted.update_overhead_s.value) < 1e-9          # the twin starts an update as soon as it can
+    assert _rel(fitted.turn_latency_s.value, TURN_LATENCY_S) < 0.25   # a small term: looser
+    assert fitted.residuals["duration_rel_rms"] < 0.1
+
+
+def test_measured_workload(fitted: Calibration, synthetic: tuple[Path, Calibration]) -> None:
+    wl = fitted.workload_spec(load_workload("tiny-cpu"))
+    base = load_workload("tiny-cpu")
+    assert wl is not None
+    assert abs(wl.turns.mean - base.turns.mean) < 0.3
+    assert _rel(wl.reply_tokens.mean, base.reply_tokens.mean) < 0.1
+    assert _rel(wl.tool_output_tokens.mean, base.tool_output_tokens.mean) < 0.15
+    assert _rel(wl.prompt_tokens.mean, base.prompt_tokens.mean) < 0.1
+
+
+def test_refuses_too_little_data(tmp_path: Path) -> None:
+    out = tmp_path / "one"
+    simulate(PLAN, updates=1, out=out)
+    with pytest.raises(CalibrationError) as e:
+        calibrate([out])
+    msg = str(e.value)
+    assert "at least 2 trainer updates" in msg and "(got 1)" in msg
+    with pytest.raises(CalibrationError, match="not a run log"):
+        calibrate([tmp_path / "nothing-here"])
+    with pytest.raises(CalibrationError, match="at least one run log"):
+        calibrate([])
+    with pytest.raises(CalibrationError, match="finished trajectories"):
+        calibrate([out], min_trajectories=10_000, min_updates=1)
+
+
+def test_complete_until_skips_unlogged_prompts(synthetic: tuple[Path, Calibration]) -> None:
+    from mixfleet.costmodel.runlog import RunLog
+
+    tr = RunLog.open(synthetic[0]).trajectories
+    t_c = complete_until_s(tr)
+    ids = tr["prompt_id"].astype(int)
+    first_missing = min(set(range(ids.max() + 2)) - set(ids))
+    assert t_c == tr.loc[ids < first_missing, "start_s"].max()
+
+
+def test_toml_round_trip(fitted: Calibration, tmp_path: Path) -> None:
+    path = fitted.save(tmp_path / "cal.toml")
+    back = Calibration.load(path)
+    assert back.to_dict() == fitted.to_dict()
+    assert back.group("cpu-fp8").decode_scale == fitted.group("cpu-fp8").decode_scale
+    assert back.workload_spec() is not None
+    bad = tmp_path / "bad.toml"
+    bad.write_text(path.read_text().replace("schema = 1", "schema = 7"))
+    with pytest.raises(Exception, match="schema"):
+        Calibration.load(bad)
+    with pytest.raises(Exception, match="an existing TOML file"):
+        Calibration.load(tmp_path / "missing.toml")
+
+
+def test_calibrated_setup_uses_fitted_values(synthetic: tuple[Path, Calibration]) -> None:
+    truth = synthetic[1]
+    plan = load_plan(PLAN)
+    prior = build_setup(plan)
+    cal_setup, _ = calibrated_setup(plan, truth)
+    for gp, gc in zip(prior.groups, cal_setup.groups, strict=True):
+        d, sync, kl, growth, ext = TRUTH[gp.name]
+        assert gc.rates.decode_step_s(16, 200.0) == pytest.approx(d * gp.rates.decode_step_s(16, 200.0), rel=1e-9)
+        assert gc.rates.prefill_s(50) == pytest.approx(d * gp.rates.prefill_s(50), rel=1e-9)
+        assert (gc.weight_sync_s, gc.kl_k3, gc.kl_growth_per_version, gc.extreme_share) == (sync, kl, growth, ext)
+        assert gc.capacity_tokens_per_s == gp.capacity_tokens_per_s  # routing weights: the runner's (prior)
+    assert cal_setup.trainer.train_step_s(10_000) == pytest.approx(
+        TRAINER_SCALE * (prior.trainer.train_step_s(10_000) - 0.0 - load_cpu_trainer_overhead()) + TRAINER_OVERHEAD_S)
+    assert cal_setup.workload.tool_latency_s.mean == TURN_LATENCY_S
+
+
+def load_cpu_trainer_overhead() -> float:
+    from mixfleet.costmodel.catalog import load_catalog
+
+    return load_catalog().accelerator("CPU-2core").trainer_overhead_s
+
+
+def test_fidelity_of_the_twin_against_its_own_log_is_exact(synthetic: tuple[Path, Calibration]) -> None:
+    log, truth = synthetic
+    rep = fidelity(PLAN, log, truth)
+    assert rep.updates == 10
+    for r in rep.rows:
+        if math.isfinite(r.measured):
+            assert r.predicted == pytest.approx(r.measured, rel=1e-9, abs=1e-12), r.metric
+    g = rep.goals()
+    assert g["time_per_update_within_10pct"] and g["share_of_samples_within_3pp"] and g["staleness_within_half_update"]
+    # with the priors instead, the same log is predicted worse
+    prior_rep = fidelity(PLAN, log, None)
+    assert abs(prior_rep.row("time_per_update_mean_s").error) > 0.05
+
+
+def test_plan_as_run_uses_the_runner_replica_counts(synthetic: tuple[Path, Calibration]) -> None:
+    from mixfleet.costmodel.runlog import RunLog
+
+    log = RunLog.open(synthetic[0])
+    plan = load_plan(PLAN)
+    assert plan_as_run(plan, log) is plan
+    log.header["runner"] = {"groups": {"cpu-fp8": {"replicas": 2}}}
+    ran = plan_as_run(plan, log)
+    assert ran.group("cpu-fp8").replicas == 2 and ran.group("cpu-bf16").replicas == 1
+
+
+def _app() -> typer.Typer:
+    from mixfleet.ui.commands import calibrate as cmd
+
+    app = typer.Typer()
+    cmd.register(app)
+
+    @app.command("noop")
+    def _noop() -> None:  # a second command keeps typer in multi-command mode
+        pass
+    return app
+
+
+def test_cli_calibrate_and_fidelity(synthetic: tuple[Path, Calibration], tmp_path: Path) -> None:
+    runner = CliRunner()
+    app = _app()
+    out = tmp_path / "c.toml"
+    res = runner.invoke(app, ["calibrate", str(synthetic[0]), "-o", str(out)], env={"COLUMNS": "250"})
+    assert res.exit_code == 0, res.output
+    assert "decode_scale" in res.output and "cpu-nvfp4" in res.output and out.is_file()
+    res = runner.invoke(app, ["calibrate", str(synthetic[0]), "--json"])
+    d = json.loads(res.output)
+    assert {g["name"] for g in d["groups"]} == set(TRUTH)
+    res = runner.invoke(app, ["fidelity", PLAN, "--runlog", str(synthetic[0]), "--calibration", str(out), "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["metric"]: r for r in json.loads(res.output)["rows"]}
+    assert abs(rows["time_per_update_mean_s"]["error"]) < 0.1
+    res = runner.invoke(app, ["calibrate", str(tmp_path / "nope")])
+    assert res.exit_code == 2 and "not a run log" in res.output
+    res = runner.invoke(app, ["fidelity", PLAN, "--runlog", str(tmp_path / "nope")])
+    assert res.exit_code == 2 and "run log folder" in res.output

@@ -1,0 +1,115 @@
+"""`mixfleet` commands: calibrate (fit the cost model to run logs) and fidelity (the twin vs a real run).
+
+Rendering only: the fit is `mixfleet.costmodel.calibration`, the calibrated twin and the comparison are
+`mixfleet.twin.calibrated`. Bad input prints one line (field, value, what is allowed) and exits with 2.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import typer
+
+
+def _fail(e: Exception) -> None:
+    typer.echo(f"error: {e}", err=True)
+    raise typer.Exit(code=2)
+
+
+def _fmt(x: float, spec: str = ".4g") -> str:
+    return "—" if x is None or not math.isfinite(x) else format(x, spec)
+
+
+def _clean(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _clean(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_clean(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return x
+
+
+def register(app: typer.Typer) -> None:
+    """Add `calibrate` and `fidelity` to the `mixfleet` app."""
+
+    @app.command("calibrate")
+    def calibrate_cmd(
+        runlogs: list[Path] = typer.Argument(..., help="Run-log folders (real or twin) of one model and trainer."),
+        out: Path = typer.Option(None, "--out", "-o", help="Write the calibration here (TOML)."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    ) -> None:
+        """Fit the cost model's free parameters to run logs: each value with its uncertainty and the residuals."""
+        from mixfleet.costmodel.calibration import calibrate, calibration_dict
+        from mixfleet.costmodel.errors import SpecError
+
+        try:
+            cal = calibrate(runlogs)
+        except (SpecError, FileNotFoundError, OSError) as e:
+            _fail(e)
+        if out is not None:
+            cal.save(out)
+        if as_json:
+            typer.echo(json.dumps(_clean({**calibration_dict(cal), "written_to": str(out) if out else None}), indent=2))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        t = Table(title=f"Calibration from {cal.counts.get('runs', 0)} run log(s): {cal.counts.get('updates', 0)} "
+                        f"updates, {cal.counts.get('trajectories', 0)} trajectories")
+        for col in ("scope", "parameter", "fitted", "± 1σ", "prior", "unit", "note"):
+            t.add_column(col, justify="right" if col in ("fitted", "± 1σ", "prior") else "left")
+        for scope, name, f in cal.table():
+            t.add_row(scope, name, _fmt(f.value), _fmt(f.stderr) if f.fitted else "(not fitted)", _fmt(f.prior),
+                      f.unit, f.note)
+        Console().print(t)
+        typer.echo("residuals: " + ", ".join(f"{k} {_fmt(v, '.3g')}" for k, v in cal.residuals.items()))
+        if cal.workload:
+            w = cal.workload
+            typer.echo(f"measured workload: {len(w['turns']['values'])} trajectories' turns, tool output "
+                       f"{_fmt(w['tool_output_tokens']['value'], '.1f')} tokens/turn, turn latency "
+                       f"{_fmt(w['tool_latency_s']['value'], '.3g')} s")
+        if out is not None:
+            typer.echo(f"calibration written to {out} (use: mixfleet fidelity PLAN --runlog RUN --calibration {out})")
+
+    @app.command("fidelity")
+    def fidelity_cmd(
+        plan: str = typer.Argument(..., help="The plan the run log ran (TOML path or shipped name)."),
+        runlog: Path = typer.Option(..., "--runlog", "-r", help="The measured run log folder."),
+        calibration: Path = typer.Option(None, "--calibration", "-c", help="Calibration TOML (default: priors)."),
+        keep: Path = typer.Option(None, "--keep-twin-log", help="Keep the twin's run log in this folder."),
+        as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+    ) -> None:
+        """Simulate PLAN as the run ran it (seed, updates, replicas, workload); predicted vs measured."""
+        from mixfleet.costmodel.errors import SpecError
+        from mixfleet.twin.calibrated import fidelity
+
+        try:
+            rep = fidelity(plan, runlog, calibration, keep_twin_log=keep)
+        except (SpecError, FileNotFoundError, OSError) as e:
+            _fail(e)
+        if as_json:
+            typer.echo(json.dumps(_clean(rep.to_dict()), indent=2))
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        src = f"calibration {rep.calibration}" if rep.calibration else "priors (no calibration)"
+        t = Table(title=f"Fidelity: {Path(rep.plan).stem}, {rep.updates} updates, seed {rep.seed}; twin with {src}")
+        for col in ("metric", "measured", "predicted", "error", "unit"):
+            t.add_column(col, justify="left" if col in ("metric", "unit") else "right")
+        for r in rep.rows:
+            err = r.error
+            shown = "—" if not math.isfinite(err) else (f"{err:+.1%}" if r.kind == "rel" else
+                                                          f"{err:+.2f} pp" if r.kind == "pp" else f"{err:+.3g}")
+            t.add_row(r.metric, _fmt(r.measured), _fmt(r.predicted), shown, r.unit)
+        Console().print(t)
+        g = rep.goals()
+        typer.echo(f"goals: time/update within 10%: {g['time_per_update_within_10pct']}; share of samples within "
+                   f"3 pp: {g['share_of_samples_within_3pp']}; staleness within 0.5: "
+                   f"{g['staleness_within_half_update']}")
+        for n in rep.notes:
+            typer.echo(f"note: {n}")
