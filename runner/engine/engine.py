@@ -28,11 +28,13 @@ from pathlib import Path
 
 import torch
 from mixfleet.runner.engine.kvcache import KV_DTYPES, KVPool, SessionKV
-from mixfleet.runner.engine.model import KERNEL_DTYPES, Weights, decode, load_weights, prefill, same_architecture
+from mixfleet.runner.engine.model import KERNEL_DTYPES, Weights, decode, load_weights, prefill_many, same_architecture
 from mixfleet.runner.engine.quant import FP8_SCALINGS, WEIGHT_PRECISIONS
 from mixfleet.runner.engine.sampling import GREEDY_TEMPERATURE, RowParams, sample_batch
 from mixfleet.runner.engine_api import EngineRequest, RequestResult, SamplingParams, TokenOutput
 from mixfleet.runner.tokenizer import ByteTokenizer
+
+NOISE_TAG = "+noise"    # kernel spelling of the emulated kernel error: "bf16+noise0.3" (plans' group `kernel`)
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +47,8 @@ class EngineConfig:
 
     precision: str = "bf16"                  # weight format: fp32 | bf16 | fp8 | nvfp4 | mxfp4
     kv_cache_dtype: str = "bf16"             # bf16 | fp8_e4m3 | fp32
-    kernel: str | None = None                # matmul dtype: fp32 | bf16 (None: fp32 for fp32 weights, else bf16)
+    kernel: str | None = None                # matmul dtype: fp32 | bf16 (None: fp32 for fp32 weights, else bf16);
+                                             # "<dtype>+noise<s>" (e.g. "bf16+noise0.3") also sets weight_noise = s
     max_total_tokens: int = 65536            # KV-token budget (prompt + max_new_tokens reserved per request)
     max_running_requests: int = 64           # batch size limit
     sampling_mask_max_tokens: int = 512      # largest kept set a request may ask to have returned
@@ -55,6 +58,8 @@ class EngineConfig:
     seed: int = 0                            # seeds requests that bring no sampling_seed
     max_cached_sessions: int = 256           # sessions whose last turn's KV is kept (LRU; their tokens
                                              # together at most max_total_tokens)
+    weight_noise: float = 0.0                # emulated kernel error, relative std (0 = off; model.py's doc):
+                                             # the ablation study's mismatch knob, seeded by `seed`
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: object) -> ValueError:
@@ -64,8 +69,21 @@ class EngineConfig:
             raise bad("precision", ", ".join(WEIGHT_PRECISIONS))
         if self.kv_cache_dtype not in KV_DTYPES:
             raise bad("kv_cache_dtype", ", ".join(KV_DTYPES))
+        if isinstance(self.kernel, str) and NOISE_TAG in self.kernel:
+            dtype, _, value = self.kernel.partition(NOISE_TAG)
+            try:
+                noise = float(value)
+            except ValueError:
+                raise bad("kernel", f"{', '.join(KERNEL_DTYPES)}, or '<one of them>{NOISE_TAG}<relative std>'") \
+                    from None
+            object.__setattr__(self, "kernel", dtype or None)
+            object.__setattr__(self, "weight_noise", noise)
         if self.kernel is not None and self.kernel not in KERNEL_DTYPES:
-            raise bad("kernel", ", ".join(KERNEL_DTYPES))
+            raise bad("kernel", ", ".join(KERNEL_DTYPES) + f" (optionally + '{NOISE_TAG}<relative std>')")
+        if not (isinstance(self.weight_noise, int | float) and 0.0 <= self.weight_noise < 10.0):
+            raise bad("weight_noise", "a number in [0, 10)")
+        if self.weight_noise > 0 and self.fp8_scaled_mm:
+            raise bad("weight_noise", "0 with fp8_scaled_mm")
         if self.fp8_scaling not in FP8_SCALINGS:
             raise bad("fp8_scaling", ", ".join(FP8_SCALINGS))
         for name in ("max_total_tokens", "max_running_requests", "sampling_mask_max_tokens"):
@@ -112,8 +130,9 @@ class Engine:
                  kernel: str | None = None, max_total_tokens: int = 65536, max_running_requests: int = 64,
                  sampling_mask_max_tokens: int = 512, fp8_scaling: str = "block", fp8_scaled_mm: bool = False,
                  device: str = "cpu", seed: int = 0, max_cached_sessions: int = 256,
-                 weight_version: str | None = None) -> None:
+                 weight_version: str | None = None, weight_noise: float = 0.0) -> None:
         self.config = EngineConfig(precision=precision, kv_cache_dtype=kv_cache_dtype, kernel=kernel,
+                                   weight_noise=weight_noise,
                                    max_total_tokens=max_total_tokens, max_running_requests=max_running_requests,
                                    sampling_mask_max_tokens=sampling_mask_max_tokens, fp8_scaling=fp8_scaling,
                                    fp8_scaled_mm=fp8_scaled_mm, device=device, seed=seed,
@@ -167,7 +186,8 @@ class Engine:
     def _load(self, path: str | Path, version: str | None) -> Weights:
         c = self.config
         return load_weights(path, precision=c.precision, kernel=c.kernel_dtype, version=version,
-                            fp8_scaling=c.fp8_scaling, fp8_scaled_mm=c.fp8_scaled_mm, device=c.device)
+                            fp8_scaling=c.fp8_scaling, fp8_scaled_mm=c.fp8_scaled_mm, device=c.device,
+                            weight_noise=c.weight_noise, noise_seed=c.seed)
 
     # ---- requests ------------------------------------------------------------------------------
     def validate(self, req: EngineRequest) -> None:
@@ -370,7 +390,8 @@ class Engine:
                 "max_total_num_tokens": c.max_total_tokens,
                 "max_running_requests": c.max_running_requests, "sampling_mask_max_tokens": c.sampling_mask_max_tokens,
                 "context_length": self.context_length, "vocab_size": self.vocab_size, "device": c.device,
-                "fp8_scaling": c.fp8_scaling, "fp8_scaled_mm": c.fp8_scaled_mm, "tp_size": 1,
+                "fp8_scaling": c.fp8_scaling, "fp8_scaled_mm": c.fp8_scaled_mm, "weight_noise": c.weight_noise,
+                "tp_size": 1,
                 "weight_version": self.weight_version}
 
     # ---- the loop --------------------------------------------------------------------------------
@@ -400,9 +421,11 @@ class Engine:
                 self._wake.clear()
 
     def _admit(self, w: Weights) -> int:
-        """Admit waiting requests (FIFO) while the batch and the KV-token budget allow; prefill each."""
+        """Admit waiting requests (FIFO) while the batch and the KV-token budget allow; prefill them
+        together (reusing a session's cached prefix) and sample each one's first token."""
         reserved = sum(r.reserved_tokens for r in self._running)
-        n = 0
+        admitted: list[_Running] = []
+        items: list[tuple[int, list[int], int]] = []
         while self._waiting:
             r = self._waiting[0]
             if r.req.params.max_new_tokens == 0:
@@ -431,11 +454,13 @@ class Engine:
                 if start > 0:
                     self._kv.import_(slot, sess, start)
                     r.cached_tokens = start
-            logits = prefill(w, self._kv, slot, ids[start:], start)
+            items.append((slot, ids[start:], start))
             r.kv_len = len(ids)
-            self._sample_and_emit(w, [r], logits[None, :])
-            n += 1
-        return n
+            admitted.append(r)
+        if admitted:
+            logits = prefill_many(w, self._kv, items)
+            self._sample_and_emit(w, admitted, logits)
+        return len(admitted)
 
     def _decode(self, w: Weights) -> int:
         """One batched decode step for every running request (those admitted this step included)."""

@@ -3,7 +3,7 @@
 The forward is the one `runner/hf_checkpoint.py` defines (the trainer implements the same):
 embeddings (+ learned positions), per layer RMSNorm -> causal GQA attention (RoPE when configured)
 -> residual, RMSNorm -> SwiGLU -> residual; final RMSNorm; lm_head. Two entry points share it:
-`prefill` (one request, several tokens, causal) and `decode` (one token for each of a batch of
+`prefill_many` (new requests, several tokens each, causal) and `decode` (one token for each of a batch of
 requests of different lengths, padded and masked), both reading and writing a `KVPool`.
 
 Numerics: the seven linear weights of each layer are quantized to the precision (quant.py) and
@@ -11,11 +11,18 @@ stored *dequantized* in the kernel dtype (fp32 or bf16); embeddings, norms and l
 in bf16 (fp32 for the fp32 reference), as serving stacks do. Activations run in the kernel dtype;
 RMSNorm statistics, softmax and the logits are fp32. `Weights` is immutable: a weight update builds
 a new one and the engine swaps the reference between steps.
+
+Emulated kernel error (`weight_noise`, default 0 = off): the mismatch knob of the ablation study
+(docs/ablation/). Each linear weight and lm_head, after quantization, is multiplied by (1 + s * e),
+e ~ N(0, 1) drawn from a generator seeded by (`noise_seed`, the tensor's name): a fixed pattern,
+the same at every weight load, so, like a quantization error, it biases the sampler the same way
+at every version. It makes a tiny model's sampler-trainer mismatch as large as a study needs.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -74,10 +81,24 @@ def same_architecture(a: HFConfig, b: HFConfig) -> str | None:
     return None
 
 
+def perturb(w: torch.Tensor, rel_std: float, seed: int, name: str) -> torch.Tensor:
+    """`w * (1 + rel_std * e)`, e ~ N(0, 1) fixed by (seed, name) (emulated kernel error; see the module doc)."""
+    if rel_std <= 0.0:
+        return w
+    gen = torch.Generator().manual_seed((int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    e = torch.randn(w.shape, generator=gen, dtype=torch.float32)
+    return (w.to(torch.float32) * (1.0 + rel_std * e)).to(w.dtype)
+
+
 def build_weights(cfg: HFConfig, tensors: dict[str, torch.Tensor], *, precision: str, kernel: str,
                   version: str | None = None, fp8_scaling: str = "block", fp8_scaled_mm: bool = False,
-                  device: torch.device | str = "cpu") -> Weights:
-    """Quantize a checkpoint's tensors to `precision`, dequantize into the kernel dtype."""
+                  device: torch.device | str = "cpu", weight_noise: float = 0.0, noise_seed: int = 0) -> Weights:
+    """Quantize a checkpoint's tensors to `precision`, dequantize into the kernel dtype (then, if
+    `weight_noise` > 0, apply the emulated kernel error of the module doc)."""
+    if not (isinstance(weight_noise, int | float) and 0.0 <= weight_noise < 10.0):
+        raise ValueError(f"weight_noise {weight_noise!r}: allowed a number in [0, 10)")
+    if weight_noise > 0 and fp8_scaled_mm:
+        raise ValueError("weight_noise needs fp8_scaled_mm off (the FP8 operands could not carry it)")
     if precision not in WEIGHT_PRECISIONS:
         raise ValueError(f"precision {precision!r}: allowed {', '.join(WEIGHT_PRECISIONS)}")
     if kernel not in KERNEL_DTYPES:
@@ -105,7 +126,8 @@ def build_weights(cfg: HFConfig, tensors: dict[str, torch.Tensor], *, precision:
             fp8["gate_up"] = Fp8Weight(torch.cat([fp8[n].data for n in _LINEARS[4:6]]),
                                        torch.cat([fp8[n].scale for n in _LINEARS[4:6]]), "channel")
         else:
-            q = {n: fake_quantize(tensors[p + n + ".weight"].to(torch.float32), precision, fp8_scaling=fp8_scaling)
+            q = {n: perturb(fake_quantize(tensors[p + n + ".weight"].to(torch.float32), precision,
+                                          fp8_scaling=fp8_scaling), weight_noise, noise_seed, p + n)
                  for n in _LINEARS}
         layers.append(LayerWeights(
             ln1=plain(p + "input_layernorm.weight"), ln2=plain(p + "post_attention_layernorm.weight"),
@@ -125,17 +147,19 @@ def build_weights(cfg: HFConfig, tensors: dict[str, torch.Tensor], *, precision:
         cfg=cfg, version=str(cfg.weight_version if version is None else version), precision=precision,
         kernel=kernel, embed=plain("model.embed_tokens.weight"),
         pos=plain("model.embed_positions.weight") if cfg.position_embedding_type == "learned_absolute" else None,
-        layers=tuple(layers), norm=plain("model.norm.weight"), lm_head=plain(head_name).to(kdt),
+        layers=tuple(layers), norm=plain("model.norm.weight"),
+        lm_head=perturb(plain(head_name), weight_noise, noise_seed, head_name).to(kdt),
         rope_cos=cos, rope_sin=sin, fp8_scaled_mm=fp8_scaled_mm)
 
 
 def load_weights(path: str | Path, *, precision: str, kernel: str, version: str | None = None,
                  fp8_scaling: str = "block", fp8_scaled_mm: bool = False,
-                 device: torch.device | str = "cpu") -> Weights:
+                 device: torch.device | str = "cpu", weight_noise: float = 0.0, noise_seed: int = 0) -> Weights:
     """Read a checkpoint folder and build its `Weights` (version: the argument, else config's)."""
     cfg, tensors = load_checkpoint(path)
     return build_weights(cfg, tensors, precision=precision, kernel=kernel, version=version,
-                         fp8_scaling=fp8_scaling, fp8_scaled_mm=fp8_scaled_mm, device=device)
+                         fp8_scaling=fp8_scaling, fp8_scaled_mm=fp8_scaled_mm, device=device,
+                         weight_noise=weight_noise, noise_seed=noise_seed)
 
 
 # ---- building blocks ---------------------------------------------------------------------------
@@ -208,29 +232,45 @@ def _logits(w: Weights, x: torch.Tensor) -> torch.Tensor:
 
 # ---- entry points ------------------------------------------------------------------------------
 @torch.inference_mode()
-def prefill(w: Weights, kv: KVPool, slot: int, ids: list[int], start: int, *, all_logits: bool = False) -> torch.Tensor:
-    """Run tokens `ids` at positions start.. for the request in `slot` (positions < start are already
-    in the cache); write their KV. Returns the fp32 logits of the last token [vocab] (or of every
-    token [n, vocab] with all_logits)."""
+def prefill_many(w: Weights, kv: KVPool, items: list[tuple[int, list[int], int]], *,
+                 all_logits: bool = False) -> torch.Tensor:
+    """Prefill several requests at once: items are (slot, ids, start), the tokens `ids` at positions
+    start.. of the request in `slot` (positions < start are already cached). The linears run once over
+    all the new tokens; attention runs per request over its own slot. Writes the KV. Returns the fp32
+    logits of each item's last token [items, vocab] (of every new token [tokens, vocab] with all_logits)."""
     cfg = w.cfg
     dev = kv.device
-    n_new = len(ids)
-    total = start + n_new
-    pos = torch.arange(start, total, device=dev)
-    x = _embed(w, torch.tensor(ids, device=dev), pos)
-    slots = torch.full((n_new,), slot, device=dev, dtype=torch.long)
-    causal = torch.arange(total, device=dev)[None, :] <= pos[:, None]           # [n_new, total]
+    ids_all: list[int] = []
+    pos_parts, slot_parts, masks, spans = [], [], [], []
+    for slot, ids, start in items:
+        n, total = len(ids), start + len(ids)
+        pos = torch.arange(start, total, device=dev)
+        pos_parts.append(pos)
+        slot_parts.append(torch.full((n,), slot, device=dev, dtype=torch.long))
+        masks.append((torch.arange(total, device=dev)[None, :] <= pos[:, None])[None, None])   # [1,1,n,total]
+        spans.append((len(ids_all), n, total))
+        ids_all.extend(ids)
+    pos_all, slots_all = torch.cat(pos_parts), torch.cat(slot_parts)
+    x = _embed(w, torch.tensor(ids_all, device=dev), pos_all)
     scale = 1.0 / math.sqrt(cfg.head_dim)
     for li, lw in enumerate(w.layers):
-        q, k, v = _qkv(w, lw, x, pos)
-        kv.write(li, slots, pos, k, v)
-        kk, vv = kv.read_slot(li, slot, total, w.dtype)                          # [1, kvh, total, d]
-        o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kk, vv, attn_mask=causal[None, None],
-                                           scale=scale, enable_gqa=True)        # [1, h, n_new, d]
-        x = _mlp_and_out(w, lw, x, o[0].transpose(0, 1).reshape(n_new, -1))
+        q, k, v = _qkv(w, lw, x, pos_all)
+        kv.write(li, slots_all, pos_all, k, v)
+        outs = []
+        for (slot, _, _), (off, n, total), mask in zip(items, spans, masks, strict=True):
+            kk, vv = kv.read_slot(li, slot, total, w.dtype)                      # [1, kvh, total, d]
+            o = F.scaled_dot_product_attention(q[off:off + n].transpose(0, 1)[None], kk, vv, attn_mask=mask,
+                                               scale=scale, enable_gqa=True)    # [1, h, n, d]
+            outs.append(o[0].transpose(0, 1).reshape(n, -1))
+        x = _mlp_and_out(w, lw, x, torch.cat(outs) if len(outs) > 1 else outs[0])
     if not all_logits:
-        x = x[-1:]
-    out = _logits(w, x)
+        x = x[torch.tensor([off + n - 1 for off, n, _ in spans], device=dev)]
+    return _logits(w, x)
+
+
+def prefill(w: Weights, kv: KVPool, slot: int, ids: list[int], start: int, *, all_logits: bool = False) -> torch.Tensor:
+    """One request's prefill (see prefill_many): logits of its last token [vocab], or [n, vocab]."""
+    out = prefill_many(w, kv, [(slot, ids, start)], all_logits=all_logits)
     return out if all_logits else out[0]
 
 
