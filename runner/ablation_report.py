@@ -1,0 +1,336 @@
+"""The ablation report: reads the study's run logs (runner/experiments.py) and writes Markdown + plots.
+
+Per variant over updates (mean over seeds, per fleet): reward, sampler-trainer KL (k3) overall and per sampler
+group, share of tokens whose ratio r = p/q is outside [0.2, 5], gradient norm, entropy, and the share of
+episodes ending on three replies without a tool call ("no_tool_call_3x"). A verdict per run by the rule in
+`VERDICT_RULE` (written into the report). Per group: share of samples vs share of the extreme-ratio tokens
+(the seed's H100-FP8 vs NVFP4 comparison), plus the share outside the MIS band [0.5, 2].
+
+Plots are PNG through plotly + kaleido when kaleido (and a Chromium) work here, else plotly HTML files
+(plotly.js from its CDN when opened; nothing is downloaded while the report is built).
+
+    from mixfleet.runner.ablation_report import write_report
+    write_report("runs/ablation", "docs/ablation", notes="docs/ablation/notes.md")
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+from mixfleet.costmodel.runlog import RunLog
+
+RUN_FILE = "ablation_run.json"          # the sidecar runner/experiments.py writes (kept in sync by name)
+ABLATION_FILE = "ablation.json"
+NO_TOOL = "no_tool_call_3x"
+REWARD_DROP = 0.05                       # reward units (episode reward in [0, 1])
+KL_GROWTH = 3.0                          # x from the start window
+VERDICT_RULE = (
+    "For each run, the *start window* is its first w updates and the *end window* its last w updates, "
+    "w = max(1, min(3, updates // 4)). The start window's batches were sampled (almost) by the base policy, "
+    "so its mean reward is the base policy's reward on that fleet. A run **collapsed** if its end-window mean "
+    f"reward is more than {REWARD_DROP} below its start-window mean **and** its end-window mean KL (k3) is "
+    f">= {KL_GROWTH:g}x its start-window mean (the seed's two signs together). It is **unstable** if exactly one "
+    "of the two holds, else **stable**. The share of episodes ending on three replies without a tool call is "
+    "reported beside it (the seed's third sign), not used by the rule.")
+ORDER = ("grpo", "grpo_mis", "sc", "grpo_topp", "sc_mis", "sc_mis_topp")
+LABELS = {"grpo": "GRPO", "grpo_mis": "GRPO+MIS", "sc": "SC", "grpo_topp": "GRPO+top-p", "sc_mis": "SC+MIS",
+          "sc_mis_topp": "SC+MIS+top-p"}
+COLORS = {"grpo": "#d62728", "grpo_mis": "#ff7f0e", "sc": "#9467bd", "grpo_topp": "#8c564b", "sc_mis": "#1f77b4",
+          "sc_mis_topp": "#2ca02c"}
+METRICS = (("reward", "reward (mean)"), ("kl_k3", "KL k3 (sampler vs trainer)"),
+           ("extreme_share", "share of tokens r outside [0.2, 5]"), ("grad_norm", "gradient norm"),
+           ("entropy", "entropy (nats/token)"), ("no_tool_share", "share of episodes: 3 replies w/o tool call"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunData:
+    """One run's per-update series and per-group rows."""
+
+    fleet: str
+    variant: str
+    seed: int
+    path: Path
+    status: str
+    series: pd.DataFrame          # index version: reward, kl_k3, extreme_share, masked_share, grad_norm, entropy,
+                                  # no_tool_share, tokens
+    groups: pd.DataFrame          # the run log's groups table
+
+
+def _window(n: int) -> int:
+    return max(1, min(3, n // 4))
+
+
+def load_run(path: str | Path) -> RunData:
+    """Read one run folder (run log + `ablation_run.json`)."""
+    path = Path(path)
+    meta = json.loads((path / RUN_FILE).read_text()) if (path / RUN_FILE).exists() else {}
+    log = RunLog.open(path)
+    up = log.updates.sort_values("version").drop_duplicates("version", keep="last").set_index("version")
+    s = pd.DataFrame(index=up.index)
+    s["reward"] = up["reward_mean"]
+    s["kl_k3"] = up["kl_k3"]
+    s["extreme_share"] = up["extreme_low_share"].fillna(0.0) + up["extreme_high_share"].fillna(0.0)
+    s["masked_share"] = up["masked_share"]
+    s["grad_norm"] = up["grad_norm"]
+    s["entropy"] = up["entropy"]
+    s["tokens"] = up["tokens"]
+    tr = log.trajectories
+    tr = tr[tr["trained_version"] >= 1] if len(tr) else tr
+    if len(tr):
+        share = tr.assign(nt=(tr["finish_reason"] == NO_TOOL).astype(float)).groupby("trained_version")["nt"].mean()
+        s["no_tool_share"] = share.reindex(s.index)
+    else:
+        s["no_tool_share"] = math.nan
+    fleet = meta.get("fleet") or path.parent.parent.name
+    variant = meta.get("variant") or path.parent.name
+    seed = int(meta.get("seed", log.header.get("seed", 0)))
+    return RunData(fleet=fleet, variant=variant, seed=seed, path=path, status=str(log.header.get("status", "")),
+                   series=s, groups=log.groups)
+
+
+def find_runs(root: str | Path) -> list[RunData]:
+    """Every run under `root` that has a run log with at least one update (sorted fleet, variant, seed)."""
+    runs = []
+    for p in sorted(Path(root).rglob("run.json")):
+        if not RunLog.is_run_log(p.parent):
+            continue
+        r = load_run(p.parent)
+        if len(r.series):
+            runs.append(r)
+    key = {v: i for i, v in enumerate(ORDER)}
+    return sorted(runs, key=lambda r: (r.fleet != "mixed", r.fleet, key.get(r.variant, 99), r.variant, r.seed))
+
+
+def verdict(series: pd.DataFrame) -> dict[str, Any]:
+    """The stated rule (`VERDICT_RULE`) on one run's series, with the numbers it used."""
+    n = len(series)
+    w = _window(n)
+    a, b = series.iloc[:w], series.iloc[-w:]
+    r0, r1 = float(a["reward"].mean()), float(b["reward"].mean())
+    k0, k1 = float(a["kl_k3"].mean()), float(b["kl_k3"].mean())
+    growth = k1 / k0 if k0 > 0 else (math.inf if k1 > 0 else 1.0)
+    reward_fell = r1 < r0 - REWARD_DROP
+    kl_grew = growth >= KL_GROWTH
+    v = "collapsed" if reward_fell and kl_grew else "unstable" if reward_fell or kl_grew else "stable"
+    g0 = float(a["grad_norm"].mean())
+    return {"updates": n, "window": w, "reward_start": r0, "reward_end": r1, "kl_start": k0, "kl_end": k1,
+            "kl_growth": growth, "reward_fell": reward_fell, "kl_grew": kl_grew, "verdict": v,
+            "extreme_start": float(a["extreme_share"].mean()), "extreme_end": float(b["extreme_share"].mean()),
+            "grad_start": g0, "grad_max_over_start": float(series["grad_norm"].max()) / g0 if g0 > 0 else math.nan,
+            "entropy_start": float(a["entropy"].mean()), "entropy_end": float(b["entropy"].mean()),
+            "no_tool_start": float(a["no_tool_share"].mean()), "no_tool_end": float(b["no_tool_share"].mean())}
+
+
+def mean_series(runs: list[RunData]) -> pd.DataFrame:
+    """Mean over runs (seeds) per version, on the versions every run reached."""
+    frames = [r.series for r in runs]
+    common = frames[0].index
+    for f in frames[1:]:
+        common = common.intersection(f.index)
+    return sum(f.loc[common] for f in frames) / len(frames)
+
+
+def group_table(runs: list[RunData]) -> pd.DataFrame:
+    """Per group over the given runs: share of samples, of trained tokens, of extreme-ratio tokens (r outside
+    [0.2, 5]) and of out-of-band tokens (r outside the MIS band [0.5, 2]), token-weighted KL k3."""
+    g = pd.concat([r.groups for r in runs], ignore_index=True) if runs else pd.DataFrame()
+    if not len(g):
+        return pd.DataFrame()
+    g = g.assign(tok=g["tokens_trained"].astype(float))
+    g = g.assign(ext_tok=g["extreme_share"].fillna(0.0) * g["tok"], band_tok=g["masked_share"].fillna(0.0) * g["tok"],
+                 kl_tok=g["kl_k3"].fillna(0.0) * g["tok"])
+    agg = g.groupby("group")[["samples", "tok", "ext_tok", "band_tok", "kl_tok"]].sum()
+    out = pd.DataFrame(index=agg.index)
+    out["share_of_samples"] = agg["samples"] / max(agg["samples"].sum(), 1e-12)
+    out["share_of_tokens"] = agg["tok"] / max(agg["tok"].sum(), 1e-12)
+    out["extreme_tokens"] = agg["ext_tok"]
+    out["share_of_extreme_tokens"] = agg["ext_tok"] / agg["ext_tok"].sum() if agg["ext_tok"].sum() > 0 else math.nan
+    out["extreme_share_in_group"] = agg["ext_tok"] / agg["tok"].clip(lower=1e-12)
+    out["share_of_out_of_band_tokens"] = (agg["band_tok"] / agg["band_tok"].sum() if agg["band_tok"].sum() > 0
+                                          else math.nan)
+    out["out_of_band_share_in_group"] = agg["band_tok"] / agg["tok"].clip(lower=1e-12)
+    out["kl_k3"] = agg["kl_tok"] / agg["tok"].clip(lower=1e-12)
+    return out
+
+
+# ---- plots -------------------------------------------------------------------------------------------------
+def _png_ok() -> bool:
+    try:
+        import kaleido  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _save(fig: Any, out: Path, stem: str, png: bool, width: int, height: int) -> str:
+    if png:
+        try:
+            fig.write_image(str(out / f"{stem}.png"), width=width, height=height, scale=1)
+            return f"{stem}.png"
+        except Exception:  # noqa: BLE001 - no Chromium / kaleido failure: fall back to HTML
+            pass
+    fig.write_html(str(out / f"{stem}.html"), include_plotlyjs="cdn")
+    return f"{stem}.html"
+
+
+def _fig_metrics(fleet: str, by_variant: dict[str, list[RunData]]) -> Any:
+    from plotly.subplots import make_subplots
+
+    fig = make_subplots(rows=2, cols=3, subplot_titles=[t for _, t in METRICS], horizontal_spacing=0.07,
+                        vertical_spacing=0.12)
+    for v, runs in by_variant.items():
+        m = mean_series(runs)
+        for i, (col, _) in enumerate(METRICS):
+            row, c = i // 3 + 1, i % 3 + 1
+            for r in runs:                                    # thin lines: each seed
+                fig.add_scatter(x=list(r.series.index), y=list(r.series[col]), mode="lines", row=row, col=c,
+                                line={"color": COLORS.get(v, "#777"), "width": 0.7}, opacity=0.35,
+                                showlegend=False, hoverinfo="skip")
+            fig.add_scatter(x=list(m.index), y=list(m[col]), mode="lines", name=LABELS.get(v, v), row=row, col=c,
+                            line={"color": COLORS.get(v, "#777"), "width": 2.2}, legendgroup=v, showlegend=i == 0)
+    for i, (col, _) in enumerate(METRICS):
+        if col in ("kl_k3", "grad_norm"):
+            fig.update_yaxes(type="log", row=i // 3 + 1, col=i % 3 + 1)
+    fig.update_xaxes(title_text="update")
+    fig.update_layout(title=f"{fleet} fleet: per variant (thick: mean over seeds; thin: each seed)",
+                      template="plotly_white", legend={"orientation": "h", "y": -0.12})
+    return fig
+
+
+def _fig_group_kl(fleet: str, by_variant: dict[str, list[RunData]]) -> Any:
+    from plotly.subplots import make_subplots
+
+    keys = list(by_variant)
+    fig = make_subplots(rows=1, cols=len(keys), subplot_titles=[LABELS.get(k, k) for k in keys], shared_yaxes=True)
+    palette = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b"]
+    names: list[str] = []
+    for j, k in enumerate(keys):
+        g = pd.concat([r.groups for r in by_variant[k]], ignore_index=True)
+        if not len(g):
+            continue
+        per = g.groupby(["group", "version"])["kl_k3"].mean().reset_index()
+        for name, d in per.groupby("group"):
+            if name not in names:
+                names.append(name)
+            fig.add_scatter(x=list(d["version"]), y=list(d["kl_k3"]), mode="lines", name=str(name), row=1, col=j + 1,
+                            line={"color": palette[names.index(name) % len(palette)]}, legendgroup=str(name),
+                            showlegend=j == 0)
+    fig.update_yaxes(type="log")
+    fig.update_xaxes(title_text="update")
+    fig.update_layout(title=f"{fleet} fleet: KL k3 per sampler group (mean over seeds)", template="plotly_white")
+    return fig
+
+
+def _fig_group_shares(fleet: str, table: pd.DataFrame) -> Any:
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for col, name in (("share_of_samples", "share of samples"),
+                      ("share_of_extreme_tokens", "share of tokens with r outside [0.2, 5]"),
+                      ("share_of_out_of_band_tokens", "share of tokens with r outside [0.5, 2]")):
+        fig.add_bar(x=list(table.index), y=[0.0 if pd.isna(x) else float(x) for x in table[col]], name=name)
+    fig.update_layout(barmode="group", title=f"{fleet} fleet: per sampler group (all variants and seeds)",
+                      template="plotly_white", yaxis_title="share")
+    return fig
+
+
+# ---- Markdown ----------------------------------------------------------------------------------------------
+def _f(x: float, spec: str = ".3f") -> str:
+    return "n/a" if x is None or (isinstance(x, float) and not math.isfinite(x)) else format(x, spec)
+
+
+def _pct(x: float) -> str:
+    return "n/a" if not math.isfinite(x) else f"{100 * x:.2f} %"
+
+
+def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | None = None,
+                 plots: bool = True) -> dict[str, Any]:
+    """Read the runs under `root`, write `out_dir/README.md` and the plots; returns the verdicts and tables."""
+    root, out = Path(root), Path(out_dir)
+    runs = find_runs(root)
+    if not runs:
+        raise ValueError(f"ablation report: no run log with updates under {root}; allowed: the --out folder of "
+                         "`mixfleet experiment ablation`")
+    out.mkdir(parents=True, exist_ok=True)
+    manifest = json.loads((root / ABLATION_FILE).read_text()) if (root / ABLATION_FILE).exists() else {}
+    png = plots and _png_ok()
+    lines: list[str] = ["# Ablation: which corrections keep mixed-sampler RL stable (small scale)", ""]
+    if notes is not None and Path(notes).exists():
+        lines += [Path(notes).read_text().rstrip(), ""]
+    cfg = manifest.get("config", {})
+    fleets = sorted({r.fleet for r in runs}, key=lambda f: (f != "mixed", f))
+    seeds = sorted({r.seed for r in runs})
+    n_up = {r.updates for r in [verdict(x.series) | {"updates": len(x.series)} for x in runs]} if False else \
+        sorted({len(r.series) for r in runs})
+    lines += ["## Setup", "",
+              f"- Runs: {len(runs)} ({', '.join(fleets)} fleets x {len({r.variant for r in runs})} variants x "
+              f"{len(seeds)} seeds: {', '.join(map(str, seeds))}); updates per run: "
+              f"{', '.join(map(str, n_up))} (target {cfg.get('updates', 'n/a')}).",
+              f"- Plans: {', '.join(f'{k}: `{v}`' for k, v in manifest.get('plans', {}).items()) or 'n/a'}; "
+              f"learning rate {cfg.get('lr', 'n/a')}; top-p of the top-p variants {cfg.get('top_p', 'n/a')}.",
+              f"- Base policy: `{Path(str(manifest.get('base_policy', ''))).name or 'n/a'}` (the cached "
+              "`mixfleet pretrain` checkpoint unless the study set another).", "",
+              "## Verdict rule", "", VERDICT_RULE, ""]
+    result: dict[str, Any] = {"verdicts": [], "groups": {}}
+    for fleet in fleets:
+        fr = [r for r in runs if r.fleet == fleet]
+        by_variant: dict[str, list[RunData]] = {}
+        for r in fr:
+            by_variant.setdefault(r.variant, []).append(r)
+        lines += [f"## {fleet.capitalize()} fleet", ""]
+        if plots:
+            name = _save(_fig_metrics(fleet, by_variant), out, f"{fleet}_metrics", png, 1500, 850)
+            lines += [f"![{fleet} metrics]({name})" if name.endswith(".png") else f"[{fleet} metrics (HTML)]({name})",
+                      ""]
+        lines += ["| variant | seed | updates | reward start -> end | KL k3 start -> end (x) | r outside [0.2, 5] "
+                  "start -> end | grad norm max / start | entropy start -> end | no tool call x3 start -> end | "
+                  "verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in fr:
+            v = verdict(r.series)
+            result["verdicts"].append({"fleet": fleet, "variant": r.variant, "seed": r.seed, **v})
+            lines.append(
+                f"| {LABELS.get(r.variant, r.variant)} | {r.seed} | {v['updates']} | {_f(v['reward_start'])} -> "
+                f"{_f(v['reward_end'])} | {_f(v['kl_start'], '.2e')} -> {_f(v['kl_end'], '.2e')} "
+                f"({_f(v['kl_growth'], '.1f')}x) | {_pct(v['extreme_start'])} -> {_pct(v['extreme_end'])} | "
+                f"{_f(v['grad_max_over_start'], '.1f')} | {_f(v['entropy_start'])} -> {_f(v['entropy_end'])} | "
+                f"{_pct(v['no_tool_start'])} -> {_pct(v['no_tool_end'])} | **{v['verdict']}** |")
+        lines += ["", "Per variant (over seeds):", "", "| variant | verdicts | mean reward start -> end | "
+                  "mean KL growth |", "|---|---|---|---|"]
+        for k, rs in by_variant.items():
+            vs = [verdict(r.series) for r in rs]
+            counts = {x: sum(1 for y in vs if y["verdict"] == x) for x in ("stable", "unstable", "collapsed")}
+            lines.append(f"| {LABELS.get(k, k)} | " + ", ".join(f"{c} {x}" for x, c in counts.items() if c)
+                         + f" | {_f(sum(v['reward_start'] for v in vs) / len(vs))} -> "
+                         f"{_f(sum(v['reward_end'] for v in vs) / len(vs))} | "
+                         f"{_f(sum(v['kl_growth'] for v in vs) / len(vs), '.2f')}x |")
+        lines.append("")
+        table = group_table(fr)
+        result["groups"][fleet] = table
+        if len(table):
+            if plots and len(table) > 1:
+                name = _save(_fig_group_kl(fleet, by_variant), out, f"{fleet}_group_kl", png, 1500, 420)
+                lines += [f"![{fleet} KL per group]({name})" if name.endswith(".png")
+                          else f"[{fleet} KL per group (HTML)]({name})", ""]
+                name = _save(_fig_group_shares(fleet, table), out, f"{fleet}_group_shares", png, 900, 450)
+                lines += [f"![{fleet} group shares]({name})" if name.endswith(".png")
+                          else f"[{fleet} group shares (HTML)]({name})", ""]
+            lines += ["Per sampler group (all variants and seeds; token-weighted):", "",
+                      "| group | share of samples | share of trained tokens | KL k3 | r outside [0.2, 5]: in group "
+                      "| share of all such tokens | r outside [0.5, 2]: in group | share of all such tokens |",
+                      "|---|---|---|---|---|---|---|---|"]
+            for g, row in table.iterrows():
+                lines.append(f"| {g} | {_pct(row['share_of_samples'])} | {_pct(row['share_of_tokens'])} | "
+                             f"{_f(row['kl_k3'], '.2e')} | {_pct(row['extreme_share_in_group'])} | "
+                             f"{_pct(row['share_of_extreme_tokens'])} | {_pct(row['out_of_band_share_in_group'])} | "
+                             f"{_pct(row['share_of_out_of_band_tokens'])} |")
+            lines.append("")
+    if not png and plots:
+        lines += ["(Plots are HTML: kaleido was not available to render PNGs.)", ""]
+    (out / "README.md").write_text("\n".join(lines))
+    (out / "verdicts.json").write_text(json.dumps(result["verdicts"], indent=1, default=float))
+    return result
