@@ -265,3 +265,14 @@ def fidelity(plan: Plan | str | Path, runlog: str | Path, calibration: Calibrati
     return FidelityReport(plan=plan_name, runlog=str(runlog), calibration=(cal.source_path if cal else ""),
                           updates=n, seed=seed, rows=compare_metrics(measured, predicted), notes=notes,
                           twin_runlog=str(keep_twin_log) if keep_twin_log else "")
+
+
+def simulate_calibrated(plan: Plan | str | Path, calibration: Calibration | str | Path, **kwargs: Any) -> Any:
+    """`twin.sim.simulate` with a Calibration (object or TOML path) in place of the priors; kwargs as simulate's
+    (updates, seed, out, price_table, progress). Returns its TwinResult."""
+    from mixfleet.twin.sim import simulate
+
+    plan = plan if isinstance(plan, Plan) else load_plan(plan)
+    cal = calibration if isinstance(calibration, Calibration) else Calibration.load(calibration)
+    setup, _ = calibrated_setup(plan, cal, price_table=kwargs.get("price_table"))
+    return simulate(plan, setup=setup, **kwargs)
