@@ -207,15 +207,15 @@ def test_capacity_proportional_shares_match_capacity_over_a_long_run(tmp_path: P
         assert abs(r.summary.group_share_of_samples[name] - c / 650.0) <= 0.02
 
 
-@pytest.mark.parametrize("on_loss", ["resume", "restart"])
-def test_fault_injection_loses_no_trajectory(tmp_path: Path, on_loss: str) -> None:
-    groups = [gsetup("a", FixedRates(step_s=0.01, cold_start_s=2.0), replicas=2),
-              gsetup("b", FixedRates(step_s=0.02, cold_start_s=2.0), replicas=2, cap=50.0)]
+@pytest.mark.parametrize(("on_loss", "weight_sync"), [("resume", "in_flight"), ("restart", "drain")])
+def test_fault_injection_loses_no_trajectory(tmp_path: Path, on_loss: str, weight_sync: str) -> None:
+    groups = [gsetup("a", FixedRates(step_s=0.01, cold_start_s=2.0), replicas=2, sync_s=0.3),
+              gsetup("b", FixedRates(step_s=0.02, cold_start_s=2.0), replicas=2, cap=50.0, sync_s=0.3)]
     wl = workload(turns={"kind": "uniform", "low": 2, "high": 6, "integer": True}, samples_per_prompt=4,
                   prompts_per_update=2, tool_latency_s=0.3)
     r = sim(tmp_path, groups, wl, updates=15, train_s=0.5,
             faults={"preemptions_per_replica_hour": 600.0, "on_loss": on_loss},
-            policies={"autoscaler": {"name": "fixed", "interval_s": 1.0}})
+            policies={"autoscaler": {"name": "fixed", "interval_s": 1.0}, "weight_sync": {"name": weight_sync}})
     log = RunLog.open(tmp_path / "run")
     t, ev = log.trajectories, log.events
     assert r.turns_lost > 0 and (ev.kind == "preempt").sum() > 0 and (ev.kind == "ready").sum() > 0

@@ -220,7 +220,7 @@ class World:
         if rep not in g.replicas:
             return
         g.accrue(self.env.now)
-        rep.up, rep.version = True, g.weight_version
+        rep.up, rep.version, rep.draining, rep.pending = True, g.weight_version, False, None
         rep.t_s = rep.stall_until_s = self.env.now
         self._fleet_view = None
         self.event("ready", g.setup.name, rep.index, version=g.weight_version)
@@ -368,7 +368,8 @@ class World:
                        detail="drain" if decision.drain else "in_flight")
             if decision.drain:
                 for rep in g.replicas:
-                    rep.draining, rep.pending = True, (version, self.env.now + sync_s)
+                    if rep.up:  # a replica still cold-starting loads the newest weights when it is ready
+                        rep.draining, rep.pending = True, (version, self.env.now + sync_s)
             self.env.timeout(sync_s).callbacks.append(lambda _e, g=g, v=version: self._land(g, v))
         return slowest
 
@@ -427,9 +428,10 @@ class World:
             n_samples, n_tok, stale_sum = by_group.get(name, (0, 0, 0.0))
             g.samples += n_samples
             stale_mean = stale_sum / n_tok if n_tok else math.nan
-            kl = st.kl_k3 * (1.0 + st.kl_growth_per_version * (stale_mean if n_tok else 0.0))
+            growth = 1.0 + st.kl_growth_per_version * (stale_mean if n_tok else 0.0)  # the prior's staleness growth
+            kl, ext_g = st.kl_k3 * growth, min(1.0, st.extreme_share * growth)
             kl_sum += kl * n_tok if n_tok else 0.0
-            ext_sum += st.extreme_share * n_tok if n_tok else 0.0
+            ext_sum += ext_g * n_tok if n_tok else 0.0
             busy = sum(r.busy_s for r in g.replicas + g.retired)
             gen = sum(r.tokens_generated for r in g.replicas + g.retired)
             c0, up0, gen0, busy0 = self._last_group_marks[name]
@@ -439,7 +441,7 @@ class World:
                 version=version, group=name, replicas_up=up_s / window,
                 utilization=min(1.0, (busy - busy0) / up_s) if up_s > 0 else 0.0,
                 tokens_generated=int(gen - gen0), samples=n_samples, share_of_samples=n_samples / len(sessions),
-                kl_k3=kl if n_tok else math.nan, extreme_share=st.extreme_share if n_tok else math.nan,
+                kl_k3=kl if n_tok else math.nan, extreme_share=ext_g if n_tok else math.nan,
                 cost_usd=g.cost_usd - c0, staleness_mean=stale_mean, tokens_trained=int(n_tok)))
             self._last_group_marks[name] = (g.cost_usd, g.up_s, gen, busy)
         self._last_update_s = now
