@@ -10,7 +10,8 @@ Each (implementation, size) runs in a fresh subprocess so peaks do not leak betw
   logits are filled chunk by chunk so building them leaves no earlier, higher peak);
 - CUDA: torch.cuda.max_memory_allocated() minus the memory allocated after the inputs were built.
 "peak_bytes" includes the [T, V] gradient of the logits (in the logits' dtype), which every
-implementation must return; "working_bytes" is the peak minus that gradient buffer.
+implementation must return; "working_bytes" is what the loss needs beside it: the larger of the
+forward's peak (before the gradient exists) and the peak minus that gradient buffer.
 
     python benchmarks/loss_memory.py                       # CPU: T=8192 V=32000 fp32, and T=2048 V=151936
     python benchmarks/loss_memory.py --sizes 8192x32000 --dtype bf16
@@ -82,28 +83,36 @@ def child(impl: str, device: str, t: int, v: int, dtype_name: str, chunk: int, r
     else:
         base_bytes = rss_bytes()
         pre_peak = max_rss_bytes()
+
+    def peak_now() -> int:
+        return (torch.cuda.max_memory_allocated() if dev.type == "cuda" else max_rss_bytes()) - base_bytes
+
     times = []
-    for _ in range(repeats):
+    forward_peak = 0
+    for i in range(repeats):
         x.grad = None
         sync()
         t0 = time.perf_counter()
         loss, metrics = policy_loss(x, batch, cfg)
+        if i == 0:
+            sync()
+            forward_peak = peak_now()  # before the gradient buffer exists
         loss.backward()
         sync()
         times.append(time.perf_counter() - t0)
+    peak = peak_now()
     if dev.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - base_bytes
         name = torch.cuda.get_device_name(dev)
         note = ""
     else:
-        peak = max_rss_bytes() - base_bytes
         name = platform.processor() or platform.machine()
         note = "" if pre_peak <= base_bytes + (64 << 20) else f"setup peak {pre_peak - base_bytes} B above baseline"
     grad_bytes = t * v * x.element_size()
     return {
         "implementation": impl, "T": t, "V": v, "dtype": dtype_name, "chunk_size": chunk,
         "time_s": statistics.median(times), "times_s": times, "peak_bytes": peak,
-        "working_bytes": peak - grad_bytes, "grad_bytes": grad_bytes, "loss": float(loss),
+        "forward_peak_bytes": forward_peak, "working_bytes": max(forward_peak, peak - grad_bytes),
+        "grad_bytes": grad_bytes, "loss": float(loss),
         "k1": metrics["k1"], "device_name": name, "note": note,
     }
 
@@ -128,7 +137,7 @@ def main() -> None:
     ap.add_argument("--V", type=int, default=None, help="vocabulary size")
     ap.add_argument("--sizes", default="8192x32000,2048x151936", help="comma-separated TxV list")
     ap.add_argument("--dtype", default="fp32", choices=DTYPES, help="dtype of the logits")
-    ap.add_argument("--chunk-size", type=int, default=1024, help="rows per chunk")
+    ap.add_argument("--chunk-size", type=int, default=512, help="rows per chunk (the CorrectionConfig default)")
     ap.add_argument("--repeats", type=int, default=3, help="timed forward+backward runs (median reported)")
     ap.add_argument("--out", type=Path, default=None,
                     help="JSON path (default results/loss_memory.json; _<device>_<dtype> added unless cpu fp32)")
