@@ -341,8 +341,14 @@ class Orchestrator:
             init_from=self.config.init_checkpoint, state_dir=str(state_dir), correction=self.correction,
             optimizer={"lr": self.config.lr, "grad_clip_norm": self.config.grad_clip_norm},
             threads=self.config.trainer_threads, resume=resuming)
-        self.version = await self.trainer.version.remote()
-        if resuming:
+
+        def starts() -> list[Any]:
+            return [self._start_replica(g, cold=False) for g in self.fleet.groups for _ in range(g.replicas)]
+
+        if not resuming:                  # samplers load the base policy: start them while the trainer builds
+            self.version, *_ = await asyncio.gather(self.trainer.version.remote(), *starts())
+        else:
+            self.version = await self.trainer.version.remote()
             dropped = self.writer.truncate_after_version(self.version, tables=("updates", "groups"))
             dropped += _drop_trained_after(self.out / "trajectories", self.version)
             st = json.loads((state_dir / ORCH_STATE_FILE).read_text()) if (state_dir / ORCH_STATE_FILE).exists() else {}
@@ -355,10 +361,9 @@ class Orchestrator:
             self._t0 = time.monotonic() - float(st.get("elapsed_s", 0.0))
             self._last_update_end_s = float(st.get("elapsed_s", 0.0))
             self.event("resume", version=self.version, detail=json.dumps({"dropped_rows": dropped}))
-        if self.version > 0:
-            self.weights_path, self.weights_version = await self._export(self.version), self.version
-        await asyncio.gather(*[self._start_replica(g, cold=False) for g in self.fleet.groups
-                               for _ in range(g.replicas)])
+            if self.version > 0:
+                self.weights_path, self.weights_version = await self._export(self.version), self.version
+            await asyncio.gather(*starts())
         _ = ray
         for g in self.fleet.groups:
             self._group_marks[g.name] = (0.0, 0, self.now())
