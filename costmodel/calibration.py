@@ -426,12 +426,14 @@ def _replica_features(tr: pd.DataFrame, rm: ReplicaModel, rm_pf0: ReplicaModel, 
     return out[e <= complete_until].reset_index(drop=True)
 
 
-def complete_until_s(tr: pd.DataFrame) -> float:
+def complete_until_s(tr: pd.DataFrame, inflight_prompts: int | None = None) -> float:
     """The run-clock time before which every session that ran is in the trajectories table.
 
     Sessions still running (or finished but not yet trained) when a log ends are not logged, so the
     replicas' concurrency near the end is unknown. Prompts start in id order: if prompts 0..P are all
-    logged, every session started before prompt P+1 is, and prompt P+1 started no earlier than P."""
+    logged, every session started before prompt P+1 is in the log, and P+1 started no earlier than P.
+    With the batcher's in-flight limit L, prompt P+1 (>= L) also started no earlier than the (P+2-L)-th
+    completion of a prompt (at most L prompts run at once), which is known since those are all logged."""
     if not len(tr):
         return -math.inf
     ids = pd.to_numeric(tr["prompt_id"], errors="coerce")
@@ -443,7 +445,25 @@ def complete_until_s(tr: pd.DataFrame) -> float:
         p += 1
     if p < 0:
         return -math.inf
-    return float(tr.loc[ids <= p, "start_s"].max())
+    known = ids <= p
+    bound = float(tr.loc[known, "start_s"].max())
+    if inflight_prompts is not None and inflight_prompts >= 1 and p + 1 >= inflight_prompts:
+        done = np.sort(tr.loc[known].groupby(ids[known])["end_s"].max().to_numpy(dtype=np.float64))
+        k = p + 1 - inflight_prompts
+        if k < len(done):
+            bound = max(bound, float(done[k]))
+    return bound
+
+
+def inflight_limit(header: dict[str, Any]) -> int | None:
+    """The batcher's in-flight prompt limit from a run-log header's plan (None when unknown)."""
+    plan = header.get("plan") if isinstance(header, dict) else None
+    bat = ((plan or {}).get("policies") or {}).get("batcher") or {}
+    v = bat.get("inflight_prompts")
+    if isinstance(v, int) and not isinstance(v, bool) and v >= 1:
+        return v
+    ppu = bat.get("prompts_per_update")
+    return 4 * ppu if isinstance(ppu, int) and ppu >= 1 else None
 
 
 def _spread_ok(x: np.ndarray, y: np.ndarray) -> bool:
@@ -491,6 +511,9 @@ def _growth_fit(stale: np.ndarray, value: np.ndarray, weight: np.ndarray, prior_
         return (Fitted(value=prior_v0, prior=prior_v0, unit=unit, fitted=False, note=note),
                 Fitted(value=prior_g, prior=prior_g, unit="1/version", fitted=False, note=note))
     w = np.sqrt(weight / weight.mean())
+    if not (value > 0).any():
+        return (Fitted(value=0.0, stderr=0.0, prior=prior_v0, unit=unit, note="every measurement was 0"),
+                Fitted(value=prior_g, prior=prior_g, unit="1/version", fitted=False, note="level 0: prior kept"))
     if len(value) >= 3 and np.std(stale) >= MIN_STALENESS_SPREAD:
         A = np.stack([np.ones_like(stale), stale], axis=1)
         x, err, _, _ = _lsq(A, value, np.array([0.0, 0.0]), np.array([np.inf, np.inf]),
@@ -588,7 +611,7 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
         for r, g in members:
             tr = r.log.trajectories
             n += int(((tr["group"] == g.name) & (tr["generated_tokens"] > 0) & (tr["end_s"] > tr["start_s"])
-                      & (tr["end_s"] <= complete_until_s(tr))).sum())
+                      & (tr["end_s"] <= complete_until_s(tr, inflight_limit(r.log.header)))).sum())
         counts[key] = n
         if n < min_trajectories:
             missing.append(f"group {members[0][1].name} ({'/'.join(k for k in key if k)}): at least "
@@ -611,7 +634,7 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
             tr = tr[(tr["group"] == g.name) & (tr["generated_tokens"] > 0) & (tr["end_s"] > tr["start_s"])]
             trs_all.append(tr)
             for _, rep in tr.groupby("replica", sort=True):
-                parts.append((gi, rep, rm, complete_until_s(r.log.trajectories)))
+                parts.append((gi, rep, rm, complete_until_s(r.log.trajectories, inflight_limit(r.log.header))))
     gi_arr = np.concatenate([np.full(int((rep["end_s"] <= t_c).sum()), gi) for gi, rep, _, t_c in parts])
     m = len(gi_arr)
     x = np.concatenate([np.ones(G), [0.0]])
