@@ -83,12 +83,15 @@ def main() -> None:
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
 
+    import os
+
     import torch
     from mixfleet.costmodel.model import load_model_spec
     from mixfleet.runner.engine import Engine
     from mixfleet.runner.init_model import init_model
 
     torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
     batches = [int(b) for b in args.batches.split(",")]
     variants = [(p, False) for p in args.precisions.split(",")]
     if args.fp8_scaled_mm:
@@ -120,7 +123,9 @@ def main() -> None:
     out = {"benchmark": "engine_throughput", "device": args.device, "device_name": _device_name(args.device),
            "torch": torch.__version__, "threads": args.threads, "new_tokens": args.new_tokens,
            "model": "tiny (seeded init)" if args.model is None else args.model,
-           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "rows": rows}
+           "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu_count": os.cpu_count(),
+           "load_average_1m_before_after": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
+           "rows": rows}
     path = Path(args.out)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
