@@ -258,6 +258,7 @@ def test_pause_abort_then_new_requests_wait_for_resume(ckpts) -> None:
     assert c.results["q"].finish_reason["type"] == "abort"
     c.add(eng, req("r", prompt(1), 4))
     assert not eng.step() and "r" not in c.results
+    assert not eng.flush_cache()                          # refused while a request waits
     eng.resume()
     drain(eng)
     assert len(c.results["r"].output_ids) == 4

@@ -86,7 +86,7 @@ def perturb(w: torch.Tensor, rel_std: float, seed: int, name: str) -> torch.Tens
     if rel_std <= 0.0:
         return w
     gen = torch.Generator().manual_seed((int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    e = torch.randn(w.shape, generator=gen, dtype=torch.float32)
+    e = torch.randn(w.shape, generator=gen, dtype=torch.float32).to(w.device)
     return (w.to(torch.float32) * (1.0 + rel_std * e)).to(w.dtype)
 
 
