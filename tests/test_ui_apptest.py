@@ -95,6 +95,47 @@ def test_app_opens_on_the_plan_page_with_three_pages(env: Path) -> None:
     assert [t.value for t in at.title] == ["Plan"]
 
 
+def test_planner_runs_with_the_defaults_and_shows_a_mix(env: Path) -> None:
+    at = _app()
+    assert not at.warning, [w.value for w in at.warning]  # the planner is available
+    at.button(key="pl_go").click()
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert "Chosen mix" in [s.value for s in at.subheader]
+    mix = at.table[0].value
+    assert len(mix) >= 1 and (mix["replicas"].astype(int) >= 1).all()
+    assert set(mix["accelerator"]) <= {"B200", "B300", "H200", "H100", "A100-80GB", "RTX-PRO-6000"}
+    assert "Cost vs time per update" in _plotly_titles(at)
+    fig = json.loads(at.get("plotly_chart")[0].proto.spec)
+    names = [t.get("name") for t in fig["data"]]
+    assert "chosen mix (planner)" in names and "seed-mixed (twin)" in names and "seed-homogeneous (twin)" in names
+    plan_toml = at.session_state["planned_plan"].toml
+    from mixfleet.policies.plan import plan_from_dict
+
+    plan = plan_from_dict(__import__("tomllib").loads(plan_toml))  # the download is a valid plan
+    assert [g.name for g in plan.groups] == list(mix["group"])
+    assert [b.label for b in at.get("download_button")] == ["Download the plan TOML"]
+    at.switch_page("app_dryrun.py")
+    at.run()  # the Dry-run page offers the planned mix as plan A, a shipped fleet as plan B
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.radio(key="a_src").value == "Plan page" and at.radio(key="b_src").value == "Shipped plan"
+    assert any("the Plan page's chosen mix: **planned**" in c.value for c in at.caption)
+
+
+def test_plan_page_refuses_an_empty_pool(env: Path) -> None:
+    at = _app()
+    pool = at.data_editor[0]
+    at.session_state[pool.key] = {"edited_rows": {i: {"use": False} for i in range(len(pool.value))},
+                                  "added_rows": [], "deleted_rows": []}
+    at.run()
+    at.button(key="pl_go").click()
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    errors = [e.value for e in at.error]
+    assert len(errors) == 1 and "at least one accelerator" in errors[0]
+
+
 def test_runs_page_defaults_with_an_empty_folder_offers_a_demo_run(env: Path) -> None:
     at = _app("app_runs.py")
     assert [t.value for t in at.title] == ["Runs"]

@@ -100,6 +100,7 @@ def test_click_through_the_three_pages(app_url: str, tmp_path: Path) -> None:
     from playwright.sync_api import expect, sync_playwright
 
     shots = tmp_path / "screenshots"
+    expect.set_options(timeout=PAGE_TIMEOUT_MS)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
@@ -108,6 +109,7 @@ def test_click_through_the_three_pages(app_url: str, tmp_path: Path) -> None:
             page.goto(app_url)
             expect(page.get_by_role("heading", name="Plan", exact=True)).to_be_visible()
             # Plan: the planner runs with the defaults; the chosen mix and the Pareto chart appear
+            page.get_by_role("button", name="Run planner").click()
             mix = page.get_by_test_id("stTable").filter(has_text="replicas")
             expect(mix.first).to_be_visible()
             expect(page.get_by_role("heading", name="Chosen mix")).to_be_visible()

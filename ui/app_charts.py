@@ -165,30 +165,45 @@ def compare_bars(summaries: Sequence[tuple[str, Mapping[str, Any]]], metrics: Ma
 # ---- plan -------------------------------------------------------------------------------------------
 def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
            references: Sequence[Mapping[str, Any]] = ()) -> go.Figure:
-    """Candidates as cost per update vs time per update, colored by mean staleness; the Pareto front
-    joined, the chosen mix starred, reference fleets as labelled diamonds.
+    """The planner's Pareto set as cost per update vs time per update, colored by mean staleness (gray:
+    unbounded, trainer-bound), joined as a front; the chosen mix starred; twin dry runs (the chosen plan
+    and reference fleets) as labelled diamonds.
 
-    points: columns time_per_update_s, cost_per_update_usd, staleness_mean, label, and optionally pareto (bool).
+    points: columns time_per_update_s, cost_per_update_usd, staleness_mean (NaN = unbounded), label.
     references / chosen: dicts with the same keys (+ name)."""
     fig = _fig("Cost vs time per update", "time per update (s)", "cost per update (USD)")
     if len(points):
-        fig.add_trace(go.Scatter(
-            x=points["time_per_update_s"], y=points["cost_per_update_usd"], mode="markers", name="candidates",
-            text=points.get("label"), hovertemplate="%{text}<br>%{x:.1f} s, $%{y:.2f}<extra></extra>",
-            marker={"color": points["staleness_mean"], "colorscale": "Viridis", "size": 9, "showscale": True,
-                    "colorbar": {"title": "staleness<br>(versions)"}}))
-        if "pareto" in points and points["pareto"].any():
-            front = points[points["pareto"]].sort_values("time_per_update_s")
-            fig.add_trace(go.Scatter(x=front["time_per_update_s"], y=front["cost_per_update_usd"], mode="lines",
-                                     name="Pareto front", line={"color": "gray", "dash": "dot"}))
+        front = points.sort_values("time_per_update_s")
+        fig.add_trace(go.Scatter(x=front["time_per_update_s"], y=front["cost_per_update_usd"], mode="lines",
+                                 name="Pareto set (planner)", line={"color": "gray", "dash": "dot"},
+                                 hoverinfo="skip"))
+        bounded = points[points["staleness_mean"].notna()]
+        unbounded = points[points["staleness_mean"].isna()]
+        hover = "%{text}<br>%{x:,.1f} s, $%{y:,.2f} per update<extra></extra>"
+        if len(bounded):
+            fig.add_trace(go.Scatter(
+                x=bounded["time_per_update_s"], y=bounded["cost_per_update_usd"], mode="markers",
+                name="candidates (color: staleness)", text=bounded["label"], hovertemplate=hover,
+                marker={"color": bounded["staleness_mean"], "colorscale": "Viridis", "size": 10, "showscale": True,
+                        "colorbar": {"title": "staleness<br>(versions)"}}))
+        if len(unbounded):
+            fig.add_trace(go.Scatter(
+                x=unbounded["time_per_update_s"], y=unbounded["cost_per_update_usd"], mode="markers",
+                name="trainer-bound (staleness unbounded)", text=unbounded["label"], hovertemplate=hover,
+                marker={"color": "lightgray", "size": 10, "line": {"width": 1, "color": "gray"}}))
     for ref in references:
         fig.add_trace(go.Scatter(x=[ref["time_per_update_s"]], y=[ref["cost_per_update_usd"]], mode="markers+text",
                                  name=str(ref["name"]), text=[str(ref["name"])], textposition="top center",
+                                 hovertemplate=f"{ref['name']}<br>%{{x:,.1f}} s, $%{{y:,.2f}} per update, staleness "
+                                               f"{ref.get('staleness_mean', float('nan')):.2f}<extra></extra>",
                                  marker={"symbol": "diamond", "size": 13, "line": {"width": 1, "color": "black"}}))
     if chosen is not None:
         fig.add_trace(go.Scatter(x=[chosen["time_per_update_s"]], y=[chosen["cost_per_update_usd"]],
-                                 mode="markers+text", name="chosen mix", text=["chosen"], textposition="bottom center",
+                                 mode="markers+text", name="chosen mix (planner)", text=["chosen"],
+                                 textposition="bottom center",
                                  marker={"symbol": "star", "size": 20, "color": "red",
                                          "line": {"width": 1, "color": "black"}}))
-    fig.update_layout(height=HEIGHT_PX + 120)
+    fig.update_xaxes(type="log")
+    fig.update_yaxes(type="log")
+    fig.update_layout(height=HEIGHT_PX + 160)
     return fig

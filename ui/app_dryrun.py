@@ -44,11 +44,12 @@ SIDE_BY_SIDE = {"time_per_update_mean_s": "time per update (s)", "cost_per_updat
 SOURCES = ("Plan page", "Shipped plan", "Upload a plan TOML")
 
 
-def _pick_plan(key: str, default_name: str) -> PlanText | None:
+def _pick_plan(key: str, default_name: str, prefer_planned: bool = True) -> PlanText | None:
     """A plan chooser; returns the validated plan or None (with the error shown)."""
     planned: PlanText | None = st.session_state.get(PLAN_PAGE_KEY)
     sources = SOURCES if planned is not None else SOURCES[1:]
-    src = st.radio("Plan", sources, key=f"{key}_src", horizontal=True)
+    default = 0 if prefer_planned or planned is None else sources.index("Shipped plan")
+    src = st.radio(f"Plan {key.upper()}", sources, index=default, key=f"{key}_src", horizontal=True)
     if src == "Plan page" and planned is not None:
         st.caption(f"the Plan page's chosen mix: **{planned.name}**")
         return planned
@@ -114,16 +115,18 @@ def _metrics(run: RunData) -> None:
     c[5].metric("share outside [0.2, 5]", fmt_pct(s.get("extreme_share"), 3))
 
 
-def _show_one(run: RunData) -> None:
+def _show_one(run: RunData, key: str) -> None:
     _metrics(run)
     st.plotly_chart(charts.timeline(run.updates, run.groups, run.events, run.summary.get("clock", "simulated")),
-                    width="stretch")
+                    width="stretch", key=f"{key}_timeline")
     c1, c2 = st.columns(2)
     with c1:
-        st.plotly_chart(charts.staleness_histogram(run.trajectories, run.updates), width="stretch")
+        st.plotly_chart(charts.staleness_histogram(run.trajectories, run.updates), width="stretch",
+                        key=f"{key}_staleness")
     with c2:
-        st.plotly_chart(charts.cost_breakdown(run.summary), width="stretch")
-    st.plotly_chart(charts.share_vs_extreme(run.summary, extreme_token_shares(run.groups)), width="stretch")
+        st.plotly_chart(charts.cost_breakdown(run.summary), width="stretch", key=f"{key}_cost")
+    st.plotly_chart(charts.share_vs_extreme(run.summary, extreme_token_shares(run.groups)), width="stretch",
+                    key=f"{key}_shares")
     st.caption(f"run log: `{run.path}` (listed on the Runs page)")
 
 
@@ -142,7 +145,7 @@ def render() -> None:
     with st.container(border=True):
         pa = _pick_plan("a", DEFAULT_PLAN)
         two = st.toggle("Side by side with a second plan", value=True, key="dr_two")
-        pb = _pick_plan("b", SECOND_PLAN) if two else None
+        pb = _pick_plan("b", SECOND_PLAN, prefer_planned=False) if two else None
     c = st.columns(3)
     n = int(c[0].number_input("updates (N)", min_value=1, max_value=1000, value=default_updates(), key="dr_n"))
     seed = int(c[1].number_input("seed", min_value=0, value=0, key="dr_seed"))
@@ -172,12 +175,12 @@ def render() -> None:
         return
     runs = [load_run(p) for p in paths if p is not None]
     if len(runs) == 1:
-        _show_one(runs[0])
+        _show_one(runs[0], "a")
         return
     tabs = st.tabs(labels)
-    for tab, run in zip(tabs, runs, strict=True):
+    for tab, run, key in zip(tabs, runs, ("a", "b"), strict=True):
         with tab:
-            _show_one(run)
+            _show_one(run, key)
     _side_by_side(runs[0], runs[1], labels[0], labels[1])
 
 

@@ -20,7 +20,7 @@ import tomli_w
 from mixfleet.ui import app_charts as charts
 from mixfleet.ui import app_planner as planner
 from mixfleet.ui.app_common import (
-    fmt_pct,
+    default_workload_override,
     fmt_s,
     fmt_usd,
     fmt_versions,
@@ -101,8 +101,8 @@ def _model_and_workload() -> tuple[str, str] | None:
         with st.expander("Edit the model's numbers"):
             mtext = st.text_area("model spec (TOML)", _spec_toml("model", model), height=260, key=f"pl_mt_{model}")
     with c2:
-        wl = st.selectbox("Workload", workloads,
-                          index=workloads.index(DEFAULT_WORKLOAD) if DEFAULT_WORKLOAD in workloads else 0,
+        wdef = default_workload_override() or DEFAULT_WORKLOAD
+        wl = st.selectbox("Workload", workloads, index=workloads.index(wdef) if wdef in workloads else 0,
                           key="pl_workload")
         base = tomllib.loads(_spec_toml("workload", wl))
         k1, k2, k3 = st.columns(3)
@@ -133,19 +133,37 @@ def _pool_editor() -> tuple[str, pd.DataFrame]:
     with c1:
         table = st.segmented_control("Price table", list(tables), default=tables[0], key="pl_prices") or tables[0]
     with c2:
-        st.caption("Prices are USD per GPU-hour from `data/accelerators.toml`; switch the table to see another cloud. "
-                   "Edit any cell; untick **use** to leave an accelerator out.")
+        st.caption("Prices are USD per GPU-hour from `data/accelerators.toml`; switch the table for another cloud. "
+                   "Untick **use** to leave an accelerator out; edit **max GPUs** to cap it. Editing prices and "
+                   "restricting precisions per accelerator: not available yet (the planner takes the price table's "
+                   "prices and every native precision).")
     pool = st.data_editor(
         _pool(table), key=f"pl_pool_{table}", hide_index=True, width="stretch", num_rows="fixed",
         column_config={
             "use": st.column_config.CheckboxColumn("use"),
             "accelerator": st.column_config.TextColumn("accelerator", disabled=True),
-            "usd_per_gpu_hour": st.column_config.NumberColumn("USD / GPU-hour", min_value=0.0, format="$%.2f"),
+            "usd_per_gpu_hour": st.column_config.NumberColumn("USD / GPU-hour", format="$%.2f", disabled=True),
             "max_gpus": st.column_config.NumberColumn("max GPUs", min_value=0, step=1, format="%d"),
-            "precisions": st.column_config.MultiselectColumn("allowed precisions", options=list(PRECISIONS)),
+            "precisions": st.column_config.MultiselectColumn("native precisions", options=list(PRECISIONS),
+                                                             disabled=True),
             "price_note": st.column_config.TextColumn("price source", disabled=True),
         })
-    return table, pool
+    kv = st.multiselect("KV-cache dtypes to consider", list(planner.KV_DTYPES), default=["fp8_e4m3"], key="pl_kv")
+    return table, pool, tuple(kv)
+
+
+def _trainer() -> dict[str, Any]:
+    from mixfleet.costmodel.catalog import load_catalog
+
+    accs = load_catalog().gpus()
+    c = st.columns(4)
+    acc = c[0].selectbox("trainer accelerator", accs, index=accs.index("B200") if "B200" in accs else 0, key="pl_tacc")
+    gpus = int(c[1].number_input("trainer GPUs", 1, 4096, 8, key="pl_tgpus"))
+    n = int(c[2].number_input("twin check: updates per dry run", 1, 100, planner.DEFAULT_TWIN_UPDATES, key="pl_tn",
+                              help="The chosen mix and the seed's two fleets are dry-run in the twin for this "
+                                   "many updates (cached under the runs folder)."))
+    refs = c[3].toggle("show the seed's two fleets", value=True, key="pl_refs")
+    return {"trainer_accelerator": acc, "trainer_gpus": gpus, "twin_updates": n, "references": refs}
 
 
 def _constraints() -> dict[str, Any]:
@@ -156,7 +174,7 @@ def _constraints() -> dict[str, Any]:
                             key="pl_tpu")
     budget = c[2].number_input("budget (USD per hour, 0 = none)", 0.0, 1e7, planner.DEFAULT_BUDGET_USD_H, step=50.0,
                                key="pl_budget")
-    objective = c[3].selectbox("choose the", list(planner.OBJECTIVES), key="pl_obj")
+    objective = c[3].selectbox("minimize", list(planner.OBJECTIVES), key="pl_obj")
     return {"max_staleness": stale or None, "max_time_per_update_s": tpu or None, "budget_usd_per_hour": budget or None,
             "objective": objective}
 
@@ -166,17 +184,20 @@ def _show(view: planner.PlannerView) -> None:
     st.subheader("Chosen mix")
     p = view.chosen_point
     c = st.columns(5)
-    c[0].metric("time per update", fmt_s(p.get("time_per_update_s")))
+    c[0].metric("time per update", fmt_s(p.get("time_per_update_s")), help="the planner's steady-state estimate")
     c[1].metric("cost per update", fmt_usd(p.get("cost_per_update_usd")))
-    c[2].metric("fleet cost", fmt_usd(p.get("usd_per_hour"), 0) + "/h")
-    c[3].metric("mean staleness (versions)", fmt_versions(p.get("staleness_mean")))
-    c[4].metric("share outside [0.2, 5]", fmt_pct(p.get("extreme_share"), 3))
+    c[2].metric("cost per effective update", fmt_usd(p.get("cost_per_effective_update_usd")),
+                help="cost per update / share of tokens the correction keeps")
+    c[3].metric("fleet + trainer", fmt_usd(p.get("usd_per_hour"), 0) + "/h")
+    c[4].metric("mean staleness (versions)",
+                "unbounded" if p.get("trainer_bound") else fmt_versions(p.get("staleness_mean")))
     st.table(view.mix_table)
     if view.notes:
         st.caption(view.notes)
     st.plotly_chart(charts.pareto(view.points, chosen=p, references=view.references), width="stretch")
-    if not view.references:
-        st.caption("Reference fleets: not available from the planner yet.")
+    st.caption("Circles: the planner's Pareto set (analytic, steady state). Diamonds: twin dry runs of the chosen "
+               "mix and the seed's fleets on the same model and workload (short runs that include filling the "
+               "pipeline, so they sit above and right of steady state; compare diamonds with diamonds).")
     d1, d2 = st.columns([1, 3])
     d1.download_button("Download the plan TOML", view.plan.toml, file_name=f"{view.plan.name}.toml",
                        mime="application/toml", type="primary", key="pl_download")
@@ -195,22 +216,24 @@ def render() -> None:
         mw = _model_and_workload()
     with st.container(border=True):
         st.markdown("**Accelerator pool**")
-        price_table, pool = _pool_editor()
+        price_table, pool, kv = _pool_editor()
     with st.container(border=True):
         st.markdown("**Constraints**")
         cons = _constraints()
+        st.markdown("**Trainer and twin check**")
+        trainer = _trainer()
     if mw is None:
         return
     go = st.button("Run planner", type="primary", key="pl_go", disabled=not planner.available())
     if go:
         bar = st.progress(0.0, text="planning...")
 
-        def progress(done: int, total: int) -> None:
-            bar.progress(min(done / max(total, 1), 1.0), text=f"planning: {done} / {total} candidates")
+        def progress(frac: float, text: str) -> None:
+            bar.progress(min(max(frac, 0.0), 1.0), text=text)
 
         try:
-            view = planner.run(model=mw[0], workload=mw[1], price_table=price_table, pool=pool, progress=progress,
-                               **cons)
+            view = planner.run(model=mw[0], workload=mw[1], price_table=price_table, pool=pool, kv_dtypes=kv,
+                               progress=progress, **cons, **trainer)
         except Exception as e:
             bar.empty()
             show_error("the planner could not plan", e)

@@ -1,55 +1,157 @@
-"""Adapter between the Plan page and the mix planner (`mixfleet.twin.planner`, engineer C's).
+"""Adapter between the Plan page and the mix planner (`mixfleet.twin.planner`).
 
-`run(...)` passes the page's inputs (model, workload, price table, the edited accelerator pool,
-constraints) to the planner and turns its result into a `PlannerView`: the chosen plan as TOML,
-the chosen mix as a display table, the candidates / Pareto points, and the seed's two fleets as
-reference points. No planning happens here; until the planner module exists, `available()` is
-False and the page says so.
+`run(...)` turns the page's inputs (model, workload, price table, the edited accelerator pool,
+constraints) into a `PlannerConfig`, calls `plan_mix`, dry-runs the chosen plan in the twin (the
+planner's DES verification, kept as a run log so its per-group share of samples can be shown), and
+dry-runs the seed's two fleets the same way as reference points. It returns a `PlannerView` for the
+page: the chosen plan as TOML, the chosen mix as a display table, the Pareto set, and the twin's
+points. Planning and simulation happen in mixfleet.twin; here only inputs and outputs are shaped.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
-from mixfleet.ui.app_common import PlanText
+import tomli_w
+from mixfleet.ui.app_common import (
+    REFERENCE_PLANS,
+    PlanText,
+    dry_run,
+    fmt_compact,
+    fmt_num,
+    fmt_pct,
+    fmt_usd,
+    load_run,
+    plan_object,
+    shipped_plan,
+    with_workload,
+)
 
 PLANNER_MODULE = "mixfleet.twin.planner"
 DEFAULT_MAX_GPUS = 64
-DEFAULT_MAX_STALENESS = 0.0         # versions; 0 = no limit
+DEFAULT_MAX_STALENESS = 4.0         # versions (0 = no limit); keeps trainer-bound mixes out by default
 DEFAULT_MAX_TIME_S = 0.0            # seconds per update; 0 = no limit
 DEFAULT_BUDGET_USD_H = 0.0          # USD per hour; 0 = no limit
-OBJECTIVES = ("cheapest per update", "fastest per update")
+DEFAULT_TWIN_UPDATES = 2            # updates per dry run of the chosen plan and of the reference fleets
+OBJECTIVES = {"cost per update": "cost_per_update",
+              "cost per effective update (masked tokens count as waste)": "cost_per_effective_update"}
+KV_DTYPES = ("fp8_e4m3", "bf16")
+PLAN_NAME = "planned"
 
 
 @dataclass(frozen=True)
 class PlannerView:
     plan: PlanText
     mix_table: pd.DataFrame                      # one row per group, values formatted with units
-    chosen_point: dict[str, Any]                 # time_per_update_s, cost_per_update_usd, staleness_mean, ...
-    points: pd.DataFrame                         # candidates: time_per_update_s, cost_per_update_usd, ...
-    references: list[dict[str, Any]] = field(default_factory=list)
+    chosen_point: dict[str, Any]                 # the planner's numbers for the chosen mix
+    points: pd.DataFrame                         # the Pareto set
+    references: list[dict[str, Any]] = field(default_factory=list)  # twin dry runs (chosen + seed fleets)
     notes: str = ""
 
 
 def available() -> bool:
     try:
-        return importlib.util.find_spec(PLANNER_MODULE) is not None
-    except ModuleNotFoundError:
+        import mixfleet.twin.planner  # noqa: F401
+    except ImportError:
         return False
+    return True
 
 
 def unavailable_reason() -> str:
-    return f"`{PLANNER_MODULE}` has not landed in this checkout (the twin's planner issue)."
+    return f"`{PLANNER_MODULE}` cannot be imported in this installation."
 
 
-def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, max_staleness: float | None,
+def _point(c: Any) -> dict[str, Any]:
+    stale = c.staleness if math.isfinite(c.staleness) else math.nan
+    mix = ", ".join(f"{g} x{n}" for g, n in c.replicas.items())
+    return {"time_per_update_s": c.time_per_update_s, "cost_per_update_usd": c.cost_per_update_usd,
+            "cost_per_effective_update_usd": c.cost_per_effective_update_usd, "staleness_mean": stale,
+            "usd_per_hour": c.usd_per_hour, "inflight_prompts": c.inflight_prompts,
+            "trainer_bound": c.trainer_bound, "throughput_tokens_per_s": c.throughput_tokens_per_s,
+            "label": f"{mix}; {c.inflight_prompts} prompts in flight"
+                     + ("; trainer-bound (staleness unbounded)" if c.trainer_bound else "")}
+
+
+def _twin_point(name: str, pt: PlanText, updates: int, seed: int,
+                progress: Callable[[int], None] | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    run = load_run(dry_run(pt, updates, seed, progress=progress))
+    s = run.summary
+    return ({"name": name, "time_per_update_s": s["time_per_update_mean_s"],
+             "cost_per_update_usd": s["cost_per_update_usd"], "staleness_mean": s["staleness_mean"],
+             "run_log": run.path}, s)
+
+
+def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_dtypes: tuple[str, ...],
+        trainer_accelerator: str, trainer_gpus: int, max_staleness: float | None,
         max_time_per_update_s: float | None, budget_usd_per_hour: float | None, objective: str,
-        progress: Callable[[int, int], None] | None = None) -> PlannerView:
-    """Plan a mix with the planner; raises the planner's SpecError on bad inputs."""
-    if not available():
-        raise RuntimeError(unavailable_reason())
-    raise RuntimeError("the planner's interface is not wired into the UI yet")
+        twin_updates: int = DEFAULT_TWIN_UPDATES, references: bool = True, seed: int = 0,
+        progress: Callable[[float, str], None] | None = None) -> PlannerView:
+    """Plan a mix; raises the planner's SpecError on bad inputs and ValueError when nothing is feasible."""
+    from mixfleet.policies.plan import with_overrides
+    from mixfleet.twin.planner import PlannerConfig, plan_mix
+
+    say = progress or (lambda _f, _m: None)
+    used = pool[pool["use"].astype(bool)]
+    cfg = PlannerConfig(
+        model=model, workload=workload, price_table=price_table, accelerators=tuple(used["accelerator"]),
+        max_gpus={str(a): int(n) for a, n in zip(used["accelerator"], used["max_gpus"], strict=True)},
+        kv_dtypes=tuple(kv_dtypes), trainer_accelerator=trainer_accelerator, trainer_gpus=int(trainer_gpus),
+        max_staleness=max_staleness, max_time_per_update_s=max_time_per_update_s,
+        max_usd_per_hour=budget_usd_per_hour, objective=OBJECTIVES.get(objective, objective), verify=0, seed=seed)
+    if not cfg.accelerators:
+        from mixfleet.costmodel.errors import SpecError
+
+        raise SpecError("accelerator pool", "use", "none ticked", "at least one accelerator")
+    say(0.02, "planner: starting")
+    result = plan_mix(cfg, progress=lambda m: say(0.05 if m == "group types" else 0.15, f"planner: {m}"))
+    if result.best is None or result.plan is None:
+        raise ValueError(f"no plan: {result.note or 'no feasible candidate'} "
+                         f"({result.screened} candidates screened, {result.feasible} feasible)")
+    plan = result.plan
+    pt = PlanText(plan.name, tomli_w.dumps(plan.to_dict()))
+    best = result.best
+    jobs: list[tuple[str, PlanText]] = [("chosen mix (twin)", pt)]
+    if references:
+        for ref in REFERENCE_PLANS:
+            rp = with_overrides(plan_object(with_workload(shipped_plan(ref), workload)),
+                                {"model": model, "price_table": price_table})
+            jobs.append((f"{ref} (twin)", PlanText(rp.name, tomli_w.dumps(rp.to_dict()))))
+    twin_points, chosen_summary = [], {}
+    for j, (name, p) in enumerate(jobs):
+        lo, hi = 0.2 + 0.8 * j / len(jobs), 0.2 + 0.8 * (j + 1) / len(jobs)
+
+        def tick(v: int, lo: float = lo, hi: float = hi, name: str = name) -> None:
+            say(lo + (hi - lo) * v / twin_updates, f"twin: {name}, update {v} / {twin_updates}")
+
+        say(lo, f"twin: {name}")
+        point, summary = _twin_point(name, p, twin_updates, seed, tick)
+        twin_points.append(point)
+        if j == 0:
+            chosen_summary = summary
+    types = {t.name: t for t in result.types}
+    share = chosen_summary.get("group_share_of_samples", {})
+    rows = []
+    for g in plan.groups:
+        t = types[g.name]
+        rows.append({"group": g.name, "accelerator": g.accelerator, "precision": g.precision, "KV cache": g.kv_dtype,
+                     "replicas": g.replicas, "TP (GPUs/replica)": t.tp, "GPUs": g.replicas * t.tp,
+                     "USD/h": fmt_usd(g.replicas * t.usd_per_hour), "tokens/s (planner)":
+                     fmt_compact(g.replicas * t.tokens_per_s), "share of samples (twin)": fmt_pct(share.get(g.name)),
+                     "prior share outside [0.2, 5]": fmt_pct(t.masked_share, 3)})
+    table = pd.DataFrame(rows)
+    chosen = _point(best)
+    points = pd.DataFrame([_point(c) for c in result.pareto])
+    points["pareto"] = True
+    notes = (f"{result.screened:,} candidates screened, {result.feasible:,} feasible, {len(result.pareto)} on the "
+             f"Pareto set; {best.inflight_prompts} prompts in flight; fleet throughput "
+             f"{fmt_num(best.throughput_tokens_per_s, 'tokens/s')} (planner). Twin points: {twin_updates} updates "
+             "each, including filling the pipeline.")
+    if best.trainer_bound:
+        notes += " The chosen mix is trainer-bound: samplers outpace the trainer and staleness grows without bound."
+    say(1.0, "done")
+    return PlannerView(plan=pt, mix_table=table, chosen_point=chosen, points=points, references=twin_points,
+                       notes=notes)
