@@ -34,7 +34,7 @@ from mixfleet.costmodel.roofline import weight_sync_s
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.costmodel.runsummary import summarize
 from mixfleet.costmodel.workload import load_workload
-from mixfleet.policies.plan import Plan, load_plan, with_overrides
+from mixfleet.policies.plan import Plan, load_plan, plan_from_dict, with_overrides
 from mixfleet.twin.rates import Setup, TabulatedRates, group_replica_model, nominal_point
 from mixfleet.twin.world import GroupSetup, TrainerSetup
 
@@ -226,9 +226,15 @@ def compare_metrics(measured: dict[str, Any], predicted: dict[str, Any]) -> list
     return rows
 
 
-def fidelity(plan: Plan | str | Path, runlog: str | Path, calibration: Calibration | str | Path | None = None, *,
+def _comparable(d: dict[str, Any]) -> dict[str, Any]:
+    """A plan dict without the fields that do not change what runs (name, description)."""
+    return {k: v for k, v in d.items() if k not in ("name", "description")}
+
+
+def fidelity(plan: Plan | str | Path | None, runlog: str | Path, calibration: Calibration | str | Path | None = None, *,
              keep_twin_log: str | Path | None = None, price_table: str | None = None) -> FidelityReport:
-    """Simulate `plan` as `runlog` ran it (seed, updates, replica counts, workload) and compare."""
+    """Simulate `plan` as `runlog` ran it (seed, updates, replica counts, workload) and compare.
+    plan None: the plan recorded in the run log's header."""
     from mixfleet.twin.sim import simulate
 
     if not RunLog.is_run_log(runlog):
@@ -237,14 +243,24 @@ def fidelity(plan: Plan | str | Path, runlog: str | Path, calibration: Calibrati
     n = len(log.updates)
     if n < 1:
         raise SpecError("fidelity", "runlog", str(runlog), "a run log with at least one finished update")
-    plan_name = str(plan)
-    plan = plan if isinstance(plan, Plan) else load_plan(plan)
+    notes: list[str] = []
+    ran = log.header.get("plan")
+    if plan is None:
+        if not isinstance(ran, dict):
+            raise SpecError("fidelity", "plan", None, "a plan (the run log's header has none)")
+        plan_name, plan = "(the run log's plan)", plan_from_dict(ran)
+    else:
+        plan_name = str(plan)
+        plan = plan if isinstance(plan, Plan) else load_plan(plan)
+        if isinstance(ran, dict) and _comparable(plan.to_dict()) != _comparable(ran):
+            notes.append("the plan differs from the one in the run log's header (pass plan=None / omit it to "
+                         "simulate the header's)")
     plan = plan_as_run(plan, log)
     cal = calibration if isinstance(calibration, Calibration) or calibration is None else Calibration.load(calibration)
-    notes: list[str] = []
     setup = None
     if cal is not None:
-        setup, notes = calibrated_setup(plan, cal, price_table=price_table)
+        setup, cal_notes = calibrated_setup(plan, cal, price_table=price_table)
+        notes += cal_notes
     else:
         notes.append("no calibration: the cost model's priors and the plan's workload")
     seed = int(log.header.get("seed", plan.seed))
