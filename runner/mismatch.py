@@ -22,7 +22,7 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
-from mixfleet.runner.engine import Engine
+from mixfleet.runner.engine import Engine, EngineConfig
 from mixfleet.runner.engine.kvcache import KV_DTYPES
 from mixfleet.runner.engine.model import KERNEL_DTYPES, Weights, forward_full, load_weights
 from mixfleet.runner.engine.quant import WEIGHT_PRECISIONS
@@ -51,7 +51,8 @@ class MismatchConfig:
 
     precisions: tuple[str, ...] = ("bf16", "fp8", "nvfp4", "mxfp4")
     kv_cache_dtype: str = "fp8_e4m3"
-    kernel: str | None = None                # None: each precision's default (bf16; fp32 for fp32)
+    kernel: str | None = None                # None: each precision's default (bf16; fp32 for fp32);
+                                             # "bf16+noise0.3": with the engine's emulated kernel error
     num_prompts: int = 12
     max_new_tokens: int = 48                 # per prompt (tokens)
     temperature: float = 1.0
@@ -65,8 +66,12 @@ class MismatchConfig:
                 raise ValueError(f"mismatch: precision {p!r}; allowed: {', '.join(WEIGHT_PRECISIONS)}")
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"mismatch: kv_cache_dtype {self.kv_cache_dtype!r}; allowed: {', '.join(KV_DTYPES)}")
-        if self.kernel is not None and self.kernel not in KERNEL_DTYPES:
-            raise ValueError(f"mismatch: kernel {self.kernel!r}; allowed: {', '.join(KERNEL_DTYPES)}")
+        if self.kernel is not None:
+            try:
+                EngineConfig(kernel=self.kernel)          # fp32 | bf16, or "<dtype>+noise<s>" (emulated error)
+            except ValueError:
+                raise ValueError(f"mismatch: kernel {self.kernel!r}; allowed: {', '.join(KERNEL_DTYPES)}, or "
+                                 f"'<one of them>+noise<relative std>'") from None
         for name in ("num_prompts", "max_new_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
@@ -156,7 +161,8 @@ def measure_mismatch(model_path: str, cfg: MismatchConfig) -> list[MismatchRow]:
                              f"over the model's context length {engine.context_length}")
         results = _generate(engine, ids, cfg)
         nums = score(ref, engine.weights, cfg.kv_cache_dtype, ids, results, cfg.temperature)
-        rows.append(MismatchRow(precision=precision, kv_cache_dtype=cfg.kv_cache_dtype, kernel=engine.kernel, **nums))
+        kernel = engine.kernel + (f"+noise{engine.config.weight_noise:g}" if engine.config.weight_noise else "")
+        rows.append(MismatchRow(precision=precision, kv_cache_dtype=cfg.kv_cache_dtype, kernel=kernel, **nums))
     return rows
 
 

@@ -82,3 +82,13 @@ def test_mismatch_cli_json_and_errors(ckpt: Path) -> None:
     assert missing.exit_code == 2 and "no config.json" in missing.output
     bad_spec = RUNNER.invoke(app, ["init-model", "huge-imaginary", "-o", str(ckpt.parent / "x")])
     assert bad_spec.exit_code == 2 and "allowed" in bad_spec.output
+
+
+def test_mismatch_with_emulated_kernel_error_grows(ckpt: Path) -> None:
+    base = MismatchConfig(precisions=("bf16",), kv_cache_dtype="bf16", num_prompts=3, max_new_tokens=16)
+    clean = measure_mismatch(str(ckpt), base)[0]
+    noisy = measure_mismatch(str(ckpt), MismatchConfig(**{**base.__dict__, "kernel": "bf16+noise0.05"}))[0]
+    assert noisy.kernel == "bf16+noise0.05" and clean.kernel == "bf16"
+    assert noisy.kl_exact > 10 * clean.kl_exact
+    with pytest.raises(ValueError, match="kernel 'fp16'"):
+        MismatchConfig(kernel="fp16")
