@@ -8,6 +8,7 @@ run are read and compared by the very same code. Deterministic for a given plan 
 
 from __future__ import annotations
 
+import gc
 import math
 import shutil
 import tempfile
@@ -79,24 +80,29 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
     setup = setup or build_setup(plan, price_table=price_table)
     folder = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="mixfleet-twin-"))
     wall0 = time.perf_counter()
-    header = {"source": "twin", "plan": plan.to_dict(), "seed": seed, "clock": "simulated"}
-    with RunLogWriter(folder, header, flush_every_rows=50_000, flush_every_s=None) as writer:
-        world = World(groups=setup.groups, trainer=setup.trainer, workload=setup.workload,
-                      policies=plan.build_policies(setup.workload), seed=seed, writer=writer,
-                      run_id=writer.run_id, preemptions_per_replica_hour=plan.faults.preemptions_per_replica_hour,
-                      on_loss=plan.faults.on_loss, progress=progress)
-        done = world.env.process(run_loop(world, updates))
-        world.env.run(until=done)
-        wall_s = time.perf_counter() - wall0
-        writer.update_header(wall_s=wall_s, simulated_s=world.env.now, events=world.env.scheduled)
+    gc_thresholds = gc.get_threshold()
+    gc.set_threshold(100_000, 50, 100)  # the run holds ~1e6 small live objects: collect cycles less often
+    try:
+        header = {"source": "twin", "plan": plan.to_dict(), "seed": seed, "clock": "simulated"}
+        with RunLogWriter(folder, header, flush_every_rows=50_000, flush_every_s=None) as writer:
+            world = World(groups=setup.groups, trainer=setup.trainer, workload=setup.workload,
+                          policies=plan.build_policies(setup.workload), seed=seed, writer=writer,
+                          run_id=writer.run_id, preemptions_per_replica_hour=plan.faults.preemptions_per_replica_hour,
+                          on_loss=plan.faults.on_loss, progress=progress)
+            done = world.env.process(run_loop(world, updates))
+            world.env.run(until=done)
+            wall_s, events = time.perf_counter() - wall0, world.env.scheduled
+            writer.update_header(wall_s=wall_s, simulated_s=world.env.now, events=events)
+    finally:
+        gc.set_threshold(*gc_thresholds)
     summary = summarize(folder)
     trained = world.trajectories_written - world.trajectories_dropped
     buffered = sum(len(p.done) for p in world.buffer.values())
     finished_inflight = sum(len(p.done) for p in world.inflight.values())
     result = TwinResult(
         summary=summary, runlog_dir=str(folder) if out is not None else "", updates=updates,
-        simulated_s=world.env.now, wall_s=wall_s, events=world.env.scheduled,
-        events_per_s=world.env.scheduled / max(wall_s, 1e-9), sessions_started=world.sessions_started,
+        simulated_s=world.env.now, wall_s=wall_s, events=events, events_per_s=events / max(wall_s, 1e-9),
+        sessions_started=world.sessions_started,
         trajectories_trained=trained, trajectories_dropped=world.trajectories_dropped,
         trajectories_in_flight=world.sessions_started - world.trajectories_written - buffered - finished_inflight,
         trajectories_buffered=buffered + finished_inflight, turns_lost=world.sessions_lost,

@@ -53,7 +53,7 @@ class TrainerSetup:
     usd_per_hour: float
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Session:
     sid: int
     prompt_id: int
