@@ -29,6 +29,7 @@ keeps K children going.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -108,6 +109,7 @@ class AblationConfig:
     lr: float = 1e-4                           # trainer learning rate (AdamW), the same for every run
     eval_every: int = 0                        # pass@k evaluations (0: none; they cost a CPU run dearly)
     run_timeout_s: float = 3600.0              # a child still running after this is killed (status "timeout")
+    start_gap_s: float = 30.0                  # seconds between two child starts (Ray start-ups overload a small host)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
@@ -138,6 +140,8 @@ class AblationConfig:
             raise ValueError(f"ablation lr = {self.lr!r}; allowed: a number in (0, 1)")
         if not self.run_timeout_s > 0:
             raise ValueError(f"ablation run_timeout_s = {self.run_timeout_s!r}; allowed: > 0")
+        if not self.start_gap_s >= 0:
+            raise ValueError(f"ablation start_gap_s = {self.start_gap_s!r}; allowed: >= 0")
 
     def plan_ref(self, fleet: str) -> str:
         return self.plans.get(fleet, FLEET_PLANS[fleet])
@@ -241,8 +245,10 @@ def run_ablation(config: AblationConfig, *, log: Callable[[str], Any] = print) -
         f"(parallel {config.parallel}), base policy {base_policy}")
     running: list[tuple[RunSpec, subprocess.Popen, float, Any]] = []
     queue = list(todo)
+    last_start = -float("inf")
     while queue or running:
-        while queue and len(running) < config.parallel:
+        while queue and len(running) < config.parallel and time.monotonic() - last_start >= config.start_gap_s:
+            last_start = time.monotonic()
             s = queue.pop(0)
             s.out_dir.mkdir(parents=True, exist_ok=True)
             resume = states[s.name] == "partial"
@@ -308,6 +314,8 @@ def run_child(job: dict[str, Any]) -> dict[str, Any]:
                     eval_every=int(job["eval_every"]), eval_at_start=bool(job["eval_every"]), trainer_threads=1,
                     sampler_threads=1, ray_num_cpus=2)
 
+    _start_ray(plan)
+
     def on_update(view: Any, _orch: Any) -> None:
         print(f"update {view.version}/{view.target} reward {view.reward_mean:.3f} k3 {view.kl_k3:.2e} "
               f"t {view.elapsed_s:.0f}s", flush=True)
@@ -316,6 +324,30 @@ def run_child(job: dict[str, Any]) -> dict[str, Any]:
     # the run's checkpoints are only needed to resume it; keep the log, drop the weights (disk)
     shutil.rmtree(out / "weights", ignore_errors=True)
     return result
+
+
+RAY_START_ATTEMPTS = 4
+
+
+def _start_ray(plan: Plan) -> None:
+    """Start the child's local Ray as the runner would (same resources), retrying: on a loaded host Ray's own
+    30 s start-up wait can run out. The runner's `init_ray` then finds it started."""
+    import ray
+    from mixfleet.runner.actors import init_ray
+    from mixfleet.runner.fleet import fleet_from_plan
+
+    resources = dict(fleet_from_plan(plan, mode="embedded").resources)
+    for attempt in range(RAY_START_ATTEMPTS):
+        try:
+            init_ray(num_cpus=2, resources=resources)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception on a start-up timeout
+            print(f"ray start attempt {attempt + 1} failed: {e}", flush=True)
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            if attempt == RAY_START_ATTEMPTS - 1:
+                raise
+            time.sleep(10.0 * (attempt + 1))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
