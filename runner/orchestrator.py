@@ -784,9 +784,9 @@ class Orchestrator:
     # ---- the loop --------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
         """Run until the trainer reaches `config.updates`; returns a summary dict."""
-        await self._start()
         status = "failed"
         try:
+            await self._start()
             self._spawn(self._monitor())
             if self.eval_every and self.config.eval_at_start and self.version == 0:
                 self.last_pass_at_k = await self.evaluate(0)

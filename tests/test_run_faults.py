@@ -73,8 +73,8 @@ def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = root / "out"
     argv = [sys.executable, str(Path(__file__).with_name("run_child.py")), str(plan_path), str(out), str(init),
             str(MAX_CHILD_UPDATES)]
-    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
-                             start_new_session=True)
+    err = open(root / "child.err", "w")  # noqa: SIM115 - closed below
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     seen: list[str] = []
     last = 0
     deadline = time.monotonic() + CHILD_TIMEOUT_S
@@ -93,7 +93,9 @@ def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     finally:
         os.killpg(child.pid, signal.SIGKILL)          # kill the whole run: driver, Ray, actors
         child.wait(30)
-    assert last >= 3, f"the child did not reach update 3: {seen[-5:]}"
+        err.close()
+    tail = (root / "child.err").read_text()[-2000:]
+    assert last >= 3, f"the child did not reach update 3: {seen[-5:]}; its stderr ends with:\n{tail}"
     assert json.loads((out / "run.json").read_text())["status"] == "running"   # killed, not closed
     cfg = RunConfig(out_dir=out, updates=last + 1, init_checkpoint=str(init), eval_every=0, resume=True,
                     ray_num_cpus=2)
