@@ -161,7 +161,7 @@ def test_runs_page_charts_a_twin_run_log(env: Path, twin_run: tuple[Path, dict],
     assert not at.error, [e.value for e in at.error]
     metrics = {m.label: m.value for m in at.metric}
     assert metrics["updates"] == "3"
-    assert metrics["cost per update"].startswith("$")
+    assert metrics["cost/update"].startswith("$")
     titles = _plotly_titles(at)
     for t in ("Reward", "KL (k3) by group", "Share of tokens with ratio outside [0.2, 5]",
               "Staleness of trained tokens", "Tokens per second (per update window)"):

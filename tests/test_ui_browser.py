@@ -60,7 +60,9 @@ def app_url(tmp_path: Path):
     exe = shutil.which("mixfleet")
     argv = [exe] if exe else [sys.executable, "-m", "mixfleet.ui.cli"]
     port = _free_port()
-    env = dict(os.environ, MIXFLEET_UI_UPDATES="2", MIXFLEET_UI_WORKLOAD="tiny-cpu")
+    env = dict(os.environ)  # small dry runs by default; set these to take screenshots on other defaults
+    env.setdefault("MIXFLEET_UI_UPDATES", "2")
+    env.setdefault("MIXFLEET_UI_WORKLOAD", "tiny-cpu")
     log = (tmp_path / "ui.log").open("w")
     proc = subprocess.Popen(argv + ["ui", "--port", str(port), "--runs-dir", str(tmp_path / "runs")], env=env,
                             stdout=log, stderr=subprocess.STDOUT)

@@ -25,6 +25,13 @@ def _fig(title: str, x: str, y: str) -> go.Figure:
     return fig
 
 
+def _integer_versions(fig: go.Figure, versions: pd.Series) -> go.Figure:
+    """Whole-number ticks on a version axis when there are few versions."""
+    if len(versions) and versions.max() - versions.min() <= 20:
+        fig.update_xaxes(dtick=1, tickformat="d")
+    return fig
+
+
 def has_values(df: pd.DataFrame, column: str) -> bool:
     return column in df and len(df) > 0 and bool(df[column].notna().any())
 
@@ -42,7 +49,7 @@ def update_series(updates: pd.DataFrame, columns: Mapping[str, str], *, title: s
         if overlay is not None and has_values(overlay, col):
             fig.add_trace(go.Scatter(x=overlay["version"], y=overlay[col] * k, mode="lines",
                                      name=f"{name} ({overlay_name})", line={"dash": "dash"}))
-    return fig
+    return _integer_versions(fig, updates["version"])
 
 
 def extreme_share_frame(updates: pd.DataFrame) -> pd.DataFrame:
@@ -74,7 +81,7 @@ def group_series(groups: pd.DataFrame, column: str, *, title: str, y: str, perce
         for name, g in src.groupby("group", sort=True):
             fig.add_trace(go.Scatter(x=g["version"], y=g[column] * k, mode="lines" + ("" if dash else "+markers"),
                                      name=f"{name}{suffix}", line={"dash": dash} if dash else {}))
-    return fig
+    return _integer_versions(fig, groups["version"])
 
 
 # ---- dry run ----------------------------------------------------------------------------------------
@@ -84,14 +91,17 @@ def timeline(updates: pd.DataFrame, groups: pd.DataFrame, events: pd.DataFrame, 
     fig = make_subplots(rows=2, cols=1, shared_xaxes=True, vertical_spacing=0.08,
                         subplot_titles=("updates finished", "replicas up per group"))
     u = updates.sort_values("version")
-    fig.add_trace(go.Scatter(x=u["end_s"], y=u["version"], mode="lines+markers", line={"shape": "hv"},
-                             name="updates"), row=1, col=1)
+    fig.add_trace(go.Scatter(x=[0.0, *u["end_s"]], y=[0, *u["version"]], mode="lines+markers", line={"shape": "hv"},
+                             name="updates (version 0 = start)"), row=1, col=1)
     if len(groups) and len(u):
         ends = u.set_index("version")["end_s"]
         for name, g in groups.groupby("group", sort=True):
             g = g.sort_values("version")
-            fig.add_trace(go.Scatter(x=g["version"].map(ends), y=g["replicas_up"], mode="lines",
-                                     line={"shape": "vh"}, name=str(name)), row=2, col=1)
+            # each row is the time-mean over the window ending at that update: drawn as a step over the window
+            starts = [0.0, *g["version"].map(ends).iloc[:-1]]
+            xs = [x for a, b in zip(starts, g["version"].map(ends), strict=True) for x in (a, b)]
+            ys = [y for y in g["replicas_up"] for _ in (0, 1)]
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=str(name)), row=2, col=1)
     marks = events[events["kind"].isin(["cold_start", "scale_up", "scale_down", "preempt", "crash", "restart"])] \
         if len(events) else events
     if len(marks):

@@ -105,13 +105,13 @@ def _metrics(run: RunData) -> None:
     s = run.summary
     elapsed = s.get("elapsed_s") or 0.0
     c = st.columns(6)
-    c[0].metric("time per update", fmt_s(s.get("time_per_update_mean_s")),
+    c[0].metric("time/update", fmt_s(s.get("time_per_update_mean_s")),
                 help="simulated seconds between trainer updates (mean)")
-    c[1].metric("cost per update", fmt_usd(s.get("cost_per_update_usd")))
+    c[1].metric("cost/update", fmt_usd(s.get("cost_per_update_usd")))
     c[2].metric("USD per hour", fmt_usd(3600 * s.get("cost_total_usd", 0.0) / elapsed if elapsed else None, 0),
                 help="samplers + trainer, over the simulated time")
-    c[3].metric("mean staleness (versions)", fmt_versions(s.get("staleness_mean")))
-    c[4].metric("tokens/s generated", fmt_compact(s.get("tokens_per_s")))
+    c[3].metric("staleness (versions)", fmt_versions(s.get("staleness_mean")))
+    c[4].metric("tokens/s", fmt_compact(s.get("tokens_per_s")))
     c[5].metric("share outside [0.2, 5]", fmt_pct(s.get("extreme_share"), 3))
 
 

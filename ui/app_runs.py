@@ -57,11 +57,11 @@ def _metrics(run: RunData) -> None:
     s = run.summary
     clock = s.get("clock", "wall")
     c = st.columns(6)
+    c[1].metric("time/update", fmt_s(s.get("time_per_update_mean_s")), help=f"mean, {clock} seconds")
     c[0].metric("updates", fmt_num(s.get("updates")))
-    c[1].metric(f"time per update ({clock})", fmt_s(s.get("time_per_update_mean_s")))
-    c[2].metric("cost per update", fmt_usd(s.get("cost_per_update_usd")))
-    c[3].metric("mean staleness (versions)", fmt_versions(s.get("staleness_mean")))
-    c[4].metric("tokens/s generated", fmt_compact(s.get("tokens_per_s")))
+    c[2].metric("cost/update", fmt_usd(s.get("cost_per_update_usd")))
+    c[3].metric("staleness (versions)", fmt_versions(s.get("staleness_mean")))
+    c[4].metric("tokens/s", fmt_compact(s.get("tokens_per_s")))
     c[5].metric("trainer idle", fmt_pct(s.get("trainer_idle_share")))
 
 
