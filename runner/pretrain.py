@@ -89,9 +89,11 @@ class PretrainResult:
 
 
 def cache_key(config: PretrainConfig) -> str:
-    """Hash of the spec's content, demonstration + training settings and the seed (24 hex chars)."""
+    """Hash of the spec's content, demonstration + training settings and the seed (24 hex chars);
+    settings left to their model-dependent default hash as their resolved value."""
     spec = config.spec()
-    payload = {"format": CACHE_FORMAT, "spec": spec.to_dict(), "config": dataclasses.asdict(config)}
+    resolved = dataclasses.replace(config, row_tokens=config.row_tokens or spec.max_context)
+    payload = {"format": CACHE_FORMAT, "spec": spec.to_dict(), "config": dataclasses.asdict(resolved)}
     payload["config"].pop("model")        # the content counts, not the name or path it was read from
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:24]
