@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 SAMPLER_MODES = ("embedded", "sglang")
+RAY_START_ATTEMPTS = 3      # a local Ray whose raylet does not register within Ray's 30 s (busy machine) is retried
 
 
 def _set_threads(threads: int) -> None:
@@ -152,9 +153,16 @@ def init_ray(*, address: str | None = None, num_cpus: int | None = None,
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
         return
-    ray.init(num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 2), include_dashboard=False,
-             resources={k: float(v) for k, v in (resources or {}).items()}, runtime_env=env, log_to_driver=False,
-             configure_logging=True, logging_level="ERROR")
+    for attempt in range(RAY_START_ATTEMPTS):
+        try:
+            ray.init(num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 2), include_dashboard=False,
+                     resources={k: float(v) for k, v in (resources or {}).items()}, runtime_env=env,
+                     log_to_driver=False, configure_logging=True, logging_level="ERROR")
+            return
+        except Exception as e:  # noqa: BLE001 - Ray's own "node timed out during startup" on a busy machine
+            if attempt == RAY_START_ATTEMPTS - 1 or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
 
 
 def remote_sampler(*, accelerator: str, amount: float = 1.0) -> Any:
