@@ -73,6 +73,11 @@ class SamplerWorker:
             self.url = attached.url
         self.ready_s = time.time() - self.started_s
 
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) this process has used."""
+        t = os.times()
+        return t.user + t.system
+
     def info(self) -> dict[str, Any]:
         return {"group": self.group, "index": self.index, "url": self.url, "pid": os.getpid(),
                 "ready_s": self.ready_s, "mode": self.mode}
@@ -113,6 +118,11 @@ class TrainerWorker:
 
     def version(self) -> int:
         return int(self.trainer.version)
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) this process has used."""
+        t = os.times()
+        return t.user + t.system
 
     def train(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
         """One update on a `runner.batching.TrainBatch.tensors` mapping; returns the step's metrics."""

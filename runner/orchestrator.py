@@ -828,11 +828,26 @@ class Orchestrator:
         return {"loop_s": loop_s, "loop_trainer_busy_s": busy,
                 "loop_trainer_idle_share": 1.0 - busy / loop_s if loop_s > 0 else math.nan}
 
+    async def _cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by the driver, the trainer and the live samplers (what the run cost the
+        machine, independent of other load on it)."""
+        t = os.times()
+        out = {"driver": t.user + t.system}
+        with contextlib.suppress(Exception):
+            out["trainer"] = float(await asyncio.wait_for(self.trainer.cpu_s.remote(), 10))
+        for g, reps in self.replicas.items():
+            for r in reps:
+                if r.up and r.actor is not None:
+                    with contextlib.suppress(Exception):
+                        out[f"{g}#{r.index}"] = float(await asyncio.wait_for(r.actor.cpu_s.remote(), 10))
+        return out
+
     async def _stop(self, status: str) -> None:
         self._stopping = True
         for t in list(self._tasks):
             t.cancel()
         await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        cpu = await self._cpu_seconds() if self.trainer is not None else {}
         import ray
 
         for reps in self.replicas.values():
@@ -848,7 +863,8 @@ class Orchestrator:
         if self.writer is not None:
             self.writer.update_header(wall_s=self.now(), trainer_busy_s=self.trainer_busy_s,
                                       trainer_idle_share=1.0 - self.trainer_busy_s / max(self.now(), 1e-9),
-                                      on_policy_kl_by_group=self.on_policy_kl(), **self.loop_stats())
+                                      on_policy_kl_by_group=self.on_policy_kl(), cpu_s=cpu,
+                                      cpu_s_total=sum(cpu.values()), **self.loop_stats())
             self.writer.close(status)
             self.writer = None
 
