@@ -217,9 +217,13 @@ def pretrain(config: PretrainConfig | None = None, *, cache_dir: str | Path | No
             meta = train_base_policy(config, ckpt, progress=progress)
             meta["key"] = key
             (ckpt / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-            if final.exists():
-                shutil.rmtree(final)
-            os.replace(ckpt, final)
+            if final.exists():                                  # forced, or a stale incomplete entry
+                os.replace(final, work / "old")
+            try:
+                os.replace(ckpt, final)
+            except OSError:                                     # another process finished the same key first
+                if not (final / META_FILE).exists():
+                    raise
         finally:
             shutil.rmtree(work, ignore_errors=True)
     if out is not None:
