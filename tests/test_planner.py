@@ -71,3 +71,15 @@ def test_the_chosen_plan_is_verified_in_the_des_and_runs_again(tmp_path) -> None
     assert [g.name for g in r.plan.groups] == list(r.best.replicas)
     again = simulate(r.plan, updates=2)
     assert again.summary.updates == 2
+
+
+def test_the_analytic_model_of_a_plan_agrees_with_the_des() -> None:
+    from mixfleet.policies.plan import load_plan
+    from mixfleet.twin.planner import evaluate_plan
+
+    plan = load_plan("tiny-cpu")
+    est = evaluate_plan(plan)
+    assert list(est.replicas) == ["cpu-bf16", "cpu-fp8", "cpu-nvfp4"] and est.trainer_bound
+    des = simulate(plan, updates=8).summary
+    assert des.time_per_update_mean_s == pytest.approx(est.time_per_update_s, rel=0.15)
+    assert des.cost_per_update_usd == pytest.approx(est.cost_per_update_usd, rel=0.15)

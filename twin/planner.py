@@ -6,8 +6,11 @@
    in flight, fleet throughput T = sum n_i tps_i (prefill included), capped by the sessions in flight
    (K x samples, each alternating decode and tool calls); sampler time per update G / T for G generated
    tokens per update; time per update = max(sampler time, train step + weight push) (fully async);
-   staleness by Little's law ~ K / (2 B) - 1/2 versions per token (B prompts per update; unbounded when the
-   trainer is the bottleneck); cost per update = (fleet + trainer USD/h) x time per update. Cost per
+   staleness by Little's law: a prompt-group lives K / B update periods, its samples' tokens are on average
+   (1 - s / 2r) of that old when it completes (r: longest of a group's samples over the mean, s: E[D^2]/E[D]^2,
+   from the workload's turns), minus half an update (B prompts per update; unbounded when the trainer is the
+   bottleneck); only K x samples / r sessions are active (finished samples wait for their siblings);
+   cost per update = (fleet + trainer USD/h) x time per update. Cost per
    *effective* update divides by the share of tokens the correction keeps, 1 - sum_i share_i m_i, with
    m_i the group's prior extreme-ratio share (what MIS masks), so a cheap but mismatched group pays for
    the tokens it wastes. Candidates come from integer programs (`scipy.optimize.milp`: cheapest fleet
@@ -29,7 +32,7 @@ from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.roofline import replica_model, trainer_step_s, weight_sync_s
-from mixfleet.costmodel.workload import load_workload
+from mixfleet.costmodel.workload import WorkloadSpec, load_workload
 from mixfleet.policies.plan import GroupPlan, Plan, PoliciesPlan, PolicyRef, TrainerPlan
 from mixfleet.twin.rates import nominal_point
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -114,37 +117,37 @@ class PlanResult:
     note: str = ""
 
 
-def group_types(cfg: PlannerConfig) -> list[GroupType]:
-    """Every (accelerator, native precision, KV dtype) of the pool that fits the model."""
+def group_types(cfg: PlannerConfig, only: list[tuple[str, str, str, bool, int]] | None = None) -> list[GroupType]:
+    """Every (accelerator, native precision, KV dtype) of the pool that fits the model; or exactly the
+    `only` list of (accelerator, precision, KV dtype, emulated, tp) (tp 0 = auto), e.g. a plan's groups."""
     cat = load_catalog(cfg.price_table)
     model = load_model_spec(cfg.model)
     wl = load_workload(cfg.workload)
     trainer_acc = cat.accelerator(cfg.trainer_accelerator)
     ctx = wl.mean_decode_context
     new_per_turn = wl.mean_prefill_tokens_per_episode / max(wl.turns.mean, 1.0)
-    accs = cfg.accelerators or tuple(cat.gpus())
+    if only is None:
+        only = [(a, p, kv, False, 0) for a in (cfg.accelerators or tuple(cat.gpus())) for p in cat.precisions
+                if cat.support(a, p) == "native" for kv in cfg.kv_dtypes]
     out = []
-    for a in accs:
-        acc = cat.accelerator(a)
-        for p in cat.precisions:
-            if cat.support(acc, p) != "native":
-                continue
-            for kv in cfg.kv_dtypes:
-                try:
-                    rm = replica_model(model, acc, p, kv, catalog=cat,
-                                       kv_budget_tokens=min(wl.max_context, model.max_context))
-                except SpecError:
-                    continue
-                tps, _ = nominal_point(rm, ctx)
-                b = max(1, int(rm.max_batch(ctx)))
-                prefill_per_token_s = float(rm.prefill_s(new_per_turn)) / wl.reply_tokens.mean
-                eff_tps = 1.0 / (1.0 / tps + prefill_per_token_s)
-                prior = mismatch_prior(acc.name, p, kv)
-                suffix = p.upper() + ("" if kv == "fp8_e4m3" or p == "bf16" and kv == "bf16" else f"-KV{kv.upper()}")
-                out.append(GroupType(name=f"{acc.name}-{suffix}", accelerator=acc.name, precision=p, kv_dtype=kv,
-                                     tp=rm.tp, tokens_per_s=eff_tps, per_seq_tokens_per_s=tps / b,
-                                     usd_per_hour=rm.price_usd_per_hour, sync_s=weight_sync_s(rm, trainer_acc),
-                                     masked_share=prior.extreme_share, kl_k3=prior.kl_k3))
+    for a, p, kv, emulated, tp in only:
+        try:
+            rm = replica_model(model, a, p, kv, catalog=cat, tp=tp or None, emulated=emulated,
+                               kv_budget_tokens=min(wl.max_context, model.max_context))
+        except SpecError:
+            if emulated or tp:
+                raise
+            continue
+        tps, _ = nominal_point(rm, ctx)
+        b = max(1, int(rm.max_batch(ctx)))
+        prefill_per_token_s = float(rm.prefill_s(new_per_turn)) / wl.reply_tokens.mean
+        eff_tps = 1.0 / (1.0 / tps + prefill_per_token_s)
+        prior = mismatch_prior(a, p, kv)
+        suffix = p.upper() + ("" if kv == "fp8_e4m3" or p == "bf16" and kv == "bf16" else f"-KV{kv.upper()}")
+        out.append(GroupType(name=f"{a}-{suffix}", accelerator=a, precision=p, kv_dtype=kv,
+                             tp=rm.tp, tokens_per_s=eff_tps, per_seq_tokens_per_s=tps / b,
+                             usd_per_hour=rm.price_usd_per_hour, sync_s=weight_sync_s(rm, trainer_acc),
+                             masked_share=prior.extreme_share, kl_k3=prior.kl_k3))
     return out
 
 
@@ -173,12 +176,8 @@ def _milp_candidates(types: list[GroupType], cfg: PlannerConfig, trainer_usd_h: 
 def screen(types: list[GroupType], cfg: PlannerConfig) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """All candidates (mixes x K) and their analytic metrics, vectorized."""
     cat = load_catalog(cfg.price_table)
-    model, wl = load_model_spec(cfg.model), load_workload(cfg.workload)
-    trainer_acc = cat.accelerator(cfg.trainer_accelerator)
-    trainer_usd_h = cfg.trainer_gpus * trainer_acc.price_usd_per_gpu_hour
-    ppu, spp = wl.prompts_per_update, wl.samples_per_prompt
-    gen_tokens = ppu * spp * wl.mean_generated_tokens_per_episode
-    train_s = float(trainer_step_s(model, trainer_acc, cfg.trainer_gpus, gen_tokens))
+    wl = load_workload(cfg.workload)
+    trainer_usd_h = cfg.trainer_gpus * cat.accelerator(cfg.trainer_accelerator).price_usd_per_gpu_hour
     mixes = [_milp_candidates(types, cfg, trainer_usd_h, eff) for eff in (False, True)]
     base = np.unique(np.vstack(mixes), axis=0) if any(len(m) for m in mixes) else np.zeros((0, len(types)), int)
     eye = np.eye(len(types), dtype=int)
@@ -193,7 +192,20 @@ def screen(types: list[GroupType], cfg: PlannerConfig) -> tuple[np.ndarray, np.n
     mix = mix[(gpus_by_acc <= caps).all(0)]
     kf = np.array(K_FACTORS)
     n = np.repeat(mix, len(kf), axis=0)
-    k = np.tile(kf * ppu, len(mix))
+    k = np.tile(kf * wl.prompts_per_update, len(mix))
+    return n, k, metrics(types, n, k, cfg)
+
+
+def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerConfig) -> dict[str, np.ndarray]:
+    """The analytic model for mixes `n` (rows: replicas per type) with `k` prompts in flight (vectorized)."""
+    cat = load_catalog(cfg.price_table)
+    model, wl = load_model_spec(cfg.model), load_workload(cfg.workload)
+    trainer_acc = cat.accelerator(cfg.trainer_accelerator)
+    trainer_usd_h = cfg.trainer_gpus * trainer_acc.price_usd_per_gpu_hour
+    ppu, spp = wl.prompts_per_update, wl.samples_per_prompt
+    gen_tokens = ppu * spp * wl.mean_generated_tokens_per_episode
+    train_s = float(trainer_step_s(model, trainer_acc, cfg.trainer_gpus, gen_tokens))
+    n, k = np.atleast_2d(n), np.atleast_1d(k)
     tps = np.array([t.tokens_per_s for t in types])
     seq = np.array([t.per_seq_tokens_per_s for t in types])
     price = np.array([t.usd_per_hour for t in types])
@@ -203,19 +215,41 @@ def screen(types: list[GroupType], cfg: PlannerConfig) -> tuple[np.ndarray, np.n
     seq_rate = (n * tps) @ seq / np.maximum(cap_tps, 1e-12)              # capacity-weighted per-session speed
     reply, tool = wl.reply_tokens.mean, wl.tool_latency_s.mean
     session_tps = reply / (reply / seq_rate + tool)
-    thr = np.minimum(cap_tps, k * spp * session_tps)
+    r_wait, s_len = _group_shape(wl)
+    thr = np.minimum(cap_tps, k * spp / r_wait * session_tps)  # finished samples wait for their siblings
     t_sampler = gen_tokens / thr
     t_trainer = train_s + np.max(np.where(n > 0, sync[None, :], 0.0), axis=1)
     trainer_bound = t_trainer > t_sampler
     t_update = np.maximum(t_sampler, t_trainer)
-    staleness = np.where(trainer_bound, np.inf, np.maximum(k / (2.0 * ppu) - 0.5, 0.0))
+    staleness = np.where(trainer_bound, np.inf, np.maximum(k / ppu * (1.0 - s_len / (2.0 * r_wait)) - 0.5, 0.0))
     usd_h = n @ price + trainer_usd_h
     cost = usd_h * t_update / 3600.0
     kept = 1.0 - (n * tps) @ masked / np.maximum(cap_tps, 1e-12)
-    metrics = {"throughput": thr, "time_per_update_s": t_update, "staleness": staleness, "usd_per_hour": usd_h,
-               "cost_per_update": cost, "cost_per_effective_update": cost / kept, "kept_share": kept,
-               "trainer_bound": trainer_bound}
-    return n, k, metrics
+    return {"throughput": thr, "time_per_update_s": t_update, "staleness": staleness, "usd_per_hour": usd_h,
+            "cost_per_update": cost, "cost_per_effective_update": cost / kept, "kept_share": kept,
+            "trainer_bound": trainer_bound}
+
+
+def _group_shape(wl: WorkloadSpec, groups: int = 20_000) -> tuple[float, float]:
+    """From the workload's turns distribution (episode length ~ turns; seeded Monte Carlo): r = E[longest of a
+    prompt's samples] / E[one sample], how long a prompt-group lives relative to an episode, and
+    s = E[D^2] / E[D]^2, the token-weighted mean episode length relative to the mean (both 1 when constant)."""
+    d = np.maximum(wl.turns.sample(np.random.default_rng(0), groups * wl.samples_per_prompt), 1.0)
+    d = d.reshape(groups, wl.samples_per_prompt)
+    return float(d.max(1).mean() / d.mean()), float((d * d).mean() / d.mean() ** 2)
+
+
+def evaluate_plan(plan: Plan, cfg: PlannerConfig | None = None) -> Candidate:
+    """The analytic model's numbers for an existing plan (e.g. a seed fleet), for comparison with the DES."""
+    wl = load_workload(plan.workload)
+    cfg = cfg or PlannerConfig(model=plan.model, workload=plan.workload, price_table=plan.price_table or "modal",
+                               trainer_accelerator=plan.trainer.accelerator, trainer_gpus=plan.trainer.gpus)
+    types = group_types(cfg, only=[(g.accelerator, g.precision, g.kv_dtype, g.emulated, g.tp) for g in plan.groups])
+    types = [GroupType(**{**{f: getattr(t, f) for f in t.__dataclass_fields__}, "name": g.name})
+             for t, g in zip(types, plan.groups, strict=True)]
+    n = np.array([g.replicas for g in plan.groups])
+    k = plan.policies.batcher.settings.get("inflight_prompts", 4 * wl.prompts_per_update)
+    return _candidate(types, n, k, metrics(types, n[None, :], np.array([k]), cfg), 0)
 
 
 def _feasible(m: dict[str, np.ndarray], cfg: PlannerConfig) -> np.ndarray:
