@@ -42,9 +42,12 @@ LABELS = {"grpo": "GRPO", "grpo_mis": "GRPO+MIS", "sc": "SC", "grpo_topp": "GRPO
           "sc_mis_topp": "SC+MIS+top-p"}
 COLORS = {"grpo": "#d62728", "grpo_mis": "#ff7f0e", "sc": "#9467bd", "grpo_topp": "#8c564b", "sc_mis": "#1f77b4",
           "sc_mis_topp": "#2ca02c"}
-METRICS = (("reward", "reward (mean)"), ("kl_k3", "KL k3 (sampler vs trainer)"),
+SMOOTH = 3                               # rolling mean (updates) of the noisy per-batch shares in the plots
+SMOOTHED = ("reward", "no_tool_share")
+METRICS = (("reward", f"reward (rolling mean of {SMOOTH})"), ("kl_k3", "KL k3 (sampler vs trainer)"),
            ("extreme_share", "share of tokens r outside [0.2, 5]"), ("grad_norm", "gradient norm"),
-           ("entropy", "entropy (nats/token)"), ("no_tool_share", "share of episodes: 3 replies w/o tool call"))
+           ("entropy", "entropy (nats/token)"),
+           ("no_tool_share", f"episodes ending: 3 replies w/o tool call ({SMOOTH})"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -117,11 +120,12 @@ def verdict(series: pd.DataFrame) -> dict[str, Any]:
     reward_fell = r1 < r0 - REWARD_DROP
     kl_grew = growth >= KL_GROWTH
     v = "collapsed" if reward_fell and kl_grew else "unstable" if reward_fell or kl_grew else "stable"
-    g0 = float(a["grad_norm"].mean())
+    nonzero = series["grad_norm"][series["grad_norm"] > 0]     # 0: a batch whose groups all had equal rewards
+    g0 = float(nonzero.iloc[:w].mean()) if len(nonzero) else math.nan
     return {"updates": n, "window": w, "reward_start": r0, "reward_end": r1, "kl_start": k0, "kl_end": k1,
             "kl_growth": growth, "reward_fell": reward_fell, "kl_grew": kl_grew, "verdict": v,
             "extreme_start": float(a["extreme_share"].mean()), "extreme_end": float(b["extreme_share"].mean()),
-            "grad_start": g0, "grad_max_over_start": float(series["grad_norm"].max()) / g0 if g0 > 0 else math.nan,
+            "grad_start": g0, "grad_max_over_start": float(nonzero.max()) / g0 if g0 > 0 else math.nan,
             "entropy_start": float(a["entropy"].mean()), "entropy_end": float(b["entropy"].mean()),
             "no_tool_start": float(a["no_tool_share"].mean()), "no_tool_end": float(b["no_tool_share"].mean())}
 
@@ -178,23 +182,31 @@ def _save(fig: Any, out: Path, stem: str, png: bool, width: int, height: int) ->
     return f"{stem}.html"
 
 
+def _smooth(df: pd.DataFrame) -> pd.DataFrame:
+    out = df.copy()
+    for col in SMOOTHED:
+        out[col] = df[col].rolling(SMOOTH, min_periods=1).mean()
+    return out
+
+
 def _fig_metrics(fleet: str, by_variant: dict[str, list[RunData]]) -> Any:
     from plotly.subplots import make_subplots
 
     fig = make_subplots(rows=2, cols=3, subplot_titles=[t for _, t in METRICS], horizontal_spacing=0.07,
                         vertical_spacing=0.12)
     for v, runs in by_variant.items():
-        m = mean_series(runs)
+        m = _smooth(mean_series(runs))
         for i, (col, _) in enumerate(METRICS):
             row, c = i // 3 + 1, i % 3 + 1
             for r in runs:                                    # thin lines: each seed
-                fig.add_scatter(x=list(r.series.index), y=list(r.series[col]), mode="lines", row=row, col=c,
+                y = _smooth(r.series)[col]
+                fig.add_scatter(x=list(r.series.index), y=list(y), mode="lines", row=row, col=c,
                                 line={"color": COLORS.get(v, "#777"), "width": 0.7}, opacity=0.35,
                                 showlegend=False, hoverinfo="skip")
             fig.add_scatter(x=list(m.index), y=list(m[col]), mode="lines", name=LABELS.get(v, v), row=row, col=c,
                             line={"color": COLORS.get(v, "#777"), "width": 2.2}, legendgroup=v, showlegend=i == 0)
     for i, (col, _) in enumerate(METRICS):
-        if col in ("kl_k3", "grad_norm"):
+        if col == "kl_k3":
             fig.update_yaxes(type="log", row=i // 3 + 1, col=i % 3 + 1)
     fig.update_xaxes(title_text="update")
     fig.update_layout(title=f"{fleet} fleet: per variant (thick: mean over seeds; thin: each seed)",
@@ -265,8 +277,7 @@ def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | N
     cfg = manifest.get("config", {})
     fleets = sorted({r.fleet for r in runs}, key=lambda f: (f != "mixed", f))
     seeds = sorted({r.seed for r in runs})
-    n_up = {r.updates for r in [verdict(x.series) | {"updates": len(x.series)} for x in runs]} if False else \
-        sorted({len(r.series) for r in runs})
+    n_up = sorted({len(r.series) for r in runs})
     lines += ["## Setup", "",
               f"- Runs: {len(runs)} ({', '.join(fleets)} fleets x {len({r.variant for r in runs})} variants x "
               f"{len(seeds)} seeds: {', '.join(map(str, seeds))}); updates per run: "
@@ -288,8 +299,8 @@ def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | N
             lines += [f"![{fleet} metrics]({name})" if name.endswith(".png") else f"[{fleet} metrics (HTML)]({name})",
                       ""]
         lines += ["| variant | seed | updates | reward start -> end | KL k3 start -> end (x) | r outside [0.2, 5] "
-                  "start -> end | grad norm max / start | entropy start -> end | no tool call x3 start -> end | "
-                  "verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "start -> end | grad norm max / start (non-zero) | entropy start -> end | "
+                  "no tool call x3 start -> end | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
         for r in fr:
             v = verdict(r.series)
             result["verdicts"].append({"fleet": fleet, "variant": r.variant, "seed": r.seed, **v})
