@@ -110,6 +110,8 @@ class AblationConfig:
     eval_every: int = 0                        # pass@k evaluations (0: none; they cost a CPU run dearly)
     run_timeout_s: float = 3600.0              # a child still running after this is killed (status "timeout")
     start_gap_s: float = 30.0                  # seconds between two child starts (Ray start-ups overload a small host)
+    retries: int = 2                           # a run that fails (e.g. workers killed by Ray's memory monitor on a
+                                               # shared host) is continued from its checkpoint up to this many times
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
@@ -127,7 +129,7 @@ class AblationConfig:
         if not self.seeds or any(not isinstance(s, int) or isinstance(s, bool) or s < 0 for s in self.seeds) \
                 or len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"ablation seeds = {self.seeds!r}; allowed: distinct integers >= 0")
-        for name, lo in (("updates", 1), ("parallel", 1), ("eval_every", 0)):
+        for name, lo in (("updates", 1), ("parallel", 1), ("eval_every", 0), ("retries", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"ablation {name} = {v!r}; allowed: an integer >= {lo}")
@@ -245,12 +247,14 @@ def run_ablation(config: AblationConfig, *, log: Callable[[str], Any] = print) -
         f"(parallel {config.parallel}), base policy {base_policy}")
     running: list[tuple[RunSpec, subprocess.Popen, float, Any]] = []
     queue = list(todo)
+    attempts = {s.name: 0 for s in specs}
     last_start = -float("inf")
     while queue or running:
         while queue and len(running) < config.parallel and time.monotonic() - last_start >= config.start_gap_s:
             last_start = time.monotonic()
             s = queue.pop(0)
             s.out_dir.mkdir(parents=True, exist_ok=True)
+            attempts[s.name] += 1
             resume = states[s.name] == "partial"
             fh = open(s.out_dir / "driver.log", "a")  # noqa: SIM115 - closed when the child ends
             child = subprocess.Popen(_child_argv(s, config, base_policy, resume), stdout=fh, stderr=subprocess.STDOUT,
@@ -279,6 +283,10 @@ def run_ablation(config: AblationConfig, *, log: Callable[[str], Any] = print) -
             entry.pop("pid", None)
             _write_json(manifest_path, manifest)
             log(f"  done  {s.name}: {status} in {wall:.0f} s")
+            if state != "finished" and not timed_out and attempts[s.name] <= config.retries:
+                states[s.name] = "partial" if state == "partial" else "new"
+                queue.append(s)                                # continue it from its checkpoint, at the end
+                log(f"  retry {s.name} later (attempt {attempts[s.name] + 1} of {config.retries + 1})")
     manifest["finished_unix_s"] = time.time()
     _write_json(manifest_path, manifest)
     return manifest
