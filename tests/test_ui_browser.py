@@ -64,7 +64,8 @@ def app_url(tmp_path: Path):
     env.setdefault("MIXFLEET_UI_UPDATES", "2")
     env.setdefault("MIXFLEET_UI_WORKLOAD", "tiny-cpu")
     log = (tmp_path / "ui.log").open("w")
-    proc = subprocess.Popen(argv + ["ui", "--port", str(port), "--runs-dir", str(tmp_path / "runs")], env=env,
+    runs = env.get("MIXFLEET_RUNS_DIR") or str(tmp_path / "runs")  # a warm runs folder makes dry runs instant
+    proc = subprocess.Popen(argv + ["ui", "--port", str(port), "--runs-dir", runs], env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:

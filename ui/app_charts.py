@@ -213,7 +213,7 @@ def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
                                  textposition="bottom center",
                                  marker={"symbol": "star", "size": 20, "color": "red",
                                          "line": {"width": 1, "color": "black"}}))
-    fig.update_xaxes(type="log")
-    fig.update_yaxes(type="log")
+    fig.update_xaxes(type="log", nticks=8, title_text="time per update (s, log scale)")
+    fig.update_yaxes(type="log", nticks=8, title_text="cost per update (USD, log scale)")
     fig.update_layout(height=HEIGHT_PX + 160)
     return fig

@@ -91,6 +91,12 @@ def _validated_spec(kind: str, text: str) -> str:
     return str(path)
 
 
+@st.cache_data(show_spinner=False, max_entries=8)
+def _plan_cached(inputs: dict[str, Any], pool: pd.DataFrame, _progress: Any) -> planner.PlannerView:
+    """The planner + twin checks for these exact inputs (a repeat is instant; the twin runs are also on disk)."""
+    return planner.run(pool=pool, progress=_progress, **inputs)
+
+
 # ---- inputs ------------------------------------------------------------------------------------------------
 def _model_and_workload() -> tuple[str, str] | None:
     models, workloads, _ = _known()
@@ -232,8 +238,9 @@ def render() -> None:
             bar.progress(min(max(frac, 0.0), 1.0), text=text)
 
         try:
-            view = planner.run(model=mw[0], workload=mw[1], price_table=price_table, pool=pool, kv_dtypes=kv,
-                               progress=progress, **cons, **trainer)
+            inputs = {"model": mw[0], "workload": mw[1], "price_table": price_table, "kv_dtypes": kv, **cons,
+                      **trainer}
+            view = _plan_cached(inputs, pool, progress)
         except Exception as e:
             bar.empty()
             show_error("the planner could not plan", e)
