@@ -196,13 +196,15 @@ def screen(types: list[GroupType], cfg: PlannerConfig) -> tuple[np.ndarray, np.n
     return n, k, metrics(types, n, k, cfg)
 
 
-def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerConfig) -> dict[str, np.ndarray]:
-    """The analytic model for mixes `n` (rows: replicas per type) with `k` prompts in flight (vectorized)."""
+def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerConfig,
+            update_shape: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
+    """The analytic model for mixes `n` (rows: replicas per type) with `k` prompts in flight (vectorized).
+    update_shape: (prompts per update, samples per prompt) when not the workload's."""
     cat = load_catalog(cfg.price_table)
     model, wl = load_model_spec(cfg.model), load_workload(cfg.workload)
     trainer_acc = cat.accelerator(cfg.trainer_accelerator)
     trainer_usd_h = cfg.trainer_gpus * trainer_acc.price_usd_per_gpu_hour
-    ppu, spp = wl.prompts_per_update, wl.samples_per_prompt
+    ppu, spp = update_shape or (wl.prompts_per_update, wl.samples_per_prompt)
     gen_tokens = ppu * spp * wl.mean_generated_tokens_per_episode
     train_s = float(trainer_step_s(model, trainer_acc, cfg.trainer_gpus, gen_tokens))
     n, k = np.atleast_2d(n), np.atleast_1d(k)
@@ -215,7 +217,7 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
     seq_rate = (n * tps) @ seq / np.maximum(cap_tps, 1e-12)              # capacity-weighted per-session speed
     reply, tool = wl.reply_tokens.mean, wl.tool_latency_s.mean
     session_tps = reply / (reply / seq_rate + tool)
-    r_wait, s_len = _group_shape(wl)
+    r_wait, s_len = _group_shape(wl, spp)
     thr = np.minimum(cap_tps, k * spp / r_wait * session_tps)  # finished samples wait for their siblings
     t_sampler = gen_tokens / thr
     t_trainer = train_s + np.max(np.where(n > 0, sync[None, :], 0.0), axis=1)
@@ -230,12 +232,11 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
             "trainer_bound": trainer_bound}
 
 
-def _group_shape(wl: WorkloadSpec, groups: int = 20_000) -> tuple[float, float]:
+def _group_shape(wl: WorkloadSpec, spp: int, groups: int = 20_000) -> tuple[float, float]:
     """From the workload's turns distribution (episode length ~ turns; seeded Monte Carlo): r = E[longest of a
     prompt's samples] / E[one sample], how long a prompt-group lives relative to an episode, and
     s = E[D^2] / E[D]^2, the token-weighted mean episode length relative to the mean (both 1 when constant)."""
-    d = np.maximum(wl.turns.sample(np.random.default_rng(0), groups * wl.samples_per_prompt), 1.0)
-    d = d.reshape(groups, wl.samples_per_prompt)
+    d = np.maximum(wl.turns.sample(np.random.default_rng(0), groups * spp), 1.0).reshape(groups, spp)
     return float(d.max(1).mean() / d.mean()), float((d * d).mean() / d.mean() ** 2)
 
 
@@ -248,8 +249,10 @@ def evaluate_plan(plan: Plan, cfg: PlannerConfig | None = None) -> Candidate:
     types = [GroupType(**{**{f: getattr(t, f) for f in t.__dataclass_fields__}, "name": g.name})
              for t, g in zip(types, plan.groups, strict=True)]
     n = np.array([g.replicas for g in plan.groups])
-    k = plan.policies.batcher.settings.get("inflight_prompts", 4 * wl.prompts_per_update)
-    return _candidate(types, n, k, metrics(types, n[None, :], np.array([k]), cfg), 0)
+    b = plan.build_policies(wl)["batcher"].config
+    shape = (b.prompts_per_update, b.samples_per_prompt)
+    return _candidate(types, n, b.inflight_prompts,
+                      metrics(types, n[None, :], np.array([b.inflight_prompts]), cfg, shape), 0)
 
 
 def _feasible(m: dict[str, np.ndarray], cfg: PlannerConfig) -> np.ndarray:
