@@ -15,10 +15,13 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import time
 from pathlib import Path
 
-from mixfleet.twin.planner import PlannerConfig, plan_mix
+from mixfleet.costmodel.runlog import RunLog
+from mixfleet.policies.plan import load_plan
+from mixfleet.twin.planner import PlannerConfig, evaluate_plan, plan_mix
 from mixfleet.twin.sim import simulate
 
 OUT = Path(__file__).resolve().parent / "results" / "twin_speed.json"
@@ -33,7 +36,9 @@ def main() -> None:
 
     c0, w0 = time.process_time(), time.perf_counter()
     marks: list[tuple[int, float, float]] = []
-    r = simulate("seed-mixed", updates=args.updates,
+    log = args.out.parent / "twin_speed_runlog"
+    shutil.rmtree(log, ignore_errors=True)
+    r = simulate("seed-mixed", updates=args.updates, out=log,
                  progress=lambda v: marks.append((v, time.perf_counter() - w0, time.process_time() - c0)))
     cpu_s, wall_s = time.process_time() - c0, time.perf_counter() - w0
     half = len(marks) // 2       # steady state: the second half of the updates (the first ones fill the pipeline)
@@ -48,6 +53,14 @@ def main() -> None:
            "projected_200_updates_cpu_s": c_a + steady_cpu * (200 - v0),
            "simulated_time_per_update_s": r.summary.time_per_update_mean_s,
            "staleness_mean": r.summary.staleness_mean}
+    u = RunLog.open(log).updates
+    late = u[u.version > len(u) // 2]     # steady state of the simulated run, next to the planner's analytic model
+    est = evaluate_plan(load_plan("seed-mixed"))
+    sim["steady_simulated_time_per_update_s"] = float(late.end_s.diff().dropna().mean())
+    sim["steady_staleness_mean"] = float((late.staleness_mean * late.tokens).sum() / late.tokens.sum())
+    sim["analytic_time_per_update_s"] = est.time_per_update_s
+    sim["analytic_staleness_mean"] = est.staleness
+    shutil.rmtree(log, ignore_errors=True)
     print(json.dumps(sim, indent=2))
 
     c0, w0 = time.process_time(), time.perf_counter()
