@@ -57,7 +57,7 @@ class PlannerConfig:
     max_time_per_update_s: float | None = None
     max_usd_per_hour: float | None = None       # fleet + trainer
     objective: str = "cost_per_update"
-    verify: int = 2                             # candidates to verify in the DES (0 = none)
+    verify: int = 1                             # candidates to verify in the DES (0 = none)
     verify_updates: int = 2
     seed: int = 0
 
