@@ -60,8 +60,9 @@ class RunData:
     path: Path
     status: str
     series: pd.DataFrame          # index version: reward, kl_k3, extreme_share, masked_share, grad_norm, entropy,
-                                  # no_tool_share, tokens
+                                  # no_tool_share, tokens, staleness, kl_on_policy
     groups: pd.DataFrame          # the run log's groups table
+    on_policy: pd.DataFrame       # per (version, group): k3, tokens over staleness-0 tokens (the runner's notes)
 
 
 def _window(n: int) -> int:
@@ -82,6 +83,13 @@ def load_run(path: str | Path) -> RunData:
     s["grad_norm"] = up["grad_norm"]
     s["entropy"] = up["entropy"]
     s["tokens"] = up["tokens"]
+    s["staleness"] = up["staleness_mean"]
+    on_policy = _on_policy(log.events)
+    if len(on_policy):
+        w = on_policy.assign(kt=on_policy["k3"] * on_policy["tokens"]).groupby("version")[["kt", "tokens"]].sum()
+        s["kl_on_policy"] = (w["kt"] / w["tokens"].where(w["tokens"] > 0)).reindex(s.index)
+    else:
+        s["kl_on_policy"] = math.nan
     tr = log.trajectories
     tr = tr[tr["trained_version"] >= 1] if len(tr) else tr
     if len(tr):
@@ -93,7 +101,25 @@ def load_run(path: str | Path) -> RunData:
     variant = meta.get("variant") or path.parent.name
     seed = int(meta.get("seed", log.header.get("seed", 0)))
     return RunData(fleet=fleet, variant=variant, seed=seed, path=path, status=str(log.header.get("status", "")),
-                   series=s, groups=log.groups)
+                   series=s, groups=log.groups, on_policy=on_policy)
+
+
+def _on_policy(events: pd.DataFrame) -> pd.DataFrame:
+    """The runner's per-update notes {"on_policy_kl": {group: {k3, k1, tokens}}} (tokens sampled by the weights
+    being trained: the precision mismatch without staleness) as rows (version, group, k3, tokens)."""
+    rows = []
+    notes = events[events["kind"] == "note"] if len(events) else events
+    for version, detail in zip(notes.get("version", []), notes.get("detail", []), strict=False):
+        try:
+            data = json.loads(detail)
+        except (TypeError, ValueError):
+            continue
+        if not isinstance(data, dict) or "on_policy_kl" not in data:
+            continue
+        for g, m in (data["on_policy_kl"] or {}).items():
+            if m.get("tokens") and m.get("k3") is not None:
+                rows.append({"version": int(version), "group": g, "k3": float(m["k3"]), "tokens": float(m["tokens"])})
+    return pd.DataFrame(rows, columns=["version", "group", "k3", "tokens"])
 
 
 def find_runs(root: str | Path) -> list[RunData]:
@@ -159,6 +185,12 @@ def group_table(runs: list[RunData]) -> pd.DataFrame:
                                           else math.nan)
     out["out_of_band_share_in_group"] = agg["band_tok"] / agg["tok"].clip(lower=1e-12)
     out["kl_k3"] = agg["kl_tok"] / agg["tok"].clip(lower=1e-12)
+    op = pd.concat([r.on_policy for r in runs], ignore_index=True)
+    if len(op):
+        op = op.assign(kt=op["k3"] * op["tokens"]).groupby("group")[["kt", "tokens"]].sum()
+        out["kl_on_policy"] = (op["kt"] / op["tokens"]).reindex(out.index)
+    else:
+        out["kl_on_policy"] = math.nan
     return out
 
 
@@ -331,15 +363,19 @@ def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | N
                 lines += [f"![{fleet} group shares]({name})" if name.endswith(".png")
                           else f"[{fleet} group shares (HTML)]({name})", ""]
             lines += ["Per sampler group (all variants and seeds; token-weighted):", "",
-                      "| group | share of samples | share of trained tokens | KL k3 | r outside [0.2, 5]: in group "
-                      "| share of all such tokens | r outside [0.5, 2]: in group | share of all such tokens |",
-                      "|---|---|---|---|---|---|---|---|"]
+                      "| group | share of samples | share of trained tokens | KL k3 | KL k3 on-policy tokens | "
+                      "r outside [0.2, 5]: in group | share of all such tokens | r outside [0.5, 2]: in group | "
+                      "share of all such tokens |",
+                      "|---|---|---|---|---|---|---|---|---|"]
             for g, row in table.iterrows():
                 lines.append(f"| {g} | {_pct(row['share_of_samples'])} | {_pct(row['share_of_tokens'])} | "
-                             f"{_f(row['kl_k3'], '.2e')} | {_pct(row['extreme_share_in_group'])} | "
+                             f"{_f(row['kl_k3'], '.2e')} | {_f(row['kl_on_policy'], '.2e')} | "
+                             f"{_pct(row['extreme_share_in_group'])} | "
                              f"{_pct(row['share_of_extreme_tokens'])} | {_pct(row['out_of_band_share_in_group'])} | "
                              f"{_pct(row['share_of_out_of_band_tokens'])} |")
-            lines.append("")
+            lines += ["", "KL k3 is over all trained tokens (sampled up to the plan's max staleness versions before); "
+                      "'on-policy tokens' is over the tokens sampled by the very weights being trained (staleness "
+                      "0): the precision / kernel mismatch alone.", ""]
     if not png and plots:
         lines += ["(Plots are HTML: kaleido was not available to render PNGs.)", ""]
     (out / "README.md").write_text("\n".join(lines))

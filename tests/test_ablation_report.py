@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from mixfleet.costmodel.runlog import GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
+from mixfleet.costmodel.runlog import EventRecord, GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
 from mixfleet.runner.ablation_report import RUN_FILE, VERDICT_RULE, build_report, find_runs, group_table, verdict
 from mixfleet.ui.commands import experiment
 from typer.testing import CliRunner
@@ -39,6 +39,9 @@ def _write_run(folder: Path, *, fleet: str, variant: str, seed: int, rewards: li
                 w.append(GroupRecord(version=v, group=g, replicas_up=1, utilization=1, tokens_generated=tok, samples=n,
                                      share_of_samples=n / 4, kl_k3=kls[v - 1], extreme_share=ext, masked_share=band,
                                      tokens_trained=tok))
+            w.append(EventRecord(time_s=v, kind="note", version=v, detail=json.dumps(
+                {"on_policy_kl": {"a": {"k3": 1e-3, "k1": 0.0, "tokens": 10.0},
+                                  "b": {"k3": 4e-3, "k1": 0.0, "tokens": 5.0}}})))
             for i in range(4):
                 w.append(TrajectoryRecord(run_id=w.run_id, prompt_id=v, sample_index=i, group="a" if i < 3 else "b",
                                           replica=0, version_start=v - 1, version_end=v - 1, turns=3, prompt_tokens=5,
@@ -103,6 +106,8 @@ def test_group_table_hand_computed(study: Path) -> None:
     assert t.loc["b", "share_of_extreme_tokens"] == pytest.approx(4 / 7)
     assert t.loc["b", "extreme_share_in_group"] == pytest.approx(0.4)
     assert t.loc["a", "share_of_out_of_band_tokens"] == pytest.approx(6 / 11)
+    assert t.loc["b", "kl_on_policy"] == pytest.approx(4e-3)               # from the runner's notes
+    assert find_runs(study)[0].series["kl_on_policy"].tolist() == pytest.approx([(1e-2 + 2e-2) / 15] * UPDATES)
 
 
 def test_markdown_report(study: Path, tmp_path: Path) -> None:
