@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -45,20 +46,24 @@ def _clean(x: Any) -> Any:
     return x
 
 
-def real_run(plan: Path, out: Path, updates: int, timeout_s: float) -> dict[str, Any]:
+def real_run(plan: Path, out: Path, updates: int, timeout_s: float, retries: int = 2) -> dict[str, Any]:
     """`mixfleet run PLAN --out OUT --updates N` in a subprocess (no pass@k evaluation: it is not the plan's
-    sampling work); returns wall seconds and the exit code."""
+    sampling work), retried from scratch when it fails (a local Ray can time out starting on a loaded
+    machine); returns the wall seconds, attempts and the machine's load."""
     cmd = [sys.executable, "-m", "mixfleet.ui.cli", "run", str(plan), "--out", str(out), "--updates", str(updates),
            "--eval-every", "0", "--quiet"]
-    t0 = time.time()
-    load0 = os.getloadavg()[0]
-    print(f"[fidelity] {' '.join(cmd[2:])}", flush=True)
-    proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
-    if proc.returncode != 0:
+    for attempt in range(1, retries + 2):
+        shutil.rmtree(out, ignore_errors=True)      # a fresh run log each attempt
+        t0 = time.time()
+        load0 = os.getloadavg()[0]
+        print(f"[fidelity] {' '.join(cmd[2:])} (attempt {attempt})", flush=True)
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
+        if proc.returncode == 0:
+            return {"plan": str(plan.relative_to(ROOT)), "runlog": str(out), "updates": updates, "attempts": attempt,
+                    "wall_s": time.time() - t0, "load_avg_1m_start": load0, "load_avg_1m_end": os.getloadavg()[0]}
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-15:])
-        raise SystemExit(f"[fidelity] the real run of {plan.name} failed (exit {proc.returncode}):\n{tail}")
-    return {"plan": str(plan.relative_to(ROOT)), "runlog": str(out), "updates": updates,
-            "wall_s": time.time() - t0, "load_avg_1m_start": load0, "load_avg_1m_end": os.getloadavg()[0]}
+        print(f"[fidelity] the real run of {plan.name} failed (exit {proc.returncode}):\n{tail}", flush=True)
+    raise SystemExit(f"[fidelity] the real run of {plan.name} failed {retries + 1} times")
 
 
 def main() -> None:
