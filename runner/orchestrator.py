@@ -57,7 +57,10 @@ STATE_DIR = "trainer_state"
 WEIGHTS_DIR = "weights"
 ORCH_STATE_FILE = "orchestrator.json"
 KEEP_WEIGHT_VERSIONS = 3
-MONITOR_INTERVAL_S = 1.0            # the fleet monitor's tick; the autoscaler is asked every min(its interval, 5 s)
+MONITOR_INTERVAL_S = 1.0           # the fleet monitor's tick; the autoscaler is asked every min(its interval, 5 s)
+PROBE_TIMEOUT_S = 10.0             # a /health probe; no answer in time is "undecided", refused is "dead"
+MAX_FAILED_PROBES = 5              # undecided probes in a row of an idle replica that count as a loss
+MAX_SAME_REPLICA_RETRIES = 3       # per session: resends to a live replica after a dropped connection
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -136,6 +139,7 @@ class Replica:
     busy_s: float = 0.0
     _busy_since: float | None = None
     started_s: float = 0.0
+    failed_probes: int = 0                     # consecutive unanswered health probes
     admitting: asyncio.Event = field(default_factory=asyncio.Event)
 
     def __post_init__(self) -> None:
@@ -165,6 +169,7 @@ class Session:
     sample_index: int
     session_id: str
     restarts: int = 0
+    retries: int = 0                           # requests resent to the same (live) replica
     replica: int = -1
     group: str = ""
 
@@ -275,6 +280,8 @@ class Orchestrator:
         self._starting: dict[str, int] = {g.name: 0 for g in self.fleet.groups}
         self.weights_path: str = config.init_checkpoint
         self.weights_version = 0                      # the version weights_path holds
+        self._pinned_paths: dict[str, int] = {}       # weight folders replicas are starting from (not deleted)
+        self._probe_http: httpx.AsyncClient | None = None
         trainer_top_p = plan.trainer.top_p
         self.top_p_replay = bool(plan.trainer.top_p_replay and trainer_top_p < 1.0)
         self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens or emb.max_new_tokens,
@@ -377,29 +384,33 @@ class Orchestrator:
         self._starting[g.name] += 1
         t0 = self.now()
         actor = None
+        path, version = self.weights_path, self.weights_version
+        self._pinned_paths[path] = self._pinned_paths.get(path, 0) + 1
         try:
             if self.fleet.mode == "attach":
                 url = g.urls[index % len(g.urls)]
             else:
                 cls = remote_sampler(accelerator=g.accelerator, amount=g.tp)
-                actor = cls.remote(group=g.name, index=index, model_path=self.weights_path, precision=g.precision,
+                actor = cls.remote(group=g.name, index=index, model_path=path, precision=g.precision,
                                    kv_dtype=g.kv_dtype, kernel=g.kernel,
                                    threads=self.config.sampler_threads or self.fleet.threads_per_replica,
                                    seed=self.config.seed * 1009 + zlib.crc32(f"{g.name}/{index}".encode()) % 1000,
-                                   weight_version=str(self.weights_version),
+                                   weight_version=str(version),
                                    mode="sglang" if self.fleet.mode == "sglang" else "embedded",
                                    top_p_replay=self.top_p_replay, tp=g.tp)
                 info = await actor.info.remote()
                 url = info["url"]
         except Exception as e:  # noqa: BLE001 - a replica that cannot start is logged; the run goes on
-            self._starting[g.name] -= 1
             self.event("crash", g.name, index, self.version, detail=f"start failed: {type(e).__name__}: {e}")
             return None
-        self._starting[g.name] -= 1
+        finally:
+            self._starting[g.name] -= 1
+            self._pinned_paths[path] -= 1
         client = SamplerClient(url, config=ClientConfig(max_retries=2, backoff_initial_s=0.05, connect_timeout_s=5.0))
-        rep = Replica(group=g.name, index=index, url=url, client=client, actor=actor, version=self.weights_version,
+        served = 0 if self.fleet.mode == "attach" else version   # an attached server serves what it was started on
+        rep = Replica(group=g.name, index=index, url=url, client=client, actor=actor, version=served,
                       started_s=self.now())
-        if self.fleet.mode == "attach" and self.weights_version > 0:
+        if self.weights_version > served:             # a push landed while it started (or attached): catch up
             await self._load_weights(rep, self.weights_path, self.weights_version)
         self.replicas[g.name].append(rep)
         if cold:
@@ -506,24 +517,34 @@ class Orchestrator:
                     input_ids, body, top_logprobs_num=self.config.top_k_record, return_logprob=True,
                     return_sampling_mask=self.top_p_replay,
                     sampling_logprobs_mode="support" if self.top_p_replay else None, routing_key=session_id)
-            except (SamplerUnavailable, httpx.HTTPError) as e:
+            except (SamplerUnavailable, httpx.HTTPError, SamplerHTTPError) as e:
                 rep.end(self.now(), params.max_new_tokens)
+                if isinstance(e, SamplerHTTPError) and e.status < 500:
+                    raise                              # a request the sampler refuses: this episode's error
+                if await self._probe(rep) is not False and rep.up and s.retries < MAX_SAME_REPLICA_RETRIES:
+                    s.retries += 1                     # a dropped connection to a live replica: resend there
+                    continue
                 self._replica_lost(rep, f"{type(e).__name__}: {e}")
                 s.restarts += 1
                 self.restarts += 1
                 continue
-            except SamplerHTTPError as e:
-                rep.end(self.now(), params.max_new_tokens)
-                if e.status >= 500:
-                    self._replica_lost(rep, str(e))
-                    s.restarts += 1
-                    self.restarts += 1
-                    continue
-                raise
             rep.end(self.now(), params.max_new_tokens)
             s.replica, s.group = rep.index, rep.group
             result = result_from_response(resp)
             return _Served(result, rep.group)
+
+    async def _probe(self, rep: Replica) -> bool | None:
+        """True: /health answers 200; False: nothing listens (connection refused) or its actor is gone;
+        None: no answer in time (a busy machine), undecided."""
+        if self._probe_http is None:
+            self._probe_http = httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False)
+        try:
+            resp = await self._probe_http.get(f"{rep.url}/health")
+            return resp.status_code == 200 or None
+        except httpx.ConnectError:
+            return False
+        except httpx.HTTPError:
+            return None
 
     def _replica_lost(self, rep: Replica, reason: str) -> None:
         if not rep.up:
@@ -531,6 +552,11 @@ class Orchestrator:
         rep.up = False
         self.event("crash", rep.group, rep.index, rep.version, detail=reason[:300])
         self._spawn(rep.client.aclose())
+        if rep.actor is not None:                      # make sure a hung one does not linger
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.kill(rep.actor, no_restart=True)
         self._wake.set()
 
     def kill_replica(self, group: str, index: int | None = None) -> int:
@@ -554,8 +580,11 @@ class Orchestrator:
             for g in self.fleet.groups:
                 # probe replicas that look idle-but-up so a dead idle replica is noticed
                 for rep in list(self.replicas[g.name]):
-                    if rep.up and rep.actor is not None and rep.running == 0 and not await rep.client.health():
-                        self._replica_lost(rep, "health check failed")
+                    if rep.up and rep.actor is not None and rep.running == 0:
+                        ok = await self._probe(rep)
+                        rep.failed_probes = 0 if ok else rep.failed_probes + 1
+                        if ok is False or rep.failed_probes >= MAX_FAILED_PROBES:
+                            self._replica_lost(rep, f"health check failed ({rep.failed_probes} probes)")
                 dead = [r for r in self.replicas[g.name] if not r.up]
                 for r in dead:
                     self.replicas[g.name].remove(r)
@@ -623,7 +652,8 @@ class Orchestrator:
         await self.trainer.export.remote(str(path), version)
         olds = sorted((self.out / WEIGHTS_DIR).glob("v*"))
         for old in olds[:-KEEP_WEIGHT_VERSIONS]:
-            shutil.rmtree(old, ignore_errors=True)
+            if not self._pinned_paths.get(str(old)):
+                shutil.rmtree(old, ignore_errors=True)
         return str(path)
 
     async def _load_weights(self, rep: Replica, path: str, version: int) -> bool:
@@ -860,6 +890,8 @@ class Orchestrator:
         if self.trainer is not None:
             with contextlib.suppress(Exception):
                 ray.kill(self.trainer, no_restart=True)
+        if self._probe_http is not None:
+            await self._probe_http.aclose()
         if self.writer is not None:
             self.writer.update_header(wall_s=self.now(), trainer_busy_s=self.trainer_busy_s,
                                       trainer_idle_share=1.0 - self.trainer_busy_s / max(self.now(), 1e-9),
