@@ -237,3 +237,22 @@ def test_ui_command_serves_headless_on_loopback_without_telemetry() -> None:
     flags = dict(zip(argv[5::2], argv[6::2], strict=True))
     assert flags["--server.address"] == "127.0.0.1" and flags["--server.port"] == str(port)
     assert flags["--server.headless"] == "true" and flags["--browser.gatherUsageStats"] == "false"
+
+
+def test_runs_page_predicts_a_runner_log_with_the_twin(env: Path) -> None:
+    """A real run without a twin prediction: one click dry-runs its own plan, then the overlay appears."""
+    from mixfleet.policies.plan import load_plan
+
+    plan = load_plan("tiny-cpu").to_dict()
+    _runner_log(env / "tiny-real", plan, updates=2)
+    at = _app("app_runs.py")
+    assert "No twin prediction for this plan" in _texts(at)
+    at.button(key="runs_predict").click()
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert "Predicted vs measured" in [s.value for s in at.subheader]
+    table = at.dataframe[0].value
+    assert table.loc[table["metric"] == "time per update, mean (s)", "measured"].iloc[0] == pytest.approx(10.0)
+    twin_logs = list((env / "twin").iterdir())
+    assert len(twin_logs) == 1 and twin_logs[0].name.startswith("tiny-cpu-") and twin_logs[0].name.endswith("-n2-s0")

@@ -157,6 +157,14 @@ def plan_from_upload(data: bytes, filename: str = "upload.toml") -> PlanText:
     return PlanText(plan.name, tomli_w.dumps(plan.to_dict()))
 
 
+def plan_text_from_dict(raw: dict[str, Any]) -> PlanText:
+    """A plan table (e.g. a run log header's `plan`) validated and as TOML text."""
+    from mixfleet.policies.plan import plan_from_dict
+
+    plan = plan_from_dict(raw)
+    return PlanText(plan.name, tomli_w.dumps(plan.to_dict()))
+
+
 def plan_object(pt: PlanText) -> Any:
     from mixfleet.policies.plan import plan_from_dict
 
@@ -165,7 +173,7 @@ def plan_object(pt: PlanText) -> Any:
 
 def with_workload(pt: PlanText, workload: str) -> PlanText:
     """The plan on another workload (its batch size follows the workload's prompts per update)."""
-    if not workload:
+    if not workload or plan_object(pt).workload == workload:
         return pt
     from mixfleet.costmodel.workload import load_workload
     from mixfleet.policies.plan import with_overrides

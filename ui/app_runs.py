@@ -26,6 +26,7 @@ from mixfleet.ui.app_common import (
     fmt_usd,
     fmt_versions,
     load_run,
+    plan_text_from_dict,
     run_label,
     runs_dir,
     shipped_plan,
@@ -155,6 +156,22 @@ def _demo_button(root: Path) -> None:
         st.rerun()
 
 
+def _predict_button(path: Path, header: dict) -> None:
+    """Dry-run this run's own plan (from its header) in the twin, as many updates as the run has, same seed."""
+    try:
+        n = max(int(load_run(path).summary.get("updates") or 0), 1)
+    except Exception:
+        n = default_updates()
+    if st.button(f"Predict this run with the twin ({n} updates)", key="runs_predict"):
+        with st.spinner("simulating..."):
+            try:
+                dry_run(plan_text_from_dict(header.get("plan") or {}), n, int(header.get("seed") or 0))
+            except Exception as e:
+                show_error("the twin could not simulate this run's plan", e)
+                return
+        st.rerun()
+
+
 def render() -> None:
     st.title("Runs")
     root = Path(st.text_input("Runs folder", value=str(runs_dir()),
@@ -165,9 +182,9 @@ def render() -> None:
                 f"{root}/NAME`, dry-run a plan on the Dry-run page, or:")
         _demo_button(root if root.is_absolute() else root.resolve())
         return
-    labels = [run_label(p, h) for p, h in runs]
-    i = st.selectbox("Run log", range(len(runs)), format_func=lambda k: labels[k], key="runs_pick")
-    path, header = runs[int(i or 0)]
+    by_path = {str(p): (p, h) for p, h in runs}
+    pick = st.selectbox("Run log", list(by_path), format_func=lambda k: run_label(*by_path[k]), key="runs_pick")
+    path, header = by_path.get(str(pick), runs[0])
     preds = twin_predictions_for(header, root, exclude=path) if header.get("source") != "twin" else []
     c1, c2 = st.columns([3, 1])
     overlay = None
@@ -178,7 +195,8 @@ def render() -> None:
                                 format_func=lambda s: s if s == "none" else Path(s).name)
             overlay = None if pick == "none" else pick
         elif header.get("source") != "twin":
-            st.caption("No twin prediction for this plan in the folder (dry-run the same plan to get one).")
+            st.caption("No twin prediction for this plan in the folder yet.")
+            _predict_button(path, header)
     with c2:
         auto = st.toggle(f"Auto-refresh every {REFRESH_EVERY_S:.0f} s", value=header.get("status") == "running")
     st.fragment(run_every=REFRESH_EVERY_S if auto else None)(_view)(str(path), overlay)
