@@ -27,16 +27,22 @@ from mixfleet.costmodel.runlog import RunLog
 RUN_FILE = "ablation_run.json"          # the sidecar runner/experiments.py writes (kept in sync by name)
 ABLATION_FILE = "ablation.json"
 NO_TOOL = "no_tool_call_3x"
-REWARD_DROP = 0.05                       # reward units (episode reward in [0, 1])
+REWARD_DROP = 0.1                        # reward units (episode reward in [0, 1])
 KL_GROWTH = 3.0                          # x from the start window
+NO_TOOL_END = 0.25                       # share of episodes ending on 3 replies without a tool call
 VERDICT_RULE = (
-    "For each run, the *start window* is its first w updates and the *end window* its last w updates, "
-    "w = max(1, min(3, updates // 4)). The start window's batches were sampled (almost) by the base policy, "
-    "so its mean reward is the base policy's reward on that fleet. A run **collapsed** if its end-window mean "
-    f"reward is more than {REWARD_DROP} below its start-window mean **and** its end-window mean KL (k3) is "
-    f">= {KL_GROWTH:g}x its start-window mean (the seed's two signs together). It is **unstable** if exactly one "
-    "of the two holds, else **stable**. The share of episodes ending on three replies without a tool call is "
-    "reported beside it (the seed's third sign), not used by the rule.")
+    "For each run, the *end window* is its last w updates, w = max(1, min(4, updates // 4)). The reward's "
+    "*start window* is its first w updates: their batches were sampled (almost) by the base policy, so their "
+    "mean reward is the base policy's reward on that fleet. The KL's start window is the first w updates once "
+    "the staleness has reached its plateau (mean staleness >= 0.9x the run's median): the first updates are "
+    "trained on fresher samples, and their lower KL would inflate the growth. A run **collapsed** if its "
+    f"end-window mean reward is more than {REWARD_DROP} below its start-window mean **and** its end-window mean "
+    f"KL (k3) is >= {KL_GROWTH:g}x its start-window mean (the seed's two signs together). It is **unstable** if "
+    "exactly one of the two holds, else **stable**. The *signs* column lists which of the seed's three signs "
+    f"occurred: R (reward fell by more than {REWARD_DROP}), K (KL >= {KL_GROWTH:g}x), T (>= "
+    f"{NO_TOOL_END:.0%} of the end window's episodes ended on three replies without a tool call, up from the "
+    "start). The thresholds were fixed after the first two runs were seen; the numbers are all in the table, so "
+    "other rules can be applied to them.")
 ORDER = ("grpo", "grpo_mis", "sc", "grpo_topp", "sc_mis", "sc_mis_topp")
 LABELS = {"grpo": "GRPO", "grpo_mis": "GRPO+MIS", "sc": "SC", "grpo_topp": "GRPO+top-p", "sc_mis": "SC+MIS",
           "sc_mis_topp": "SC+MIS+top-p"}
@@ -66,7 +72,7 @@ class RunData:
 
 
 def _window(n: int) -> int:
-    return max(1, min(3, n // 4))
+    return max(1, min(4, n // 4))
 
 
 def load_run(path: str | Path) -> RunData:
@@ -140,20 +146,27 @@ def verdict(series: pd.DataFrame) -> dict[str, Any]:
     n = len(series)
     w = _window(n)
     a, b = series.iloc[:w], series.iloc[-w:]
+    st = series["staleness"] if "staleness" in series else pd.Series(0.0, index=series.index)
+    plateau = series[st >= 0.9 * float(st.median())] if st.notna().any() else series
+    ka = plateau.iloc[:w] if len(plateau) >= 2 * w else a
     r0, r1 = float(a["reward"].mean()), float(b["reward"].mean())
-    k0, k1 = float(a["kl_k3"].mean()), float(b["kl_k3"].mean())
+    k0, k1 = float(ka["kl_k3"].mean()), float(b["kl_k3"].mean())
     growth = k1 / k0 if k0 > 0 else (math.inf if k1 > 0 else 1.0)
     reward_fell = r1 < r0 - REWARD_DROP
     kl_grew = growth >= KL_GROWTH
+    nt0, nt1 = float(a["no_tool_share"].mean()), float(b["no_tool_share"].mean())
+    no_tool = nt1 >= NO_TOOL_END and nt1 > nt0
+    signs = "".join(c for c, on in (("R", reward_fell), ("K", kl_grew), ("T", no_tool)) if on) or "-"
     v = "collapsed" if reward_fell and kl_grew else "unstable" if reward_fell or kl_grew else "stable"
     nonzero = series["grad_norm"][series["grad_norm"] > 0]     # 0: a batch whose groups all had equal rewards
     g0 = float(nonzero.iloc[:w].mean()) if len(nonzero) else math.nan
     return {"updates": n, "window": w, "reward_start": r0, "reward_end": r1, "kl_start": k0, "kl_end": k1,
-            "kl_growth": growth, "reward_fell": reward_fell, "kl_grew": kl_grew, "verdict": v,
+            "kl_growth": growth, "reward_fell": reward_fell, "kl_grew": kl_grew, "no_tool_rose": no_tool,
+            "signs": signs, "verdict": v, "kl_start_from_update": int(ka.index[0]),
             "extreme_start": float(a["extreme_share"].mean()), "extreme_end": float(b["extreme_share"].mean()),
             "grad_start": g0, "grad_max_over_start": float(nonzero.max()) / g0 if g0 > 0 else math.nan,
             "entropy_start": float(a["entropy"].mean()), "entropy_end": float(b["entropy"].mean()),
-            "no_tool_start": float(a["no_tool_share"].mean()), "no_tool_end": float(b["no_tool_share"].mean())}
+            "no_tool_start": nt0, "no_tool_end": nt1}
 
 
 def mean_series(runs: list[RunData]) -> pd.DataFrame:
@@ -332,7 +345,7 @@ def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | N
                       ""]
         lines += ["| variant | seed | updates | reward start -> end | KL k3 start -> end (x) | r outside [0.2, 5] "
                   "start -> end | grad norm max / start (non-zero) | entropy start -> end | "
-                  "no tool call x3 start -> end | verdict |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "no tool call x3 start -> end | signs | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for r in fr:
             v = verdict(r.series)
             result["verdicts"].append({"fleet": fleet, "variant": r.variant, "seed": r.seed, **v})
@@ -341,7 +354,7 @@ def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | N
                 f"{_f(v['reward_end'])} | {_f(v['kl_start'], '.2e')} -> {_f(v['kl_end'], '.2e')} "
                 f"({_f(v['kl_growth'], '.1f')}x) | {_pct(v['extreme_start'])} -> {_pct(v['extreme_end'])} | "
                 f"{_f(v['grad_max_over_start'], '.1f')} | {_f(v['entropy_start'])} -> {_f(v['entropy_end'])} | "
-                f"{_pct(v['no_tool_start'])} -> {_pct(v['no_tool_end'])} | **{v['verdict']}** |")
+                f"{_pct(v['no_tool_start'])} -> {_pct(v['no_tool_end'])} | {v['signs']} | **{v['verdict']}** |")
         lines += ["", "Per variant (over seeds):", "", "| variant | verdicts | mean reward start -> end | "
                   "mean KL growth |", "|---|---|---|---|"]
         for k, rs in by_variant.items():

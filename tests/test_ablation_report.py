@@ -76,11 +76,23 @@ def test_series_and_verdicts(study: Path) -> None:
     assert (v["reward_start"], v["reward_end"]) == pytest.approx((0.5, 0.2))
     assert v["kl_growth"] == pytest.approx(4.0)
     assert v["verdict"] == "collapsed"
+    assert v["signs"] == "RKT" and verdict(runs["sc"].series)["signs"] == "K"
     assert v["no_tool_end"] == pytest.approx(0.75)
     assert v["grad_max_over_start"] == pytest.approx(9.0 / 2.5)
     vs = verdict(runs["sc"].series)
     assert (vs["reward_fell"], vs["kl_grew"], vs["verdict"]) == (False, True, "unstable")
     assert verdict(runs["sc_mis"].series)["verdict"] == "stable"
+
+
+def test_kl_start_window_skips_the_staleness_ramp() -> None:
+    import pandas as pd
+
+    # staleness 0, 1, then 2: the KL start window is updates 3-4 (KL 2), not 1-2 (KL 1) -> growth 6 / 2 = 3x
+    df = pd.DataFrame({"reward": 0.5, "kl_k3": [1.0, 1.0, 2.0, 2.0, 2.0, 2.0, 6.0, 6.0], "grad_norm": 1.0,
+                       "entropy": 1.0, "extreme_share": 0.0, "no_tool_share": 0.0,
+                       "staleness": [0.0, 1.0, 2.0, 2.0, 2.0, 2.0, 2.0, 2.0]}, index=range(1, 9))
+    v = verdict(df)
+    assert (v["kl_start_from_update"], v["kl_start"], v["kl_growth"]) == (3, 2.0, 3.0)
 
 
 def test_verdict_thresholds_are_the_stated_ones() -> None:
@@ -91,10 +103,10 @@ def test_verdict_thresholds_are_the_stated_ones() -> None:
                            "entropy": 1.0, "extreme_share": 0.0, "no_tool_share": 0.0}, index=[1, 2, 3, 4])
         return verdict(df)["verdict"]                               # 4 updates -> windows of 1
 
-    assert one(0.44, 3.0) == "collapsed"
-    assert one(0.46, 3.0) == "unstable"                             # a drop of 0.04 < 0.05
-    assert one(0.44, 2.9) == "unstable"
-    assert one(0.46, 2.9) == "stable"
+    assert one(0.39, 3.0) == "collapsed"
+    assert one(0.41, 3.0) == "unstable"                             # a drop of 0.09 < 0.1
+    assert one(0.39, 2.9) == "unstable"
+    assert one(0.41, 2.9) == "stable"
 
 
 def test_group_table_hand_computed(study: Path) -> None:
