@@ -28,7 +28,7 @@ CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networki
                  "--disable-sync", "--no-first-run"]
 START_TIMEOUT_S = 120
 PAGE_TIMEOUT_MS = 240_000
-VIEWPORT = {"width": 1400, "height": 2200}
+VIEWPORT = {"width": 1400, "height": 2600}
 
 
 def _free_port() -> int:

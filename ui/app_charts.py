@@ -111,7 +111,8 @@ def timeline(updates: pd.DataFrame, groups: pd.DataFrame, events: pd.DataFrame, 
                                      text=e["group"], hovertemplate="%{text} at %{x:.1f} s"), row=2, col=1)
     fig.update_xaxes(title_text=f"time ({clock} s)", row=2, col=1)
     fig.update_yaxes(title_text="version", row=1, col=1)
-    fig.update_yaxes(title_text="replicas", row=2, col=1)
+    top = float(groups["replicas_up"].max()) if len(groups) else 1.0
+    fig.update_yaxes(title_text="replicas", range=[0, 1.15 * max(top, 1.0)], row=2, col=1)
     fig.update_layout(title="Timeline", height=2 * HEIGHT_PX - 40, margin=_LAYOUT["margin"], legend=_LAYOUT["legend"])
     return fig
 
@@ -175,25 +176,21 @@ def compare_bars(summaries: Sequence[tuple[str, Mapping[str, Any]]], metrics: Ma
 # ---- plan -------------------------------------------------------------------------------------------
 def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
            references: Sequence[Mapping[str, Any]] = ()) -> go.Figure:
-    """The planner's Pareto set as cost per update vs time per update, colored by mean staleness (gray:
-    unbounded, trainer-bound), joined as a front; the chosen mix starred; twin dry runs (the chosen plan
+    """The planner's Pareto set (cost, time, staleness) as cost per update vs time per update, colored by
+    mean staleness (gray: unbounded, trainer-bound); the chosen mix starred; twin dry runs (the chosen plan
     and reference fleets) as labelled diamonds.
 
     points: columns time_per_update_s, cost_per_update_usd, staleness_mean (NaN = unbounded), label.
     references / chosen: dicts with the same keys (+ name)."""
     fig = _fig("Cost vs time per update", "time per update (s)", "cost per update (USD)")
     if len(points):
-        front = points.sort_values("time_per_update_s")
-        fig.add_trace(go.Scatter(x=front["time_per_update_s"], y=front["cost_per_update_usd"], mode="lines",
-                                 name="Pareto set (planner)", line={"color": "gray", "dash": "dot"},
-                                 hoverinfo="skip"))
         bounded = points[points["staleness_mean"].notna()]
         unbounded = points[points["staleness_mean"].isna()]
         hover = "%{text}<br>%{x:,.1f} s, $%{y:,.2f} per update<extra></extra>"
         if len(bounded):
             fig.add_trace(go.Scatter(
                 x=bounded["time_per_update_s"], y=bounded["cost_per_update_usd"], mode="markers",
-                name="candidates (color: staleness)", text=bounded["label"], hovertemplate=hover,
+                name="Pareto set (planner; color: staleness)", text=bounded["label"], hovertemplate=hover,
                 marker={"color": bounded["staleness_mean"], "colorscale": "Viridis", "size": 10, "showscale": True,
                         "colorbar": {"title": "staleness<br>(versions)"}}))
         if len(unbounded):
