@@ -87,13 +87,13 @@ def main() -> None:
     cal = calibrate([a])
     cal_path = cal.save(RESULTS / "fidelity-calibration.toml")
     print(f"[fidelity] calibration written to {cal_path}", flush=True)
-    in_sample = fidelity(PLAN_A, a, cal)
+    in_sample = fidelity(None, a, cal)      # the plan as the run recorded it (plan files may change)
 
     b = args.reuse_b or args.runs_dir / "b"
     if args.reuse_b is None:
         runs["b"] = real_run(PLAN_B, b, args.updates, args.timeout_s)
-    out_sample = fidelity(PLAN_B, b, cal)
-    priors = fidelity(PLAN_B, b, None)
+    out_sample = fidelity(None, b, cal)
+    priors = fidelity(None, b, None)
 
     result = {
         "benchmark": "fidelity", "time_utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),

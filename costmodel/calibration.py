@@ -60,6 +60,8 @@ MIN_UPDATES = 2                    # the trainer fit and a time per update need 
 MIN_TRAJECTORIES_PER_GROUP = 10    # the duration fit of a group
 MIN_REL_SPREAD = 0.02              # a regressor varying less than this (cv) cannot separate two parameters
 MIN_STALENESS_SPREAD = 0.25        # versions: below this, growth with staleness is not identifiable
+DURATION_RESIDUALS = "relative"    # "relative" (each trajectory counts alike) | "absolute" (long ones count more)
+MAX_GROWTH_PER_VERSION = 10.0      # cap on a mismatch's relative growth per version of staleness
 EMPIRICAL_MAX_VALUES = 512         # workload distributions keep at most this many values
 SESSION_ITERATIONS = 3             # refits of the duration model (its concurrency uses the fitted turn latency)
 
@@ -503,7 +505,8 @@ def _lsq(design: np.ndarray, target: np.ndarray, lo: np.ndarray, hi: np.ndarray,
 
 def _growth_fit(stale: np.ndarray, value: np.ndarray, weight: np.ndarray, prior_v0: float, prior_g: float,
                 unit: str) -> tuple[Fitted, Fitted]:
-    """value = v0 (1 + g s): linear in (v0, v0 g); g fixed at the prior when staleness hardly varies."""
+    """value = v0 (1 + g s), bounded least squares (v0 >= 0, 0 <= g <= MAX_GROWTH_PER_VERSION); g fixed at the
+    prior when the staleness hardly varies or there are fewer than 3 measurements."""
     ok = np.isfinite(stale) & np.isfinite(value) & np.isfinite(weight) & (weight > 0)
     stale, value, weight = stale[ok], value[ok], weight[ok]
     if len(value) == 0:
@@ -515,15 +518,32 @@ def _growth_fit(stale: np.ndarray, value: np.ndarray, weight: np.ndarray, prior_
         return (Fitted(value=0.0, stderr=0.0, prior=prior_v0, unit=unit, note="every measurement was 0"),
                 Fitted(value=prior_g, prior=prior_g, unit="1/version", fitted=False, note="level 0: prior kept"))
     if len(value) >= 3 and np.std(stale) >= MIN_STALENESS_SPREAD:
-        A = np.stack([np.ones_like(stale), stale], axis=1)
-        x, err, _, _ = _lsq(A, value, np.array([0.0, 0.0]), np.array([np.inf, np.inf]),
-                            np.array([max(value.mean(), 1e-12), 0.0]), w)
-        v0, b = float(x[0]), float(x[1])
-        if v0 > 0:
-            g = b / v0
-            g_err = abs(g) * math.sqrt((err[1] / b) ** 2 + (err[0] / v0) ** 2) if b > 0 else err[1] / v0
-            return (Fitted(value=v0, stderr=float(err[0]), prior=prior_v0, unit=unit),
-                    Fitted(value=g, stderr=float(g_err), prior=prior_g, unit="1/version"))
+        from scipy.optimize import least_squares
+
+        s_ = np.maximum(stale, 0.0)
+
+        def fun(x: np.ndarray) -> np.ndarray:
+            return w * (x[0] * (1.0 + x[1] * s_) - value)
+
+        def jac(x: np.ndarray) -> np.ndarray:
+            return w[:, None] * np.stack([1.0 + x[1] * s_, x[0] * s_], axis=1)
+
+        scale = max(float(np.abs(value).max()), 1e-300)
+        x0 = np.array([max(float(value.mean()), 1e-12 * scale), min(max(prior_g, 0.0), MAX_GROWTH_PER_VERSION)])
+        res = least_squares(fun, x0, jac=jac, bounds=([0.0, 0.0], [np.inf, MAX_GROWTH_PER_VERSION]), method="trf",
+                            x_scale=np.array([scale, 1.0]), xtol=1e-12, ftol=1e-12, gtol=1e-12, max_nfev=500)
+        r = fun(res.x)
+        J = jac(res.x)
+        s2 = float(r @ r) / max(len(value) - 2, 1)
+        try:
+            err = np.sqrt(np.clip(np.diag(s2 * np.linalg.inv(J.T @ J)), 0.0, None))
+        except np.linalg.LinAlgError:
+            err = np.full(2, math.nan)
+        at_cap = res.x[1] >= MAX_GROWTH_PER_VERSION * (1 - 1e-9)
+        return (Fitted(value=float(res.x[0]), stderr=float(err[0]), prior=prior_v0, unit=unit),
+                Fitted(value=float(res.x[1]), stderr=float(err[1]), prior=prior_g, unit="1/version",
+                       note=f"at the cap {MAX_GROWTH_PER_VERSION:g} (the level at staleness 0 is near 0)"
+                       if at_cap else ""))
     # growth not identifiable: keep the prior growth, fit the level
     A = (1.0 + prior_g * np.maximum(stale, 0.0))[:, None]
     x, err, _, _ = _lsq(A, value, np.array([0.0]), np.array([np.inf]), np.array([max(value.mean(), 1e-12)]), w)
@@ -648,7 +668,7 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
         A[np.arange(m), gi_arr] = feats["work"].to_numpy()
         A[:, G] = feats["tool"].to_numpy()
         y = feats["dur"].to_numpy()
-        w = 1.0 / y                                    # relative residuals
+        w = 1.0 / y if DURATION_RESIDUALS == "relative" else np.full(m, 1.0 / max(float(y.mean()), 1e-300))
         tool = A[:, G]
         free_tau = bool((tool > 0).any()) and _spread_ok(tool + 1e-9, A[np.arange(m), gi_arr])
         if not free_tau:
@@ -672,12 +692,12 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
     if ok.sum() >= 3 and _spread_ok(base_t[ok], np.ones(ok.sum())):
         xt, et, train_rms, _ = _lsq(np.stack([base_t[ok], np.ones(ok.sum())], axis=1), train_y[ok],
                                     np.array([1e-6, 0.0]), np.array([np.inf, np.inf]),
-                                    np.array([1.0, tacc.trainer_overhead_s]), 1.0 / np.maximum(train_y[ok], 1e-9))
+                                    np.array([1.0, tacc.trainer_overhead_s]), np.ones(ok.sum()))
         t_scale = Fitted(value=float(xt[0]), stderr=float(et[0]), prior=1.0, unit="x")
         t_over = Fitted(value=float(xt[1]), stderr=float(et[1]), prior=tacc.trainer_overhead_s, unit="s")
     else:
         xt, et, train_rms, _ = _lsq(base_t[ok][:, None], train_y[ok] - tacc.trainer_overhead_s, np.array([1e-6]),
-                                    np.array([np.inf]), np.array([1.0]), 1.0 / np.maximum(train_y[ok], 1e-9))
+                                    np.array([np.inf]), np.array([1.0]), np.ones(ok.sum()))
         t_scale = Fitted(value=float(xt[0]), stderr=float(et[0]), prior=1.0, unit="x")
         t_over = Fitted(value=tacc.trainer_overhead_s, prior=tacc.trainer_overhead_s, unit="s", fitted=False,
                         note="tokens per update hardly varied (or < 3 updates): prior kept")
@@ -757,7 +777,7 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
         groups=tuple(groups_out), trainer_accelerator=r0.trainer_accelerator, trainer_gpus=r0.trainer_gpus,
         trainer_scale=t_scale, trainer_overhead_s=t_over, update_overhead_s=upd_over, turn_latency_s=turn_lat,
         model=r0.model.name, runs=tuple(paths), workload=workload,
-        residuals={"duration_rel_rms": sess_rms, "train_step_rel_rms": train_rms,
+        residuals={"duration_rel_rms": sess_rms, "train_step_rms_s": train_rms,
                    **{f"duration_rel_rms[{k}]": v for k, v in resid_by_group.items()}},
         counts={"runs": len(runs), "updates": n_updates, "trajectories": int(m), "weight_pushes":
                 sum(len(v) for v in push_by_key.values())},

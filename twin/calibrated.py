@@ -12,7 +12,8 @@ counts (an embedded rehearsal scales groups down; the twin simulates what actual
 and lays predicted next to measured: time per update (mean, p95), per-group tokens/s and share of
 samples, mean staleness, trainer idle share, per-group KL and extreme-ratio share, cost per update.
 Time per update is measured from the start of the update loop (the runner's start-up, before the first
-prompt, is not the plan's behaviour; the twin starts with its replicas up).
+prompt, is not the plan's behaviour; the twin starts with its replicas up). A group's tokens/s counts the
+generated tokens of the logged (trained or dropped) trajectories over that span, the same on both sides.
 """
 
 from __future__ import annotations
@@ -181,7 +182,6 @@ def run_metrics(path: str | Path) -> dict[str, Any]:
     iv = np.diff(ends, prepend=t0) if len(ends) else np.array([])
     span = float(ends.max()) - t0 if len(ends) else math.nan
     busy = float((up["train_step_s"] + up["weight_sync_s"]).sum())
-    gr = log.groups
     out: dict[str, Any] = {
         "time_per_update_mean_s": float(iv.mean()) if len(iv) else math.nan,
         "time_per_update_p95_s": float(np.percentile(iv, 95)) if len(iv) else math.nan,
@@ -192,8 +192,11 @@ def run_metrics(path: str | Path) -> dict[str, Any]:
         "kl_k3": s.kl_k3, "extreme_share": s.extreme_share,
         "groups": {},
     }
+    tr = log.trajectories
     for g in s.group_share_of_samples:
-        tok = float(gr.loc[gr["group"] == g, "tokens_generated"].sum()) if len(gr) else math.nan
+        # tokens of the logged (trained or dropped) trajectories: the runner credits a group's tokens when a
+        # session ends, the twin as they are generated, so the groups table's counts are not comparable
+        tok = float(tr.loc[tr["group"] == g, "generated_tokens"].sum()) if len(tr) else math.nan
         out["groups"][g] = {"tokens_per_s": tok / span if span > 0 else math.nan,
                             "share_of_samples": s.group_share_of_samples.get(g, math.nan),
                             "kl_k3": s.group_kl_k3.get(g, math.nan),

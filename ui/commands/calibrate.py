@@ -77,7 +77,8 @@ def register(app: typer.Typer) -> None:
 
     @app.command("fidelity")
     def fidelity_cmd(
-        plan: str = typer.Argument(..., help="The plan the run log ran (TOML path or shipped name)."),
+        plan: str = typer.Argument(None, help="The plan to simulate (TOML path or shipped name; default: the plan "
+                                             "recorded in the run log)."),
         runlog: Path = typer.Option(..., "--runlog", "-r", help="The measured run log folder."),
         calibration: Path = typer.Option(None, "--calibration", "-c", help="Calibration TOML (default: priors)."),
         keep: Path = typer.Option(None, "--keep-twin-log", help="Keep the twin's run log in this folder."),
@@ -98,7 +99,8 @@ def register(app: typer.Typer) -> None:
         from rich.table import Table
 
         src = f"calibration {rep.calibration}" if rep.calibration else "priors (no calibration)"
-        t = Table(title=f"Fidelity: {Path(rep.plan).stem}, {rep.updates} updates, seed {rep.seed}; twin with {src}")
+        label = Path(rep.plan).stem if plan else rep.plan
+        t = Table(title=f"Fidelity: {label}, {rep.updates} updates, seed {rep.seed}; twin with {src}")
         for col in ("metric", "measured", "predicted", "error", "unit"):
             t.add_column(col, justify="left" if col in ("metric", "unit") else "right")
         for r in rep.rows:
