@@ -256,3 +256,20 @@ def test_runs_page_predicts_a_runner_log_with_the_twin(env: Path) -> None:
     assert table.loc[table["metric"] == "time per update, mean (s)", "measured"].iloc[0] == pytest.approx(10.0)
     twin_logs = list((env / "twin").iterdir())
     assert len(twin_logs) == 1 and twin_logs[0].name.startswith("tiny-cpu-") and twin_logs[0].name.endswith("-n2-s0")
+
+
+def test_plan_page_edited_workload_numbers_are_validated_and_used(env: Path) -> None:
+    at = _app()
+    at.number_input(key="pl_p_tiny-cpu").set_value(32)
+    at.run()
+    at.button(key="pl_go").click()
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    plan_toml = at.session_state["planned_plan"].toml
+    spec = next((env / "ui-specs").glob("workload-tiny-cpu-*.toml"))
+    assert f'workload = "{spec}"' in plan_toml and "prompts_per_update = 32\n" in spec.read_text()
+    at.text_area(key="pl_wt_tiny-cpu").set_value('name = "w"\nprompts_per_update = 0\n')
+    at.run()
+    errors = [e.value for e in at.error]
+    assert len(errors) == 1 and "invalid model / workload numbers" in errors[0] and "Traceback" not in errors[0]

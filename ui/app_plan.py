@@ -240,7 +240,7 @@ def render() -> None:
         try:
             inputs = {"model": mw[0], "workload": mw[1], "price_table": price_table, "kv_dtypes": kv, **cons,
                       **trainer}
-            view = _plan_cached(inputs, pool, progress)
+            view = _plan_cached(inputs, pool[["use", "accelerator", "max_gpus"]], progress)
         except Exception as e:
             bar.empty()
             show_error("the planner could not plan", e)
