@@ -10,13 +10,20 @@ cached context). `FixedRates` is a plain formula with hand-computable numbers (t
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from mixfleet.costmodel.catalog import Catalog, load_catalog
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import ModelSpec, load_model_spec
-from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, ReplicaModel, replica_model, trainer_step_s, weight_sync_s
+from mixfleet.costmodel.roofline import (
+    DEFAULT_MAX_BATCH,
+    Efficiency,
+    ReplicaModel,
+    replica_model,
+    trainer_step_s,
+    weight_sync_s,
+)
 from mixfleet.costmodel.workload import WorkloadSpec, load_workload
 from mixfleet.policies.plan import GroupPlan, Plan
 from mixfleet.twin.world import GroupSetup, TrainerSetup
@@ -86,10 +93,20 @@ def nominal_point(rm: ReplicaModel, mean_context: float, max_running: int = DEFA
 
 
 def group_replica_model(plan: Plan, g: GroupPlan, model: ModelSpec, catalog: Catalog,
-                        workload: WorkloadSpec) -> ReplicaModel:
+                        workload: WorkloadSpec, efficiency: Efficiency | None = None) -> ReplicaModel:
     """The cost model of one replica of a plan group (KV budget: one max-context sequence)."""
     return replica_model(model, g.accelerator, g.precision, g.kv_dtype, catalog=catalog, tp=g.tp or None,
-                         emulated=g.emulated, kv_budget_tokens=min(workload.max_context, model.max_context))
+                         emulated=g.emulated, efficiency=efficiency,
+                         kv_budget_tokens=min(workload.max_context, model.max_context))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Overrides:
+    """Measured values in place of the priors (calibration fills these; keys are the plan's group names)."""
+    efficiency: dict[str, Efficiency] = field(default_factory=dict)      # per group: roofline factors
+    weight_sync_s: dict[str, float] = field(default_factory=dict)        # per group: seconds per push
+    mismatch: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # kl_k3, extreme share, growth
+    trainer: Efficiency | None = None                                    # trainer_mfu / trainer_overhead_s
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -100,8 +117,13 @@ class Setup:
     models: dict[str, ReplicaModel]
 
 
-def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog | None = None) -> Setup:
-    """Everything the world needs from the cost model for `plan`."""
+def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog | None = None,
+                overrides: Overrides | None = None) -> Setup:
+    """Everything the world needs from the cost model for `plan` (with measured `overrides`, if any)."""
+    ov = overrides or Overrides()
+    for table in (ov.efficiency, ov.weight_sync_s, ov.mismatch):
+        for name in table:
+            plan.group(name)  # an unknown group name is an error that lists the plan's groups
     cat = catalog or load_catalog(price_table or plan.price_table or None)
     model = load_model_spec(plan.model)
     workload = load_workload(plan.workload)
@@ -109,16 +131,18 @@ def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog 
     ctx = workload.mean_decode_context
     groups, models = [], {}
     for g in plan.groups:
-        rm = group_replica_model(plan, g, model, cat, workload)
+        rm = group_replica_model(plan, g, model, cat, workload, ov.efficiency.get(g.name))
         models[g.name] = rm
         tps, usd_mtok = nominal_point(rm, ctx)
         prior = mismatch_prior(g.accelerator, g.precision, g.kv_dtype)
+        kl, ext, growth = ov.mismatch.get(g.name, (prior.kl_k3, prior.extreme_share, prior.growth_per_staleness))
         groups.append(GroupSetup(
             name=g.name, rates=TabulatedRates(rm, workload.max_context), replicas=g.replicas,
             min_replicas=g.min_replicas, max_replicas=g.max_replicas, capacity_tokens_per_s=tps,
-            usd_per_mtoken=usd_mtok, weight_sync_s=weight_sync_s(rm, trainer_acc), kl_k3=prior.kl_k3,
-            extreme_share=prior.extreme_share, kl_growth_per_version=prior.growth_per_staleness))
+            usd_per_mtoken=usd_mtok, weight_sync_s=ov.weight_sync_s.get(g.name, weight_sync_s(rm, trainer_acc)),
+            kl_k3=kl, extreme_share=ext, kl_growth_per_version=growth))
     gpus = plan.trainer.gpus
-    trainer = TrainerSetup(train_step_s=lambda tokens: float(trainer_step_s(model, trainer_acc, gpus, tokens)),
-                           usd_per_hour=gpus * trainer_acc.price_usd_per_gpu_hour)
+    trainer = TrainerSetup(
+        train_step_s=lambda tokens: float(trainer_step_s(model, trainer_acc, gpus, tokens, efficiency=ov.trainer)),
+        usd_per_hour=gpus * trainer_acc.price_usd_per_gpu_hour)
     return Setup(groups=groups, trainer=trainer, workload=workload, models=models)

@@ -21,7 +21,7 @@ from typing import Any
 from mixfleet.costmodel.runlog import RunLogWriter
 from mixfleet.costmodel.runsummary import RunSummary, summarize
 from mixfleet.policies.plan import Plan, load_plan
-from mixfleet.twin.rates import Setup, build_setup
+from mixfleet.twin.rates import Overrides, Setup, build_setup
 from mixfleet.twin.world import World, run_loop
 
 
@@ -63,13 +63,14 @@ def _json_safe(x: Any) -> Any:
 
 
 def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = None, out: str | Path | None = None,
-             price_table: str | None = None, setup: Setup | None = None,
+             price_table: str | None = None, setup: Setup | None = None, overrides: Overrides | None = None,
              progress: Callable[[int], None] | None = None) -> TwinResult:
     """Dry-run `plan` for `updates` trainer updates.
 
     plan: a Plan, a plan file path or a shipped plan name. seed: overrides the plan's. out: the run-log
     folder (None: a temporary one, removed after summarizing). price_table: overrides the plan's.
     setup: the world's numbers (default: from the cost model, `build_setup`); tests pass their own.
+    overrides: measured values (calibration) in place of the cost model's priors, per plan group.
     progress: called with each finished update's version.
     """
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
@@ -77,7 +78,7 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
         from mixfleet.costmodel.errors import SpecError
         raise SpecError("simulate", "updates", updates, "an integer >= 1")
     seed = plan.seed if seed is None else seed
-    setup = setup or build_setup(plan, price_table=price_table)
+    setup = setup or build_setup(plan, price_table=price_table, overrides=overrides)
     folder = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="mixfleet-twin-"))
     wall0 = time.perf_counter()
     gc_thresholds = gc.get_threshold()
