@@ -5,6 +5,8 @@ same objects. Imports only mixfleet.costmodel. Importing the package registers t
 """
 
 from mixfleet.policies import autoscaler, batcher, router, weight_sync  # noqa: F401  (registers built-ins)
+from mixfleet.policies.autoscaler import Autoscaler
+from mixfleet.policies.batcher import BatchDecision, Batcher
 from mixfleet.policies.plan import (
     EmbeddedPlan,
     FaultsPlan,
@@ -20,6 +22,11 @@ from mixfleet.policies.plan import (
     with_overrides,
 )
 from mixfleet.policies.registry import make, names
+from mixfleet.policies.router import Router
+from mixfleet.policies.views import BufferView, FleetView, GroupView, PromptGroupView, ReplicaView
+from mixfleet.policies.weight_sync import SyncDecision, WeightSync
 
-__all__ = ["EmbeddedPlan", "FaultsPlan", "GroupPlan", "Plan", "PoliciesPlan", "PolicyRef", "TrainerPlan",
-           "load_plan", "make", "merge", "names", "plan_from_dict", "save_plan", "with_overrides"]
+__all__ = ["Autoscaler", "BatchDecision", "Batcher", "BufferView", "EmbeddedPlan", "FaultsPlan", "FleetView",
+           "GroupPlan", "GroupView", "Plan", "PoliciesPlan", "PolicyRef", "PromptGroupView", "ReplicaView", "Router",
+           "SyncDecision", "TrainerPlan", "WeightSync", "load_plan", "make", "merge", "names", "plan_from_dict",
+           "save_plan", "with_overrides"]
