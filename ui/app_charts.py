@@ -175,10 +175,11 @@ def compare_bars(summaries: Sequence[tuple[str, Mapping[str, Any]]], metrics: Ma
 
 # ---- plan -------------------------------------------------------------------------------------------
 def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
-           references: Sequence[Mapping[str, Any]] = ()) -> go.Figure:
+           references: Sequence[Mapping[str, Any]] = (), twin_points: Sequence[Mapping[str, Any]] = ()) -> go.Figure:
     """The planner's Pareto set (cost, time, staleness) as cost per update vs time per update, colored by
-    mean staleness (gray: unbounded, trainer-bound); the chosen mix starred; twin dry runs (the chosen plan
-    and reference fleets) as labelled diamonds.
+    mean staleness (gray: unbounded, trainer-bound); the chosen mix starred; reference fleets (same
+    analytic model) as labelled diamonds; twin dry runs (the chosen plan and the references) as open
+    circles.
 
     points: columns time_per_update_s, cost_per_update_usd, staleness_mean (NaN = unbounded), label.
     references / chosen: dicts with the same keys (+ name)."""
@@ -198,12 +199,16 @@ def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
                 x=unbounded["time_per_update_s"], y=unbounded["cost_per_update_usd"], mode="markers",
                 name="trainer-bound (staleness unbounded)", text=unbounded["label"], hovertemplate=hover,
                 marker={"color": "lightgray", "size": 10, "line": {"width": 1, "color": "gray"}}))
-    for ref in references:
-        fig.add_trace(go.Scatter(x=[ref["time_per_update_s"]], y=[ref["cost_per_update_usd"]], mode="markers+text",
-                                 name=str(ref["name"]), text=[str(ref["name"])], textposition="top center",
-                                 hovertemplate=f"{ref['name']}<br>%{{x:,.1f}} s, $%{{y:,.2f}} per update, staleness "
-                                               f"{ref.get('staleness_mean', float('nan')):.2f}<extra></extra>",
-                                 marker={"symbol": "diamond", "size": 13, "line": {"width": 1, "color": "black"}}))
+    for refs, symbol, size in ((references, "diamond", 14), (twin_points, "circle-open", 12)):
+        for ref in refs:
+            stale = ref.get("staleness_mean", float("nan"))
+            fig.add_trace(go.Scatter(
+                x=[ref["time_per_update_s"]], y=[ref["cost_per_update_usd"]], mode="markers+text",
+                name=str(ref["name"]), text=[str(ref["name"])], textposition="top center",
+                hovertemplate=f"{ref['name']}<br>%{{x:,.1f}} s, $%{{y:,.2f}} per update, staleness "
+                              f"{stale:.2f}<extra></extra>",
+                marker={"symbol": symbol, "size": size, "line": {"width": 2 if symbol == "circle-open" else 1,
+                                                                 "color": "black"}}))
     if chosen is not None:
         fig.add_trace(go.Scatter(x=[chosen["time_per_update_s"]], y=[chosen["cost_per_update_usd"]],
                                  mode="markers+text", name="chosen mix (planner)", text=["chosen"],

@@ -200,10 +200,13 @@ def _show(view: planner.PlannerView) -> None:
     st.table(view.mix_table)
     if view.notes:
         st.caption(view.notes)
-    st.plotly_chart(charts.pareto(view.points, chosen=p, references=view.references), width="stretch")
-    st.caption("Circles: the planner's Pareto set (analytic, steady state). Diamonds: twin dry runs of the chosen "
-               "mix and the seed's fleets on the same model and workload (short runs that include filling the "
-               "pipeline, so they sit above and right of steady state; compare diamonds with diamonds).")
+    st.plotly_chart(charts.pareto(view.points, chosen=p, references=view.references, twin_points=view.twin_points),
+                    width="stretch")
+    st.caption("Filled circles: the planner's Pareto set; star: the chosen mix; diamonds: the seed's mixed and "
+               "homogeneous sampler fleets on the same model, workload, prices and trainer (all the planner's "
+               "analytic steady state). Open circles: twin dry runs of the chosen mix and of the seed's fleets "
+               "(short runs that include filling the pipeline, so they sit above and to the right; compare them "
+               "with each other).")
     d1, d2 = st.columns([1, 3])
     d1.download_button("Download the plan TOML", view.plan.toml, file_name=f"{view.plan.name}.toml",
                        mime="application/toml", type="primary", key="pl_download")

@@ -3,7 +3,8 @@
 `run(...)` turns the page's inputs (model, workload, price table, the edited accelerator pool,
 constraints) into a `PlannerConfig`, calls `plan_mix`, dry-runs the chosen plan in the twin (the
 planner's DES verification, kept as a run log so its per-group share of samples can be shown), and
-dry-runs the seed's two fleets the same way as reference points. It returns a `PlannerView` for the
+evaluates the seed's two fleets with the planner's analytic model (`evaluate_plan`) as reference
+points, and dry-runs them in the twin too. It returns a `PlannerView` for the
 page: the chosen plan as TOML, the chosen mix as a display table, the Pareto set, and the twin's
 points. Planning and simulation happen in mixfleet.twin; here only inputs and outputs are shaped.
 """
@@ -49,7 +50,8 @@ class PlannerView:
     mix_table: pd.DataFrame                      # one row per group, values formatted with units
     chosen_point: dict[str, Any]                 # the planner's numbers for the chosen mix
     points: pd.DataFrame                         # the Pareto set
-    references: list[dict[str, Any]] = field(default_factory=list)  # twin dry runs (chosen + seed fleets)
+    references: list[dict[str, Any]] = field(default_factory=list)  # the seed fleets, planner's analytic model
+    twin_points: list[dict[str, Any]] = field(default_factory=list)  # twin dry runs (chosen + seed fleets)
     notes: str = ""
 
 
@@ -115,10 +117,16 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
     pt = PlanText(plan.name, tomli_w.dumps(plan.to_dict()))
     best = result.best
     jobs: list[tuple[str, PlanText]] = [("chosen mix (twin)", pt)]
+    analytic: list[dict[str, Any]] = []
     if references:
-        for ref in REFERENCE_PLANS:
-            rp = with_overrides(plan_object(with_workload(shipped_plan(ref), workload)),
-                                {"model": model, "price_table": price_table})
+        from mixfleet.twin.planner import evaluate_plan
+
+        say(0.18, "planner: the seed's fleets")
+        for ref in REFERENCE_PLANS:  # the seed's sampler fleets on this model, workload, prices and trainer
+            rp = with_overrides(plan_object(with_workload(shipped_plan(ref), workload)), {
+                "model": model, "price_table": price_table, "trainer.accelerator": trainer_accelerator,
+                "trainer.gpus": int(trainer_gpus)})
+            analytic.append({"name": ref, **_point(evaluate_plan(rp))})
             jobs.append((f"{ref} (twin)", PlanText(rp.name, tomli_w.dumps(rp.to_dict()))))
     twin_points, chosen_summary = [], {}
     for j, (name, p) in enumerate(jobs):
@@ -153,5 +161,5 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
     if best.trainer_bound:
         notes += " The chosen mix is trainer-bound: samplers outpace the trainer and staleness grows without bound."
     say(1.0, "done")
-    return PlannerView(plan=pt, mix_table=table, chosen_point=chosen, points=points, references=twin_points,
-                       notes=notes)
+    return PlannerView(plan=pt, mix_table=table, chosen_point=chosen, points=points, references=analytic,
+                       twin_points=twin_points, notes=notes)
