@@ -73,6 +73,7 @@ def main() -> None:
     ap.add_argument("--reuse-a", type=Path, default=None, help="Use this tiny-cpu run log instead of running.")
     ap.add_argument("--reuse-b", type=Path, default=None, help="Use this tiny-cpu-xval run log instead of running.")
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="Per real run.")
+    ap.add_argument("--concurrent", action="store_true", help="Run both plans at the same time (same load).")
     ap.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
     args = ap.parse_args()
 
@@ -82,15 +83,23 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     runs: dict[str, Any] = {}
     a = args.reuse_a or args.runs_dir / "a"
-    if args.reuse_a is None:
+    b = args.reuse_b or args.runs_dir / "b"
+    if args.concurrent and args.reuse_a is None and args.reuse_b is None:
+        # both real runs at once: they see the same machine load (run b is still predicted from run a only)
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(2) as pool:
+            fa = pool.submit(real_run, PLAN_A, a, args.updates, args.timeout_s)
+            fb = pool.submit(real_run, PLAN_B, b, args.updates, args.timeout_s)
+            runs["a"], runs["b"] = fa.result(), fb.result()
+    elif args.reuse_a is None:
         runs["a"] = real_run(PLAN_A, a, args.updates, args.timeout_s)
     cal = calibrate([a])
     cal_path = cal.save(RESULTS / "fidelity-calibration.toml")
     print(f"[fidelity] calibration written to {cal_path}", flush=True)
     in_sample = fidelity(None, a, cal)      # the plan as the run recorded it (plan files may change)
 
-    b = args.reuse_b or args.runs_dir / "b"
-    if args.reuse_b is None:
+    if "b" not in runs and args.reuse_b is None:
         runs["b"] = real_run(PLAN_B, b, args.updates, args.timeout_s)
     out_sample = fidelity(None, b, cal)
     priors = fidelity(None, b, None)
@@ -99,7 +108,8 @@ def main() -> None:
         "benchmark": "fidelity", "time_utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg()), "note": "2 cores shared with other "
                     "work: real timings carry the machine's load"},
-        "runs": runs, "calibrated_on": str(a), "calibration_file": str(cal_path.relative_to(ROOT)),
+        "mode": "concurrent" if args.concurrent else "sequential", "runs": runs, "calibrated_on": str(a),
+        "calibration_file": str(cal_path.relative_to(ROOT)),
         "calibration": {f"{scope}.{name}": {"value": f.value, "stderr": f.stderr, "prior": f.prior,
                                             "fitted": f.fitted} for scope, name, f in cal.table()},
         "calibration_residuals": cal.residuals,
