@@ -307,7 +307,8 @@ def _pct(x: float) -> str:
 
 def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | None = None,
                  plots: bool = True) -> dict[str, Any]:
-    """Read the runs under `root`, write `out_dir/README.md` and the plots; returns the verdicts and tables."""
+    """Read the runs under `root`, write `out_dir/README.md`, the plots, `verdicts.json` and `series.csv` (every
+    run's per-update series); returns the verdicts and the per-group tables."""
     root, out = Path(root), Path(out_dir)
     runs = find_runs(root)
     if not runs:
@@ -393,4 +394,9 @@ def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | N
         lines += ["(Plots are HTML: kaleido was not available to render PNGs.)", ""]
     (out / "README.md").write_text("\n".join(lines))
     (out / "verdicts.json").write_text(json.dumps(result["verdicts"], indent=1, default=float))
+    series = pd.concat([r.series.reset_index().assign(fleet=r.fleet, variant=r.variant, seed=r.seed) for r in runs],
+                       ignore_index=True)
+    cols = ["fleet", "variant", "seed", "version"] + [c for c in series.columns
+                                                      if c not in ("fleet", "variant", "seed", "version")]
+    series[cols].to_csv(out / "series.csv", index=False, float_format="%.6g")
     return result

@@ -136,6 +136,11 @@ def test_markdown_report(study: Path, tmp_path: Path) -> None:
     assert [v["verdict"] for v in saved] == ["collapsed", "unstable", "stable"]
     assert [v["verdict"] for v in res["verdicts"]] == ["collapsed", "unstable", "stable"]
     assert not math.isnan(saved[0]["kl_growth"])
+    import pandas as pd
+
+    csv = pd.read_csv(tmp_path / "out" / "series.csv")
+    assert len(csv) == 3 * UPDATES and list(csv.columns[:4]) == ["fleet", "variant", "seed", "version"]
+    assert csv[csv["variant"] == "grpo"]["reward"].tolist() == [0.5, 0.5, 0.45, 0.4, 0.35, 0.3, 0.2, 0.2]
 
 
 def test_report_cli(study: Path, tmp_path: Path) -> None:
