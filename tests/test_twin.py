@@ -287,3 +287,19 @@ def test_measured_overrides_replace_the_priors() -> None:
         0.02, 0.01)
     with pytest.raises(SpecError, match="cpu-bf16"):
         build_setup(plan, overrides=Overrides(weight_sync_s={"cpu-fp16": 1.0}))
+
+
+def test_a_batcher_that_never_forms_an_update_is_an_error_not_a_hang(tmp_path: Path) -> None:
+    from mixfleet.costmodel.errors import SpecError
+    from mixfleet.policies.batcher import BatchDecision, Batcher
+    from mixfleet.policies.registry import register
+
+    @register("batcher", "_test_never")
+    class Never(Batcher):
+        def decide(self, buffer):
+            return BatchDecision()
+
+    g = gsetup(rates=FixedRates(step_s=0.01))
+    with pytest.raises(SpecError, match="updates form"):
+        sim(tmp_path, [g], workload(), updates=2, policies={"batcher": {"name": "_test_never"},
+                                                            "autoscaler": {"name": "fixed", "interval_s": 5.0}})

@@ -92,6 +92,8 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
                           on_loss=plan.faults.on_loss, progress=progress)
             done = world.env.process(run_loop(world, updates))
             world.env.run(until=done)
+            if world.stalled is not None:
+                raise world.stalled
             wall_s, events = time.perf_counter() - wall0, world.env.scheduled
             writer.update_header(wall_s=wall_s, simulated_s=world.env.now, events=events)
     finally:

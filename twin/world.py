@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import simpy
+from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.runlog import EventRecord, GroupRecord, TrajectoryRecord, UpdateRecord
 from mixfleet.costmodel.workload import WorkloadSpec
 from mixfleet.policies.views import BufferView, FleetView, GroupView, PromptGroupView, ReplicaView
@@ -133,6 +134,7 @@ class World:
         self._last_update_s = 0.0
         self._last_group_marks: dict[str, tuple[float, float, int, float]] = {}
         self.trainer_busy_s = 0.0
+        self.stalled: SpecError | None = None
         for g in self.groups.values():
             for _ in range(g.setup.replicas):
                 self._new_replica(g, up=True)
@@ -353,6 +355,8 @@ class World:
                     return [self.buffer.pop(pid) for pid in decision.take]
             self._batch_waiter = self.env.event()
             yield self._batch_waiter
+            if self.stalled is not None:
+                return None
 
     def push_weights(self, version: int) -> float:
         """Start the new version's push to every group the weight-sync policy picks; returns the
@@ -461,6 +465,16 @@ class World:
         """Every interval: each group to the autoscaler's target (scale-ups pay a cold start)."""
         while True:
             yield self.env.timeout(self.autoscaler.config.interval_s)
+            ppu = self.batcher.config.prompts_per_update
+            starved = not self.inflight and not self.parked
+            if self._batch_waiter is not None and (starved or len(self.buffer) > 10 * ppu):
+                self.stalled = SpecError("policies.batcher", "settings", self.batcher.config,
+                                         f"settings under which updates form: the trainer waits, {len(self.inflight)} "
+                                         f"prompts are generating and the buffer holds {len(self.buffer)} "
+                                         f"prompt-groups ({ppu} per update)")
+                waiter, self._batch_waiter = self._batch_waiter, None
+                waiter.succeed()  # wakes the run loop, which stops
+                return
             for g in self.groups.values():
                 target = self.autoscaler.target(self.group_view(g), self.env.now)
                 for _ in range(target - len(g.replicas)):
@@ -490,6 +504,8 @@ def run_loop(w: World, updates: int) -> Generator:
         w.env.process(w.fault_loop())
     for version in range(1, updates + 1):
         batch = yield from w.wait_for_batch()
+        if batch is None:  # stalled: the batcher never forms an update (simulate raises w.stalled)
+            return
         start_s = w.env.now
         tokens = sum(n for p in batch for s in p.done for n in s.tokens_by_version.values())
         train_s = w.trainer.train_step_s(tokens)
