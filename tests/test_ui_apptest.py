@@ -240,23 +240,28 @@ def test_ui_command_serves_headless_on_loopback_without_telemetry() -> None:
     assert flags["--server.headless"] == "true" and flags["--browser.gatherUsageStats"] == "false"
 
 
-def test_runs_page_predicts_a_runner_log_with_the_twin(env: Path) -> None:
-    """A real run without a twin prediction: one click dry-runs its own plan, then the overlay appears."""
+def test_runs_page_checks_the_twin_against_a_runner_log(env: Path) -> None:
+    """A real run without a twin prediction: one click runs twin.calibrated.fidelity on it (priors), the
+    fidelity table appears, and the kept twin log becomes the run's overlay."""
     from mixfleet.policies.plan import load_plan
 
     plan = load_plan("tiny-cpu").to_dict()
     _runner_log(env / "tiny-real", plan, updates=2)
     at = _app("app_runs.py")
     assert "No twin prediction for this plan" in _texts(at)
-    at.button(key="runs_predict").click()
+    assert "Twin fidelity" in [s.value for s in at.subheader]
+    at.button(key="runs_fidelity").click()
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
-    assert "Predicted vs measured" in [s.value for s in at.subheader]
-    table = at.dataframe[0].value
-    assert table.loc[table["metric"] == "time per update, mean (s)", "measured"].iloc[0] == pytest.approx(10.0)
-    twin_logs = list((env / "twin").iterdir())
-    assert len(twin_logs) == 1 and twin_logs[0].name.startswith("tiny-cpu-") and twin_logs[0].name.endswith("-n2-s0")
+    subheaders = [s.value for s in at.subheader]
+    assert "Predicted vs measured" in subheaders and "Twin fidelity" in subheaders
+    fid = at.dataframe[-1].value  # after the predicted-vs-measured overlay table
+    row = fid[fid["metric"] == "time_per_update_mean_s"].iloc[0]
+    assert row["measured"] == pytest.approx(10.0) and row["unit"] == "s" and row["error"].endswith("%")
+    assert {"share_of_samples[cpu-bf16]", "kl_k3[cpu-fp8]"} <= set(fid["metric"])
+    twin_logs = [p.name for p in (env / "twin").iterdir()]
+    assert twin_logs == ["fidelity-tiny-real-priors"]
 
 
 def test_plan_page_edited_workload_numbers_are_validated_and_used(env: Path) -> None:

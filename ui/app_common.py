@@ -23,6 +23,7 @@ import streamlit as st
 import tomli_w
 
 RUNS_DIR_ENV = "MIXFLEET_RUNS_DIR"          # set by `mixfleet ui --runs-dir`
+CALIBRATION_ENV = "MIXFLEET_CALIBRATION"  # set by `mixfleet ui --calibration`
 UPDATES_ENV = "MIXFLEET_UI_UPDATES"         # default N updates of a dry run (tests use a small one)
 WORKLOAD_ENV = "MIXFLEET_UI_WORKLOAD"       # default workload override of a dry run ("" = the plan's)
 DEFAULT_UPDATES = 5
@@ -37,6 +38,18 @@ NONE = "—"
 def runs_dir() -> Path:
     """Folder of run logs (twin and real): $MIXFLEET_RUNS_DIR, else ./runs."""
     return Path(os.environ.get(RUNS_DIR_ENV) or "runs").resolve()
+
+
+def calibration_files() -> list[str]:
+    """Calibration TOMLs to offer: $MIXFLEET_CALIBRATION first, then *calibration*.toml under the runs dir."""
+    out = []
+    env = os.environ.get(CALIBRATION_ENV, "")
+    if env:
+        out.append(str(Path(env).resolve()))
+    root = runs_dir()
+    if root.is_dir():
+        out += sorted(str(p) for p in root.rglob("*calibration*.toml") if str(p) not in out)
+    return out
 
 
 def default_updates() -> int:
@@ -193,37 +206,47 @@ def known_workloads() -> list[str]:
 
 
 # ---- dry runs (the twin) -------------------------------------------------------------------------
-def twin_run_dir(pt: PlanText, updates: int, seed: int) -> Path:
-    """Where the app keeps a dry run of this exact plan text, N and seed (under the runs dir)."""
+def twin_run_dir(pt: PlanText, updates: int, seed: int, calibration: str | None = None) -> Path:
+    """Where the app keeps a dry run of this exact plan text, N, seed (and calibration) under the runs dir."""
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in pt.name)[:40]
-    return runs_dir() / "twin" / f"{safe}-{pt.digest}-n{updates}-s{seed}"
+    cal = ""
+    if calibration:
+        cal = "-cal-" + hashlib.sha256(Path(calibration).read_bytes()).hexdigest()[:8]
+    return runs_dir() / "twin" / f"{safe}-{pt.digest}-n{updates}-s{seed}{cal}"
 
 
-def finished_dry_run(pt: PlanText, updates: int, seed: int) -> Path | None:
+def finished_dry_run(pt: PlanText, updates: int, seed: int, calibration: str | None = None) -> Path | None:
     """The folder of a finished identical dry run under the runs dir, if there is one."""
     import json
 
-    out = twin_run_dir(pt, updates, seed)
+    out = twin_run_dir(pt, updates, seed, calibration)
     try:
         return out if json.loads((out / "run.json").read_text()).get("status") == "finished" else None
     except (OSError, ValueError):
         return None
 
 
-def dry_run(pt: PlanText, updates: int, seed: int, progress: Callable[[int], None] | None = None) -> Path:
-    """Simulate the plan with the twin into the runs dir, or reuse a finished identical dry run there."""
-    from mixfleet.twin.sim import simulate
-
-    done = finished_dry_run(pt, updates, seed)
+def dry_run(pt: PlanText, updates: int, seed: int, progress: Callable[[int], None] | None = None,
+            calibration: str | None = None) -> Path:
+    """Simulate the plan with the twin (calibrated when a calibration file is given) into the runs dir, or
+    reuse a finished identical dry run there."""
+    done = finished_dry_run(pt, updates, seed, calibration)
     if done is not None:
         return done
-    out = twin_run_dir(pt, updates, seed)
+    out = twin_run_dir(pt, updates, seed, calibration)
     if out.exists():
         import shutil
 
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    simulate(plan_object(pt), updates=updates, seed=seed, out=out, progress=progress)
+    if calibration:
+        from mixfleet.twin.calibrated import simulate_calibrated
+
+        simulate_calibrated(plan_object(pt), calibration, updates=updates, seed=seed, out=out, progress=progress)
+    else:
+        from mixfleet.twin.sim import simulate
+
+        simulate(plan_object(pt), updates=updates, seed=seed, out=out, progress=progress)
     return out
 
 

@@ -18,6 +18,7 @@ from mixfleet.ui.app_common import (
     DEFAULT_PLAN,
     PlanText,
     RunData,
+    calibration_files,
     default_updates,
     default_workload_override,
     dry_run,
@@ -74,14 +75,14 @@ def _pick_plan(key: str, default_name: str, prefer_planned: bool = True) -> Plan
         return None
 
 
-def _simulate(pt: PlanText, updates: int, seed: int, label: str) -> Path | None:
+def _simulate(pt: PlanText, updates: int, seed: int, label: str, calibration: str | None) -> Path | None:
     bar = st.progress(0.0, text=f"{label}: simulating {pt.name} for {updates} updates...")
 
     def progress(version: int) -> None:
         bar.progress(min(version / updates, 1.0), text=f"{label}: update {version} / {updates}")
 
     try:
-        path = dry_run(pt, updates, seed, progress=progress)
+        path = dry_run(pt, updates, seed, progress=progress, calibration=calibration)
     except Exception as e:
         bar.empty()
         show_error(f"{label}: the twin could not simulate {pt.name}", e)
@@ -154,6 +155,12 @@ def render() -> None:
     w = c[2].selectbox("workload", workloads, index=workloads.index(wdef) if wdef in workloads else 0, key="dr_w",
                        help="Run the plan on another workload (its prompts per update follow the workload).")
     wl = "" if w == workloads[0] else w
+    cals = calibration_files()
+    cal = None
+    if cals:
+        pick = st.selectbox("Calibration", ["(none: the cost model's priors)"] + cals, key="dr_cal",
+                            help="Simulate with the values `mixfleet calibrate` fitted from real runs.")
+        cal = None if pick.startswith("(none") else pick
     if pa is None:
         return
     try:
@@ -164,10 +171,10 @@ def render() -> None:
     labels = [f"A: {plans[0].name}"] + ([f"B: {plans[1].name}"] if len(plans) > 1 else [])
     if len(plans) > 1 and plans[0].digest == plans[1].digest:
         labels[1] = "B: " + plans[1].name + " (same plan)"
-    paths = [finished_dry_run(p, n, seed) for p in plans]
+    paths = [finished_dry_run(p, n, seed, cal) for p in plans]
     go = st.button("Simulate", type="primary", key="dr_go", disabled=all(p is not None for p in paths))
     if go:
-        paths = [_simulate(p, n, seed, lab) if path is None else path
+        paths = [_simulate(p, n, seed, lab, cal) if path is None else path
                  for p, lab, path in zip(plans, labels, paths, strict=True)]
     if any(p is None for p in paths):
         if not go:

@@ -16,6 +16,7 @@ from mixfleet.ui import app_charts as charts
 from mixfleet.ui.app_common import (
     REFRESH_EVERY_S,
     RunData,
+    calibration_files,
     default_updates,
     dry_run,
     find_runs,
@@ -26,7 +27,6 @@ from mixfleet.ui.app_common import (
     fmt_usd,
     fmt_versions,
     load_run,
-    plan_text_from_dict,
     run_label,
     runs_dir,
     shipped_plan,
@@ -156,20 +156,67 @@ def _demo_button(root: Path) -> None:
         st.rerun()
 
 
-def _predict_button(path: Path, header: dict) -> None:
-    """Dry-run this run's own plan (from its header) in the twin, as many updates as the run has, same seed."""
-    try:
-        n = max(int(load_run(path).summary.get("updates") or 0), 1)
-    except Exception:
-        n = default_updates()
-    if st.button(f"Predict this run with the twin ({n} updates)", key="runs_predict"):
-        with st.spinner("simulating..."):
+PRIORS = "(none: the cost model's priors)"
+FIDELITY_KEY = "runs_fidelity_reports"      # session state: {(run path, calibration): FidelityReport.to_dict()}
+
+
+def _fmt_error(e: float | None, kind: str) -> str:
+    if e is None:
+        return "—"
+    if kind == "relative":
+        return f"{100 * e:+.1f} %"
+    if kind == "percentage points":
+        return f"{e:+.2f} pp"
+    return f"{e:+.3g}"
+
+
+def _fidelity_section(path: Path, header: dict) -> None:
+    """Issue 8's comparison: `twin.calibrated.fidelity` simulates the plan as this run ran it (seed, updates,
+    replica counts, workload; optionally calibrated) and lays predicted next to measured."""
+    st.subheader("Twin fidelity")
+    files = calibration_files()
+    c1, c2 = st.columns([3, 1])
+    cal = c1.selectbox("Calibration", [PRIORS] + files, key="runs_cal",
+                       help="A file from `mixfleet calibrate` (pass `mixfleet ui --calibration FILE`, or keep "
+                            "*calibration*.toml files under the runs folder).")
+    cal_path = None if cal == PRIORS else cal
+    reports = st.session_state.setdefault(FIDELITY_KEY, {})
+    key = (str(path), cal_path or "")
+    with c2:
+        st.write("")
+        go = st.button("Check the twin against this run", key="runs_fidelity", type="primary")
+    if go:
+        from mixfleet.twin.calibrated import fidelity
+
+        tag = "priors" if cal_path is None else Path(cal_path).stem
+        keep = runs_dir() / "twin" / f"fidelity-{path.name}-{tag}"
+        with st.spinner("simulating this run's plan as it ran..."):
             try:
-                dry_run(plan_text_from_dict(header.get("plan") or {}), n, int(header.get("seed") or 0))
+                reports[key] = fidelity(None, path, cal_path, keep_twin_log=keep).to_dict()
             except Exception as e:
-                show_error("the twin could not simulate this run's plan", e)
+                show_error("fidelity check failed", e)
                 return
-        st.rerun()
+        st.rerun()  # the kept twin log is now this run's overlay
+    rep = reports.get(key)
+    if rep is None:
+        st.caption("Simulates the plan recorded in this run log with the run's seed, number of updates and replica "
+                   "counts, and compares: time per update, staleness, trainer idle share, cost, KL, extreme-ratio "
+                   "share, and per group tokens/s, share of samples, KL and extreme-ratio share.")
+        return
+    rows = [{"metric": r["metric"], "unit": r["unit"], "measured": r["measured"], "predicted": r["predicted"],
+             "error": _fmt_error(r["error"], r["error_kind"])} for r in rep["rows"]]
+    g = rep["goals"]
+    c = st.columns(3)
+    c[0].metric("time/update error", _fmt_error(g.get("time_per_update_rel_error"), "relative"),
+                help="goal: within 10 %")
+    c[1].metric("share of samples, max error", _fmt_error(g.get("share_of_samples_max_error_pp"), "percentage points"),
+                help="goal: within 3 pp")
+    c[2].metric("staleness error (versions)", _fmt_error(g.get("staleness_error_updates"), "difference"),
+                help="goal: within 0.5")
+    st.dataframe(pd.DataFrame(rows).style.format({"measured": "{:,.4g}", "predicted": "{:,.4g}"}, na_rep="—"),
+                 hide_index=True, width="stretch", key="runs_fidelity_table")
+    st.caption(f"{rep['updates']} updates, seed {rep['seed']}, calibration: {rep['calibration'] or 'none (priors)'}. "
+               + " ".join(rep.get("notes", [])))
 
 
 def render() -> None:
@@ -195,11 +242,12 @@ def render() -> None:
                                 format_func=lambda s: s if s == "none" else Path(s).name)
             overlay = None if pick == "none" else pick
         elif header.get("source") != "twin":
-            st.caption("No twin prediction for this plan in the folder yet.")
-            _predict_button(path, header)
+            st.caption("No twin prediction for this plan in the folder yet (see Twin fidelity below).")
     with c2:
         auto = st.toggle(f"Auto-refresh every {REFRESH_EVERY_S:.0f} s", value=header.get("status") == "running")
     st.fragment(run_every=REFRESH_EVERY_S if auto else None)(_view)(str(path), overlay)
+    if header.get("source") != "twin":
+        _fidelity_section(path, header)
 
 
 if __name__ == "__main__":

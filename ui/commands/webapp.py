@@ -2,7 +2,8 @@
 
 `mixfleet ui` starts `streamlit run ui/app.py` as a child process, headless, without usage
 statistics, bound to 127.0.0.1 on a free port unless told otherwise, and prints the URL. The runs
-folder the Runs page lists is passed to the app in the MIXFLEET_RUNS_DIR environment variable.
+folder the Runs page lists is passed to the app in MIXFLEET_RUNS_DIR, a calibration file (used by
+the Runs page's twin fidelity check) in MIXFLEET_CALIBRATION.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import typer
 
 DEFAULT_HOST = "127.0.0.1"
 RUNS_DIR_ENV = "MIXFLEET_RUNS_DIR"
+CALIBRATION_ENV = "MIXFLEET_CALIBRATION"
 
 
 def free_port(host: str = DEFAULT_HOST) -> int:
@@ -48,6 +50,8 @@ def register(app: typer.Typer) -> None:
         port: int = typer.Option(0, "--port", help="TCP port (0 = a free one)."),
         host: str = typer.Option(DEFAULT_HOST, "--host", help="Address to bind (default loopback only)."),
         runs_dir: Path = typer.Option(Path("runs"), "--runs-dir", help="Folder the Runs page lists run logs from."),
+        calibration: Path = typer.Option(None, "--calibration",
+                                         help="Calibration TOML (mixfleet calibrate) offered first on the Runs page."),
     ) -> None:
         """Start the web app (Plan, Dry-run, Runs) and print its URL."""
         if not 0 <= port <= 65535:
@@ -64,6 +68,12 @@ def register(app: typer.Typer) -> None:
             raise typer.Exit(code=2) from None
         env = dict(os.environ)
         env[RUNS_DIR_ENV] = str(runs_dir.resolve())
+        if calibration is not None:
+            if not calibration.is_file():
+                typer.echo(f"error: --calibration {calibration}: allowed: an existing TOML file written by "
+                           "`mixfleet calibrate`", err=True)
+                raise typer.Exit(code=2)
+            env[CALIBRATION_ENV] = str(calibration.resolve())
         env.setdefault("STREAMLIT_BROWSER_GATHER_USAGE_STATS", "false")
         typer.echo(f"mixfleet ui: http://{host}:{port}  (runs dir: {runs_dir.resolve()}; Ctrl-C stops it)")
         proc = subprocess.Popen(streamlit_argv(port, host), env=env)
