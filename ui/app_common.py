@@ -170,14 +170,6 @@ def plan_from_upload(data: bytes, filename: str = "upload.toml") -> PlanText:
     return PlanText(plan.name, tomli_w.dumps(plan.to_dict()))
 
 
-def plan_text_from_dict(raw: dict[str, Any]) -> PlanText:
-    """A plan table (e.g. a run log header's `plan`) validated and as TOML text."""
-    from mixfleet.policies.plan import plan_from_dict
-
-    plan = plan_from_dict(raw)
-    return PlanText(plan.name, tomli_w.dumps(plan.to_dict()))
-
-
 def plan_object(pt: PlanText) -> Any:
     from mixfleet.policies.plan import plan_from_dict
 
