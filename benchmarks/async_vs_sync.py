@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
 import tempfile
@@ -54,6 +55,7 @@ def main() -> None:
         cfg = RunConfig.for_plan(plan, out_dir=out, updates=args.updates, init_checkpoint=args.init, mode=mode,
                                  eval_every=0, task=(plan.embedded.task if plan.embedded else "") or "guess")
         t0 = time.perf_counter()
+        load_before = os.getloadavg()[0]
         res = run_plan(plan, cfg)
         from mixfleet.costmodel.runlog import RunLog
 
@@ -65,13 +67,16 @@ def main() -> None:
             "total_wall_s": time.perf_counter() - t0, "staleness_mean": float(up["staleness_mean"].mean()),
             "staleness_max": float(up["staleness_max"].max()), "reward_mean": float(up["reward_mean"].mean()),
             "train_step_s_mean": float(up["train_step_s"].mean()),
+            "cpu_s_total": float(log.header.get("cpu_s_total", float("nan"))),
+            "restarts": int((log.events["kind"] == "restart").sum()),
+            "loadavg_1min_before_after": [load_before, os.getloadavg()[0]],   # other work on the machine
         }
         print(f"{mode:5s}: {res['loop_s']:.1f} s for {args.updates} updates "
               f"({results[mode]['s_per_update']:.1f} s/update), trainer idle {res['loop_trainer_idle_share']:.0%}, "
               f"staleness mean {results[mode]['staleness_mean']:.2f}", flush=True)
     speedup = results["sync"]["loop_s"] / results["async"]["loop_s"]
     doc = {"benchmark": "async_vs_sync", "plan": plan.name, "updates": args.updates, "init": args.init,
-           "machine": {"cpus": __import__("os").cpu_count(), "platform": platform.platform()},
+           "machine": {"cpus": os.cpu_count(), "platform": platform.platform()},
            "results": results, "speedup_async_over_sync": speedup, "goal_speedup": 1.5,
            "meets_goal": speedup >= 1.5, "created_unix_s": time.time()}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
