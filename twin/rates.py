@@ -10,6 +10,7 @@ cached context). `FixedRates` is a plain formula with hand-computable numbers (t
 from __future__ import annotations
 
 import bisect
+from bisect import bisect_right as _bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -65,6 +66,12 @@ class TabulatedRates:
         new = np.unique(np.geomspace(1, max(max_context, 2), grid_points).round())
         self._new = new.tolist()
         self._prefill = np.asarray(rm.prefill_s(new), dtype=np.float64).tolist()
+        # per-interval differences, precomputed (the very same float operations `_interp` does per call)
+        self._n_ctx, self._n_new = len(self._ctx), len(self._new)
+        self._dctx = [0.0] + [self._ctx[i] - self._ctx[i - 1] for i in range(1, self._n_ctx)]
+        self._ddecode = [[0.0] + [row[i] - row[i - 1] for i in range(1, self._n_ctx)] for row in self._decode]
+        self._dnew = [0.0] + [self._new[i] - self._new[i - 1] for i in range(1, self._n_new)]
+        self._dprefill = [0.0] + [self._prefill[i] - self._prefill[i - 1] for i in range(1, self._n_new)]
 
     @staticmethod
     def _interp(xs: list[float], ys: list[float], x: float) -> float:
@@ -77,11 +84,21 @@ class TabulatedRates:
         return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
 
     def decode_step_s(self, batch: int, context_tokens: float) -> float:
-        row = self._decode[min(max(batch, 1), self.max_running) - 1]
-        return self._interp(self._ctx, row, context_tokens)
+        b = (batch if batch <= self.max_running else self.max_running) - 1 if batch >= 1 else 0
+        xs = self._ctx
+        i = _bisect_right(xs, context_tokens)
+        if 0 < i < self._n_ctx:  # inside the grid (the common case): `_interp`'s arithmetic, differences cached
+            return self._decode[b][i - 1] + self._ddecode[b][i] * (context_tokens - xs[i - 1]) / self._dctx[i]
+        return self._interp(xs, self._decode[b], context_tokens)
 
     def prefill_s(self, tokens: float) -> float:
-        return 0.0 if tokens <= 0 else self._interp(self._new, self._prefill, tokens)
+        if tokens <= 0:
+            return 0.0
+        xs = self._new
+        i = _bisect_right(xs, tokens)
+        if 0 < i < self._n_new:
+            return self._prefill[i - 1] + self._dprefill[i] * (tokens - xs[i - 1]) / self._dnew[i]
+        return self._interp(xs, self._prefill, tokens)
 
 
 def nominal_point(rm: ReplicaModel, mean_context: float, max_running: int = DEFAULT_MAX_BATCH) -> tuple[float, float]:
@@ -124,7 +141,7 @@ def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog 
     for table in (ov.efficiency, ov.weight_sync_s, ov.mismatch):
         for name in table:
             plan.group(name)  # an unknown group name is an error that lists the plan's groups
-    cat = catalog or load_catalog(price_table or plan.price_table or None)
+    cat = (catalog or load_catalog(price_table or plan.price_table or None)).with_prices(plan.prices)
     model = load_model_spec(plan.model)
     workload = load_workload(plan.workload)
     trainer_acc = cat.accelerator(plan.trainer.accelerator)

@@ -48,7 +48,16 @@ class Request:
 
 
 class Replica:
-    """A processor-sharing server. The world calls `submit`, `advance_to`, `complete_due`, `next_event_s`."""
+    """A processor-sharing server. The world calls `submit`, `advance_to`, `complete_due`, `next_event_s`.
+
+    Hot paths (advance, admit, complete) read the rates through bound methods cached at construction and
+    recompute the step time once per admission/completion burst, not once per request (the result is the
+    same: it depends only on the batch after the burst)."""
+
+    __slots__ = ("group", "index", "rates", "version", "max_running", "up", "draining", "v_tokens", "t_s",
+                 "stall_until_s", "running", "waiting", "kv_used_tokens", "_ctx_sum", "_finish_sum",
+                 "_waiting_tokens", "_seq", "_step_s", "busy_s", "tokens_generated", "idle_since_s", "gen",
+                 "wake_at", "pending", "_kv_cap", "_decode_step_s", "_prefill_s", "__dict__")
 
     def __init__(self, group: str, index: int, rates: ReplicaRates, version: int = 0) -> None:
         self.group, self.index, self.rates = group, index, rates
@@ -73,6 +82,9 @@ class Replica:
         self.gen = 0                     # the world's wake-up generation (stale wake-ups are ignored)
         self.wake_at = math.inf          # when the world's pending wake-up fires
         self.pending: tuple[int, float] | None = None  # (version, transfer done at s) while draining
+        self._kv_cap = rates.kv_capacity_tokens
+        self._decode_step_s = rates.decode_step_s
+        self._prefill_s = rates.prefill_s
 
     # ---- state ------------------------------------------------------------------------------------
     @property
@@ -81,12 +93,14 @@ class Replica:
 
     def _rate_changed(self) -> None:
         n = len(self.running)
-        self._step_s = self.rates.decode_step_s(n, self._ctx_sum / n) if n else 0.0
+        self._step_s = self._decode_step_s(n, self._ctx_sum / n) if n else 0.0
 
     def advance_to(self, now_s: float) -> None:
         """Move the virtual clock to `now_s` (decoding progresses only outside prefill stalls)."""
         if self.running:
-            start = max(self.t_s, self.stall_until_s)
+            start = self.t_s
+            if self.stall_until_s > start:
+                start = self.stall_until_s
             if now_s > start:
                 self.v_tokens += (now_s - start) / self._step_s
             self.busy_s += now_s - self.t_s
@@ -103,51 +117,75 @@ class Replica:
         """Queue a request and admit what fits. The caller has advanced the clock to `now_s`."""
         self.waiting.append(req)
         self._waiting_tokens += req.reply_tokens
-        self.admit(now_s)
+        if self.up and not self.draining:
+            self._admit(now_s)
 
     def admit(self, now_s: float) -> None:
         """Admit waiting requests in FIFO order while KV has room (at least one when empty)."""
-        while self.waiting and not self.draining and self.up:
-            req = self.waiting[0]
+        if self.waiting and self.up and not self.draining:
+            self._admit(now_s)
+
+    def _admit(self, now_s: float) -> None:
+        waiting, running = self.waiting, self.running
+        cap, max_running, prefill_s = self._kv_cap, self.max_running, self._prefill_s
+        admitted = False
+        while waiting:
+            req = waiting[0]
             need = req.context_tokens + req.reply_tokens
-            if self.running and (self.kv_used_tokens + need > self.rates.kv_capacity_tokens
-                                 or len(self.running) >= self.max_running):
-                return
-            self.waiting.popleft()
+            if running and (self.kv_used_tokens + need > cap or len(running) >= max_running):
+                break
+            waiting.popleft()
             self._waiting_tokens -= req.reply_tokens
             self.kv_used_tokens += need
-            self.stall_until_s = max(self.stall_until_s, now_s) + self.rates.prefill_s(req.new_tokens)
-            req.mark_v = self.v_tokens
-            req.finish_v = self.v_tokens + req.reply_tokens
+            stall = self.stall_until_s
+            self.stall_until_s = (stall if stall > now_s else now_s) + prefill_s(req.new_tokens)
+            v = self.v_tokens
+            req.mark_v = v
+            req.finish_v = finish = v + req.reply_tokens
             req.version = self.version
             self._ctx_sum += req.context_tokens + req.reply_tokens / 2
-            self._finish_sum += req.finish_v
+            self._finish_sum += finish
             self._seq += 1
-            heapq.heappush(self.running, (req.finish_v, self._seq, req))
+            heapq.heappush(running, (finish, self._seq, req))
+            admitted = True
+        if admitted:
             self.idle_since_s = None
-            self._rate_changed()
+            n = len(running)
+            self._step_s = self._decode_step_s(n, self._ctx_sum / n)
 
     def complete_due(self, now_s: float, eps_tokens: float = 1e-6) -> list[Request]:
         """Remove and return the requests whose finish mark the clock has reached."""
+        running = self.running
+        if not running:
+            return []
+        limit = self.v_tokens + eps_tokens
+        if running[0][0] > limit:
+            return []
         done = []
-        while self.running and self.running[0][0] <= self.v_tokens + eps_tokens:
-            _, _, req = heapq.heappop(self.running)
+        heappop = heapq.heappop
+        while running and running[0][0] <= limit:
+            req = heappop(running)[2]
             self._leave(req, req.finish_v)
             done.append(req)
-        if done:
-            self._rate_changed()
-            if not self.running:
-                self.idle_since_s = now_s
-            self.admit(now_s)
+        n = len(running)
+        if n:
+            self._step_s = self._decode_step_s(n, self._ctx_sum / n)
+        else:
+            self._step_s = 0.0
+            self.idle_since_s = now_s
+        if self.waiting and self.up and not self.draining:
+            self._admit(now_s)
         return done
 
     def _leave(self, req: Request, upto_v: float) -> None:
-        tokens = round(min(upto_v, req.finish_v) - req.mark_v)
-        req.tokens_by_version[req.version] = req.tokens_by_version.get(req.version, 0) + tokens
+        finish = req.finish_v
+        tokens = round((upto_v if upto_v < finish else finish) - req.mark_v)
+        tbv = req.tokens_by_version
+        tbv[req.version] = tbv.get(req.version, 0) + tokens
         self.tokens_generated += tokens
         self.kv_used_tokens -= req.context_tokens + req.reply_tokens
         self._ctx_sum -= req.context_tokens + req.reply_tokens / 2
-        self._finish_sum -= req.finish_v
+        self._finish_sum -= finish
 
     # ---- weights and faults -----------------------------------------------------------------------
     def set_version(self, version: int, now_s: float, load_s: float = 0.0) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
+from heapq import heappush
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from mixfleet.costmodel.workload import WorkloadSpec
 from mixfleet.policies.views import BufferView, FleetView, GroupView, PromptGroupView, ReplicaView
 from mixfleet.twin.episodes import Episode, draw_episodes
 from mixfleet.twin.replica import Replica, ReplicaRates, Request
+from simpy.events import NORMAL
 
 
 class CountingEnvironment(simpy.Environment):
@@ -30,6 +32,17 @@ class CountingEnvironment(simpy.Environment):
     def scheduled(self) -> int:
         """Events scheduled so far (SimPy numbers every scheduled event; peeking costs one number)."""
         return next(self._eid)
+
+
+class _Call:
+    """A bare entry in SimPy's event queue for the hot paths (a tool call ends, a replica wakes up): SimPy's
+    `step` pops it at its time, in the same (time, priority, id) order as a Timeout, and calls its callbacks
+    with it; it skips Timeout's construction and checks, and shares one callbacks list per kind."""
+    __slots__ = ("callbacks", "value", "gen")
+    _ok = True
+
+    def __init__(self, callbacks: list, value: Any, gen: int = 0) -> None:
+        self.callbacks, self.value, self.gen = callbacks, value, gen
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -135,6 +148,7 @@ class World:
         self._last_group_marks: dict[str, tuple[float, float, int, float]] = {}
         self.trainer_busy_s = 0.0
         self.stalled: SpecError | None = None
+        self._wake_cbs, self._tool_cbs = [self._wake], [self._tool_done]  # shared by every _Call of a kind
         for g in self.groups.values():
             for _ in range(g.setup.replicas):
                 self._new_replica(g, up=True)
@@ -174,24 +188,34 @@ class World:
 
     def poke(self, rep: Replica) -> None:
         """(Re)schedule the replica's next completion; an older wake-up becomes a no-op."""
+        running = rep.running
+        if not running:
+            rep.gen += 1
+            rep.wake_at = math.inf
+            return
         t = rep.next_event_s()
-        if t is not None and rep.wake_at <= t:
+        if rep.wake_at <= t:
             return  # the pending wake-up comes first; it reschedules if nothing is due by then
         rep.gen += 1
-        rep.wake_at = math.inf if t is None else t
-        if t is not None:
-            self.env.timeout(max(0.0, t - self.env.now), (rep, rep.gen)).callbacks.append(self._wake)
+        rep.wake_at = t
+        env = self.env
+        now = env._now
+        delay = t - now
+        if delay < 0.0:
+            delay = 0.0
+        heappush(env._queue, (now + delay, NORMAL, next(env._eid), _Call(self._wake_cbs, rep, rep.gen)))
 
-    def _wake(self, event: simpy.Event) -> None:
-        rep, gen = event.value
-        if gen != rep.gen or not rep.up:
+    def _wake(self, event: _Call) -> None:
+        rep = event.value
+        if event.gen != rep.gen or not rep.up:
             return
         rep.wake_at = math.inf
-        now = self.env.now
+        now = self.env._now
         rep.advance_to(now)
         for req in rep.complete_due(now):
             self._turn_done(req, True)
-        self._maybe_load(rep)
+        if rep.draining:
+            self._maybe_load(rep)
         self.poke(rep)
 
     def _maybe_load(self, rep: Replica) -> None:
@@ -278,7 +302,7 @@ class World:
             s.replica = rep
         ctx = s.context + s.pending_new
         prefill = s.pending_new if s.cached_on is rep else ctx
-        now = self.env.now
+        now = self.env._now
         rep.advance_to(now)
         rep.submit(Request(session=s, new_tokens=prefill, reply_tokens=s.remaining_reply, context_tokens=ctx,
                            on_done=self._turn_done), now)
@@ -312,11 +336,13 @@ class World:
         if s.turn >= s.ep.turns:
             self._finish(s)
             return
-        s.pending_new, s.remaining_reply = s.ep.tool_tokens[s.turn - 1], s.ep.reply_tokens[s.turn]
+        ep, turn = s.ep, s.turn
+        s.pending_new, s.remaining_reply = ep.tool_tokens[turn - 1], ep.reply_tokens[turn]
         s.prompt_total += s.pending_new
-        self.env.timeout(s.ep.tool_s[s.turn - 1], s).callbacks.append(self._tool_done)
+        env = self.env  # a SimPy timeout of the tool's latency, as a bare queue entry (see _Call)
+        heappush(env._queue, (env._now + ep.tool_s[turn - 1], NORMAL, next(env._eid), _Call(self._tool_cbs, s)))
 
-    def _tool_done(self, event: simpy.Event) -> None:
+    def _tool_done(self, event: _Call) -> None:
         self._turn(event.value)
 
     def _finish(self, s: Session) -> None:
