@@ -10,7 +10,9 @@ runs natively, emulated, or not at all is decided here (`Catalog.support`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from functools import lru_cache
 from pathlib import Path
 from types import MappingProxyType
@@ -170,6 +172,21 @@ class Catalog:
         if acc.arch in prec.emulable_arch:
             return "emulated"
         return "unsupported"
+
+    def with_prices(self, prices: Mapping[str, float] | None) -> Catalog:
+        """This catalog with some accelerators' USD per GPU-hour replaced (a negotiated or another cloud's
+        price; `price_table` of those becomes "override"). An unknown accelerator lists the known ones; a
+        price must be a number > 0."""
+        if not prices:
+            return self
+        accs = dict(self.accelerators)
+        for name, usd in prices.items():
+            acc = self.accelerator(name)
+            if isinstance(usd, bool) or not isinstance(usd, int | float) or not math.isfinite(usd) or usd <= 0:
+                raise SpecError("prices", acc.name, usd, "USD per GPU-hour, a number > 0")
+            accs[acc.name] = replace(acc, price_usd_per_gpu_hour=float(usd), price_table="override",
+                                     price_estimate=False)
+        return replace(self, accelerators=MappingProxyType(accs))
 
     def native_accelerators(self, precision: str | Precision) -> list[str]:
         """Accelerators that run the precision natively."""

@@ -9,6 +9,7 @@ this happens; `with_overrides(plan, {"groups.H100-FP8.replicas": 4})` uses it to
 
 Schema (every field optional unless marked):
     name* description seed model workload price_table
+    [prices]   ACCELERATOR = USD per GPU-hour, overriding the price table (e.g. H100 = 3.0)
     [trainer]  accelerator gpus precision loss top_p top_p_replay
     [[groups]] name* accelerator* precision* kv_dtype kernel replicas min_replicas max_replicas tp emulated
     [policies.router|autoscaler|batcher|weight_sync]  name + that policy's settings
@@ -161,6 +162,7 @@ class Plan:
     model: str = "qwen3.6-35b-a3b"   # a shipped model name or a TOML path
     workload: str = "seed-agentic-coding"  # a shipped workload name or a TOML path
     price_table: str = ""            # "" = the catalog's default price table
+    prices: dict[str, float] = field(default_factory=dict)  # accelerator -> USD per GPU-hour, over the table
     trainer: TrainerPlan = field(default_factory=TrainerPlan)
     policies: PoliciesPlan = field(default_factory=PoliciesPlan)
     faults: FaultsPlan = field(default_factory=FaultsPlan)
@@ -174,6 +176,10 @@ class Plan:
         _need(w, "groups.name", not dup, dup, "unique group names")
         _need(w, "groups.replicas", any(g.replicas > 0 for g in self.groups), 0, "at least one group with replicas")
         _need(w, "seed", isinstance(self.seed, int), self.seed, "an integer")
+        _need(w, "prices", isinstance(self.prices, dict), self.prices, "a table ACCELERATOR = USD per GPU-hour")
+        for acc, usd in self.prices.items():
+            _need(w, f"prices.{acc}", isinstance(usd, int | float) and not isinstance(usd, bool) and 0 < usd < 1e9,
+                  usd, "USD per GPU-hour, a number > 0")
 
     def group(self, name: str) -> GroupPlan:
         for g in self.groups:
@@ -199,6 +205,8 @@ class Plan:
         out: dict[str, Any] = {"name": self.name}
         for key in ("description", "seed", "model", "workload", "price_table"):
             out[key] = getattr(self, key)
+        if self.prices:
+            out["prices"] = dict(self.prices)
         out["trainer"] = _plain(self.trainer)
         out["groups"] = [{k: v for k, v in _plain(g).items()  # min/max equal to replicas are the defaults
                           if not (k in ("min_replicas", "max_replicas") and v == g.replicas)} for g in self.groups]

@@ -91,7 +91,7 @@ class FleetSpec:
 def _nominal(plan: Plan, g: GroupPlan) -> tuple[float, float, float, int]:
     """(tokens/s, USD/hour, USD/Mtoken, tp) of one replica from the cost model; NaN-free fallbacks."""
     try:
-        cat = load_catalog(plan.price_table or None)
+        cat = load_catalog(plan.price_table or None).with_prices(plan.prices)
         model = load_model_spec(plan.model)
         workload = load_workload(plan.workload)
         ctx = float(workload.mean_decode_context)

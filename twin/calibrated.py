@@ -43,7 +43,7 @@ from mixfleet.twin.world import GroupSetup, TrainerSetup
 def calibrated_setup(plan: Plan, cal: Calibration, *, price_table: str | None = None,
                      calibrated_routing: bool = False, use_workload: bool = True) -> tuple[Setup, list[str]]:
     """The world's setup for `plan` with `cal`'s fitted values; also the notes (groups left at the prior)."""
-    cat = load_catalog(price_table or plan.price_table or None)
+    cat = load_catalog(price_table or plan.price_table or None).with_prices(plan.prices)
     model = load_model_spec(plan.model)
     base_wl = load_workload(plan.workload)
     workload = (cal.workload_spec(base_wl) if use_workload else None) or base_wl

@@ -2,6 +2,8 @@
 
 1. Candidate group types: every accelerator in the pool x every precision it runs natively (x KV dtypes),
    that fits the model (cost model: TP, KV capacity, tokens/s at the workload's mean context, price).
+   Per accelerator, `PlannerConfig.precisions` narrows the precisions (or names emulated ones, with
+   `emulated`) and `PlannerConfig.prices` overrides the price table; the written plan carries those prices.
 2. Screen (analytic, vectorized over thousands of candidates): for a mix n (replicas per type) and K prompts
    in flight, fleet throughput T = sum n_i tps_i (prefill included), capped by the sessions in flight
    (K x samples, each alternating decode and tool calls); sampler time per update G / T for G generated
@@ -60,6 +62,9 @@ class PlannerConfig:
     verify: int = 1                             # candidates to verify in the DES (0 = none)
     verify_updates: int = 2
     seed: int = 0
+    prices: dict[str, float] = field(default_factory=dict)  # accelerator -> USD per GPU-hour, over the price table
+    precisions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # accelerator -> allowed weight precisions
+    emulated: bool = False                      # `precisions` may name formats an accelerator only emulates
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -70,6 +75,50 @@ class PlannerConfig:
                 raise SpecError("plan", f, v, "a positive number (or none)")
         if self.verify < 0 or self.verify_updates < 1:
             raise SpecError("plan", "verify", self.verify, "verify >= 0 and verify_updates >= 1")
+        if self.prices or self.precisions:
+            self._check_overrides()
+
+    def _check_overrides(self) -> None:
+        """Per-accelerator prices and precisions: known accelerators (keys become the catalog's names), prices
+        > 0, precisions a non-empty subset of the natively supported ones (or emulable ones with `emulated`)."""
+        cat = load_catalog(self.price_table)
+        known = list(cat.accelerators)
+
+        def canon(f: str, name: Any) -> str:
+            try:
+                return cat.accelerator(name).name
+            except SpecError:
+                raise SpecError("plan", f, name, "a known accelerator: " + ", ".join(known)) from None
+
+        prices = {}
+        for a, usd in dict(self.prices).items():
+            a = canon("prices", a)
+            if isinstance(usd, bool) or not isinstance(usd, int | float) or not 0 < usd < 1e9:
+                raise SpecError("plan", f"prices.{a}", usd, "USD per GPU-hour, a number > 0")
+            prices[a] = float(usd)
+        precs: dict[str, tuple[str, ...]] = {}
+        for a, ps in dict(self.precisions).items():
+            a = canon("precisions", a)
+            ok = ("native", "emulated") if self.emulated else ("native",)
+            allowed = [p for p in cat.precisions if cat.support(a, p) in ok]
+            hint = "" if self.emulated else " (emulated formats need emulated=True, --emulated)"
+            ps = ps.split(",") if isinstance(ps, str) else ps
+            if not isinstance(ps, list | tuple) or not all(isinstance(p, str) for p in ps):
+                raise SpecError("plan", f"precisions.{a}", ps, "a list of precision names: " + ", ".join(allowed))
+            ps = tuple(dict.fromkeys(p.strip().lower() for p in ps if p.strip()))
+            if not ps:
+                raise SpecError("plan", f"precisions.{a}", list(ps), "at least one of " + ", ".join(allowed))
+            for p in ps:
+                if p not in allowed:
+                    raise SpecError("plan", f"precisions.{a}", p, ", ".join(allowed) + hint)
+            precs[a] = ps
+        object.__setattr__(self, "prices", prices)
+        object.__setattr__(self, "precisions", precs)
+
+
+def _catalog(cfg: PlannerConfig) -> Any:
+    """The catalog at the config's price table, with its per-accelerator price overrides."""
+    return load_catalog(cfg.price_table).with_prices(cfg.prices)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,6 +134,7 @@ class GroupType:
     sync_s: float
     masked_share: float              # prior extreme-ratio share (what the correction masks)
     kl_k3: float
+    emulated: bool = False           # the precision is emulated on this accelerator
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,23 +169,30 @@ class PlanResult:
 
 def group_types(cfg: PlannerConfig, only: list[tuple[str, str, str, bool, int]] | None = None) -> list[GroupType]:
     """Every (accelerator, native precision, KV dtype) of the pool that fits the model; or exactly the
-    `only` list of (accelerator, precision, KV dtype, emulated, tp) (tp 0 = auto), e.g. a plan's groups."""
-    cat = load_catalog(cfg.price_table)
+    `only` list of (accelerator, precision, KV dtype, emulated, tp) (tp 0 = auto), e.g. a plan's groups.
+    The pool's precisions per accelerator are `cfg.precisions[accelerator]` where given, else the native ones."""
+    cat = _catalog(cfg)
     model = load_model_spec(cfg.model)
     wl = load_workload(cfg.workload)
     trainer_acc = cat.accelerator(cfg.trainer_accelerator)
     ctx = wl.mean_decode_context
     new_per_turn = wl.mean_prefill_tokens_per_episode / max(wl.turns.mean, 1.0)
+    explicit = only is not None
     if only is None:
-        only = [(a, p, kv, False, 0) for a in (cfg.accelerators or tuple(cat.gpus())) for p in cat.precisions
-                if cat.support(a, p) == "native" for kv in cfg.kv_dtypes]
+        only = []
+        for a in cfg.accelerators or tuple(cat.gpus()):
+            allowed = cfg.precisions.get(cat.accelerator(a).name)
+            for p in cat.precisions:
+                sup = cat.support(a, p)
+                if (p in allowed) if allowed is not None else sup == "native":
+                    only += [(a, p, kv, sup != "native", 0) for kv in cfg.kv_dtypes]
     out = []
     for a, p, kv, emulated, tp in only:
         try:
             rm = replica_model(model, a, p, kv, catalog=cat, tp=tp or None, emulated=emulated,
                                kv_budget_tokens=min(wl.max_context, model.max_context))
         except SpecError:
-            if emulated or tp:
+            if explicit and (emulated or tp):
                 raise
             continue
         tps, _ = nominal_point(rm, ctx)
@@ -147,7 +204,7 @@ def group_types(cfg: PlannerConfig, only: list[tuple[str, str, str, bool, int]] 
         out.append(GroupType(name=f"{a}-{suffix}", accelerator=a, precision=p, kv_dtype=kv,
                              tp=rm.tp, tokens_per_s=eff_tps, per_seq_tokens_per_s=tps / b,
                              usd_per_hour=rm.price_usd_per_hour, sync_s=weight_sync_s(rm, trainer_acc),
-                             masked_share=prior.extreme_share, kl_k3=prior.kl_k3))
+                             masked_share=prior.extreme_share, kl_k3=prior.kl_k3, emulated=emulated))
     return out
 
 
@@ -175,7 +232,7 @@ def _milp_candidates(types: list[GroupType], cfg: PlannerConfig, trainer_usd_h: 
 
 def screen(types: list[GroupType], cfg: PlannerConfig) -> tuple[np.ndarray, np.ndarray, dict[str, np.ndarray]]:
     """All candidates (mixes x K) and their analytic metrics, vectorized."""
-    cat = load_catalog(cfg.price_table)
+    cat = _catalog(cfg)
     wl = load_workload(cfg.workload)
     trainer_usd_h = cfg.trainer_gpus * cat.accelerator(cfg.trainer_accelerator).price_usd_per_gpu_hour
     mixes = [_milp_candidates(types, cfg, trainer_usd_h, eff) for eff in (False, True)]
@@ -200,7 +257,7 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
             update_shape: tuple[int, int] | None = None) -> dict[str, np.ndarray]:
     """The analytic model for mixes `n` (rows: replicas per type) with `k` prompts in flight (vectorized).
     update_shape: (prompts per update, samples per prompt) when not the workload's."""
-    cat = load_catalog(cfg.price_table)
+    cat = _catalog(cfg)
     model, wl = load_model_spec(cfg.model), load_workload(cfg.workload)
     trainer_acc = cat.accelerator(cfg.trainer_accelerator)
     trainer_usd_h = cfg.trainer_gpus * trainer_acc.price_usd_per_gpu_hour
@@ -244,6 +301,7 @@ def evaluate_plan(plan: Plan, cfg: PlannerConfig | None = None) -> Candidate:
     """The analytic model's numbers for an existing plan (e.g. a seed fleet), for comparison with the DES."""
     wl = load_workload(plan.workload)
     cfg = cfg or PlannerConfig(model=plan.model, workload=plan.workload, price_table=plan.price_table or "modal",
+                               prices=dict(plan.prices),
                                trainer_accelerator=plan.trainer.accelerator, trainer_gpus=plan.trainer.gpus)
     types = group_types(cfg, only=[(g.accelerator, g.precision, g.kv_dtype, g.emulated, g.tp) for g in plan.groups])
     types = [GroupType(**{**{f: getattr(t, f) for f in t.__dataclass_fields__}, "name": g.name})
@@ -288,10 +346,14 @@ def candidate_plan(c: Candidate, types: list[GroupType], cfg: PlannerConfig, nam
     """The Plan for a candidate (capacity-proportional routing, fixed replicas, in-flight weight sync)."""
     by_name = {t.name: t for t in types}
     groups = tuple(GroupPlan(name=g, accelerator=by_name[g].accelerator, precision=by_name[g].precision,
-                             kv_dtype=by_name[g].kv_dtype, replicas=r) for g, r in c.replicas.items())
+                             kv_dtype=by_name[g].kv_dtype, emulated=by_name[g].emulated, replicas=r)
+                   for g, r in c.replicas.items())
     wl = load_workload(cfg.workload)
+    cat = load_catalog(cfg.price_table)
+    used = {cat.accelerator(a).name for a in [cfg.trainer_accelerator, *(g.accelerator for g in groups)]}
     return Plan(name=name, groups=groups, seed=cfg.seed, model=cfg.model, workload=cfg.workload,
                 price_table=cfg.price_table, description=f"mixfleet plan ({cfg.objective})",
+                prices={a: usd for a, usd in cfg.prices.items() if a in used},
                 trainer=TrainerPlan(accelerator=cfg.trainer_accelerator, gpus=cfg.trainer_gpus),
                 policies=PoliciesPlan(batcher=PolicyRef(name="fifo", settings={
                     "prompts_per_update": wl.prompts_per_update, "samples_per_prompt": wl.samples_per_prompt,

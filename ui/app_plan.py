@@ -133,29 +133,39 @@ def _model_and_workload() -> tuple[str, str] | None:
     return model_ref, wl_ref
 
 
-def _pool_editor() -> tuple[str, pd.DataFrame]:
+def _pool_editor() -> tuple[str, pd.DataFrame | None, tuple[str, ...], bool]:
+    """The pool table (None when its prices / precisions are invalid: the error is shown), KV dtypes, emulation."""
     _, _, tables = _known()
     c1, c2 = st.columns([1, 3])
     with c1:
         table = st.segmented_control("Price table", list(tables), default=tables[0], key="pl_prices") or tables[0]
     with c2:
-        st.caption("Prices are USD per GPU-hour from `data/accelerators.toml`; switch the table for another cloud. "
-                   "Untick **use** to leave an accelerator out; edit **max GPUs** to cap it. Editing prices and "
-                   "restricting precisions per accelerator: not available yet (the planner takes the price table's "
-                   "prices and every native precision).")
+        st.caption("Prices are USD per GPU-hour from `data/accelerators.toml`; switch the table for another cloud, "
+                   "or edit a price (it then overrides the table for the samplers, the trainer and the written plan). "
+                   "Untick **use** to leave an accelerator out; edit **max GPUs** to cap it; narrow **allowed "
+                   "precisions** to restrict the weight formats the planner may use there (default: the native ones).")
     pool = st.data_editor(
         _pool(table), key=f"pl_pool_{table}", hide_index=True, width="stretch", num_rows="fixed",
         column_config={
             "use": st.column_config.CheckboxColumn("use"),
             "accelerator": st.column_config.TextColumn("accelerator", disabled=True),
-            "usd_per_gpu_hour": st.column_config.NumberColumn("USD / GPU-hour", format="$%.2f", disabled=True),
+            "usd_per_gpu_hour": st.column_config.NumberColumn("USD / GPU-hour", format="$%.2f", min_value=0.01,
+                                                              step=0.01, required=True),
             "max_gpus": st.column_config.NumberColumn("max GPUs", min_value=0, step=1, format="%d"),
-            "precisions": st.column_config.MultiselectColumn("native precisions", options=list(PRECISIONS),
-                                                             disabled=True),
+            "precisions": st.column_config.MultiselectColumn("allowed precisions", options=list(PRECISIONS)),
             "price_note": st.column_config.TextColumn("price source", disabled=True),
         })
-    kv = st.multiselect("KV-cache dtypes to consider", list(planner.KV_DTYPES), default=["fp8_e4m3"], key="pl_kv")
-    return table, pool, tuple(kv)
+    c1, c2 = st.columns([3, 2])
+    kv = c1.multiselect("KV-cache dtypes to consider", list(planner.KV_DTYPES), default=["fp8_e4m3"], key="pl_kv")
+    emulated = c2.toggle("allow emulated precisions", value=False, key="pl_emul",
+                         help="Let **allowed precisions** name formats an accelerator only emulates (runs slower), "
+                              "e.g. nvfp4 on H100.")
+    try:
+        planner.check_pool(pool, table, emulated)
+    except Exception as e:
+        show_error("invalid accelerator pool", e)
+        return table, None, tuple(kv), emulated
+    return table, pool, tuple(kv), emulated
 
 
 def _trainer() -> dict[str, Any]:
@@ -225,13 +235,13 @@ def render() -> None:
         mw = _model_and_workload()
     with st.container(border=True):
         st.markdown("**Accelerator pool**")
-        price_table, pool, kv = _pool_editor()
+        price_table, pool, kv, emulated = _pool_editor()
     with st.container(border=True):
         st.markdown("**Constraints**")
         cons = _constraints()
         st.markdown("**Trainer and twin check**")
         trainer = _trainer()
-    if mw is None:
+    if mw is None or pool is None:
         return
     go = st.button("Run planner", type="primary", key="pl_go", disabled=not planner.available())
     if go:
@@ -242,8 +252,10 @@ def render() -> None:
 
         try:
             inputs = {"model": mw[0], "workload": mw[1], "price_table": price_table, "kv_dtypes": kv, **cons,
-                      **trainer}
-            view = _plan_cached(inputs, pool[["use", "accelerator", "max_gpus"]], progress)
+                      **trainer, "emulated": emulated}
+            cols = pool[["use", "accelerator", "max_gpus", "usd_per_gpu_hour", "precisions"]]
+            cols = cols.assign(precisions=[",".join(planner.precision_list(v)) for v in cols["precisions"]])
+            view = _plan_cached(inputs, cols, progress)
         except Exception as e:
             bar.empty()
             show_error("the planner could not plan", e)

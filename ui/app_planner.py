@@ -1,12 +1,13 @@
 """Adapter between the Plan page and the mix planner (`mixfleet.twin.planner`).
 
-`run(...)` turns the page's inputs (model, workload, price table, the edited accelerator pool,
-constraints) into a `PlannerConfig`, calls `plan_mix`, dry-runs the chosen plan in the twin (the
-planner's DES verification, kept as a run log so its per-group share of samples can be shown), and
-evaluates the seed's two fleets with the planner's analytic model (`evaluate_plan`) as reference
-points, and dry-runs them in the twin too. It returns a `PlannerView` for the
-page: the chosen plan as TOML, the chosen mix as a display table, the Pareto set, and the twin's
-points. Planning and simulation happen in mixfleet.twin; here only inputs and outputs are shaped.
+`run(...)` turns the page's inputs (model, workload, price table, the edited accelerator pool with its
+prices per GPU-hour and allowed precisions, constraints) into a `PlannerConfig`, calls `plan_mix`,
+dry-runs the chosen plan in the twin (the planner's DES verification, kept as a run log so its
+per-group share of samples can be shown), and evaluates the seed's two fleets with the planner's
+analytic model (`evaluate_plan`) as reference points, and dry-runs them in the twin too. It returns a
+`PlannerView` for the page: the chosen plan as TOML, the chosen mix as a display table, the Pareto
+set, and the twin's points. Planning and simulation happen in mixfleet.twin; here only inputs and
+outputs are shaped.
 """
 
 from __future__ import annotations
@@ -67,6 +68,45 @@ def unavailable_reason() -> str:
     return f"`{PLANNER_MODULE}` cannot be imported in this installation."
 
 
+def precision_list(v: Any) -> list[str]:
+    """A pool cell of precisions (a list from the multiselect, or comma-separated text) as a list."""
+    if v is None or isinstance(v, float):
+        return []
+    items = v.split(",") if isinstance(v, str) else list(v)
+    return [str(p).strip() for p in items if str(p).strip()]
+
+
+def pool_overrides(pool: pd.DataFrame, price_table: str) -> tuple[dict[str, float], dict[str, tuple[str, ...]]]:
+    """What the edited pool changes against the price table and the native precisions: (prices per GPU-hour
+    for every row whose price was edited, allowed precisions for ticked rows whose list was edited)."""
+    from mixfleet.costmodel.catalog import load_catalog
+
+    cat = load_catalog(price_table)
+    prices: dict[str, float] = {}
+    precisions: dict[str, tuple[str, ...]] = {}
+    for row in pool.to_dict("records"):
+        acc = cat.accelerator(str(row["accelerator"]))
+        usd = row.get("usd_per_gpu_hour")
+        if usd is None or isinstance(usd, float) and math.isnan(usd):
+            usd = 0.0  # an emptied cell: the planner refuses it, naming the field
+        if not math.isclose(float(usd), acc.price_usd_per_gpu_hour, rel_tol=1e-9):
+            prices[acc.name] = float(usd)
+        if "precisions" in row and bool(row.get("use", True)):
+            chosen = precision_list(row["precisions"])
+            native = [p for p in cat.precisions if cat.support(acc.name, p) == "native"]
+            if sorted(chosen) != sorted(native):
+                precisions[acc.name] = tuple(chosen)
+    return prices, precisions
+
+
+def check_pool(pool: pd.DataFrame, price_table: str, emulated: bool = False) -> None:
+    """Validate the edited pool's prices and precisions with the planner's config (raises its SpecError)."""
+    from mixfleet.twin.planner import PlannerConfig
+
+    prices, precisions = pool_overrides(pool, price_table)
+    PlannerConfig(price_table=price_table, prices=prices, precisions=precisions, emulated=emulated)
+
+
 def _point(c: Any) -> dict[str, Any]:
     stale = c.staleness if math.isfinite(c.staleness) else math.nan
     mix = ", ".join(f"{g} x{n}" for g, n in c.replicas.items())
@@ -90,20 +130,24 @@ def _twin_point(name: str, pt: PlanText, updates: int, seed: int,
 def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_dtypes: tuple[str, ...],
         trainer_accelerator: str, trainer_gpus: int, max_staleness: float | None,
         max_time_per_update_s: float | None, budget_usd_per_hour: float | None, objective: str,
-        twin_updates: int = DEFAULT_TWIN_UPDATES, references: bool = True, seed: int = 0,
+        twin_updates: int = DEFAULT_TWIN_UPDATES, references: bool = True, seed: int = 0, emulated: bool = False,
         progress: Callable[[float, str], None] | None = None) -> PlannerView:
-    """Plan a mix; raises the planner's SpecError on bad inputs and ValueError when nothing is feasible."""
+    """Plan a mix; raises the planner's SpecError on bad inputs and ValueError when nothing is feasible.
+    `pool`: columns use, accelerator, max_gpus and optionally usd_per_gpu_hour and precisions (edited prices
+    and precision lists become the planner's per-accelerator overrides; `emulated` allows emulated ones)."""
     from mixfleet.policies.plan import with_overrides
     from mixfleet.twin.planner import PlannerConfig, plan_mix
 
     say = progress or (lambda _f, _m: None)
     used = pool[pool["use"].astype(bool)]
+    prices, precisions = pool_overrides(pool, price_table)
     cfg = PlannerConfig(
         model=model, workload=workload, price_table=price_table, accelerators=tuple(used["accelerator"]),
         max_gpus={str(a): int(n) for a, n in zip(used["accelerator"], used["max_gpus"], strict=True)},
         kv_dtypes=tuple(kv_dtypes), trainer_accelerator=trainer_accelerator, trainer_gpus=int(trainer_gpus),
         max_staleness=max_staleness, max_time_per_update_s=max_time_per_update_s,
-        max_usd_per_hour=budget_usd_per_hour, objective=OBJECTIVES.get(objective, objective), verify=0, seed=seed)
+        max_usd_per_hour=budget_usd_per_hour, objective=OBJECTIVES.get(objective, objective), verify=0, seed=seed,
+        prices=prices, precisions=precisions, emulated=emulated)
     if not cfg.accelerators:
         from mixfleet.costmodel.errors import SpecError
 
@@ -125,7 +169,7 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
         for ref in REFERENCE_PLANS:  # the seed's sampler fleets on this model, workload, prices and trainer
             rp = with_overrides(plan_object(with_workload(shipped_plan(ref), workload)), {
                 "model": model, "price_table": price_table, "trainer.accelerator": trainer_accelerator,
-                "trainer.gpus": int(trainer_gpus)})
+                "trainer.gpus": int(trainer_gpus), **{f"prices.{a}": usd for a, usd in cfg.prices.items()}})
             analytic.append({"name": ref, **_point(evaluate_plan(rp))})
             jobs.append((f"{ref} (twin)", PlanText(rp.name, tomli_w.dumps(rp.to_dict()))))
     twin_points, chosen_summary = [], {}

@@ -39,6 +39,39 @@ def _caps(items: list[str]) -> dict[str, int]:
     return out
 
 
+def _pairs(items: list[str], flag: str, example: str) -> dict[str, str]:
+    """ACCELERATOR=VALUE items (a repeatable option) as a dict; each accelerator at most once."""
+    from mixfleet.costmodel.errors import SpecError
+
+    out: dict[str, str] = {}
+    for it in items:
+        name, eq, value = (x.strip() for x in it.partition("="))
+        if not eq or not name or not value:
+            raise SpecError("command line", flag, it, f"ACCELERATOR=VALUE, e.g. {example}")
+        if name in out:
+            raise SpecError("command line", flag, it, f"each accelerator once ({name} is given twice)")
+        out[name] = value
+    return out
+
+
+def _prices(items: list[str]) -> dict[str, float]:
+    from mixfleet.costmodel.errors import SpecError
+
+    out = {}
+    for name, value in _pairs(items, "--price", "H100=3.0").items():
+        try:
+            out[name] = float(value)
+        except ValueError:
+            raise SpecError("command line", "--price", f"{name}={value}",
+                            "ACCELERATOR=USD per GPU-hour, e.g. H100=3.0") from None
+    return out
+
+
+def _precisions(items: list[str]) -> dict[str, tuple[str, ...]]:
+    return {name: tuple(p.strip() for p in value.split(","))
+            for name, value in _pairs(items, "--precisions", "B200=nvfp4,bf16").items()}
+
+
 def _progress(total: int, label: str):
     from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -67,6 +100,11 @@ def register(app: typer.Typer) -> None:
         max_gpus: list[str] = typer.Option([], "--max-gpus", help="Cap, ACCELERATOR=GPUS (repeatable)."),
         default_max_gpus: int = typer.Option(64, "--default-max-gpus", help="Cap for accelerators not named."),
         kv_dtypes: str = typer.Option("fp8_e4m3", "--kv-dtypes", help="KV-cache dtypes to consider."),
+        price: list[str] = typer.Option([], "--price", help="USD per GPU-hour over the price table, "
+                                        "ACCELERATOR=USD (repeatable), e.g. H100=3.0."),
+        precisions: list[str] = typer.Option([], "--precisions", help="Allowed weight precisions, "
+                                             "ACCELERATOR=P1,P2 (repeatable; default: the native ones)."),
+        emulated: bool = typer.Option(False, "--emulated", help="Let --precisions name emulated formats."),
         trainer: str = typer.Option("B200", "--trainer", help="Trainer accelerator."),
         trainer_gpus: int = typer.Option(8, "--trainer-gpus", help="Trainer GPUs."),
         max_staleness: float = typer.Option(None, "--max-staleness", help="Max mean staleness, versions."),
@@ -95,7 +133,8 @@ def register(app: typer.Typer) -> None:
                                 kv_dtypes=tuple(k.strip() for k in kv_dtypes.split(",") if k.strip()),
                                 trainer_accelerator=trainer, trainer_gpus=trainer_gpus, max_staleness=max_staleness,
                                 max_time_per_update_s=max_time, max_usd_per_hour=budget, objective=objective,
-                                verify=verify, verify_updates=verify_updates)
+                                verify=verify, verify_updates=verify_updates, prices=_prices(price),
+                                precisions=_precisions(precisions), emulated=emulated)
             with console.status("planning") as status:
                 result = plan_mix(cfg, progress=lambda m: status.update(f"planning: {m}"))
         except (SpecError, FileNotFoundError) as e:
@@ -131,6 +170,9 @@ def register(app: typer.Typer) -> None:
             lines.append(f"DES ({v['updates']} updates): time/update {_num(v['time_per_update_s'], ',.0f')} s, "
                          f"cost/update {_num(v['cost_per_update_usd'])}, staleness {_num(v['staleness'], '.2f')} "
                          "(includes filling the pipeline)")
+        if cfg.prices:
+            lines.append("prices over the table (USD per GPU-hour): "
+                         + ", ".join(f"{a} {usd:.2f}" for a, usd in cfg.prices.items()))
         for line in lines:
             typer.echo(line)
         p = Table(title="Pareto set (cost/update vs time/update vs staleness)")
