@@ -35,7 +35,8 @@ class ReplicaRates(Protocol):
 
 @dataclass(eq=False, slots=True)
 class Request:
-    """One turn of one session on one replica."""
+    """One turn of one session on one replica. (The world submits its sessions themselves, which carry the
+    same fields, so a turn allocates nothing; `tokens_by_version` then accumulates the session's tokens.)"""
     session: object                  # the world's session (opaque here)
     new_tokens: int                  # tokens to prefill (not in the prefix cache)
     reply_tokens: int                # tokens to decode
@@ -44,7 +45,8 @@ class Request:
     finish_v: float = 0.0            # virtual-clock mark at which it is done
     mark_v: float = 0.0              # virtual clock at admission or at the last version switch
     version: int = 0                 # weights the current stretch of tokens is sampled with
-    tokens_by_version: dict[int, int] = field(default_factory=dict)
+    tokens_by_version: dict[int, int] = field(default_factory=dict)  # versions with no tokens stay out
+    generated: int = 0               # tokens decoded for this request so far (all versions)
 
 
 class Replica:
@@ -180,9 +182,11 @@ class Replica:
     def _leave(self, req: Request, upto_v: float) -> None:
         finish = req.finish_v
         tokens = round((upto_v if upto_v < finish else finish) - req.mark_v)
-        tbv = req.tokens_by_version
-        tbv[req.version] = tbv.get(req.version, 0) + tokens
-        self.tokens_generated += tokens
+        if tokens:
+            tbv, v = req.tokens_by_version, req.version
+            tbv[v] = tbv.get(v, 0) + tokens
+            req.generated += tokens
+            self.tokens_generated += tokens
         self.kv_used_tokens -= req.context_tokens + req.reply_tokens
         self._ctx_sum -= req.context_tokens + req.reply_tokens / 2
         self._finish_sum -= finish
@@ -193,8 +197,10 @@ class Replica:
         self.advance_to(now_s)
         for _, _, req in self.running:
             tokens = round(self.v_tokens - req.mark_v)
-            req.tokens_by_version[req.version] = req.tokens_by_version.get(req.version, 0) + tokens
-            self.tokens_generated += tokens
+            if tokens:
+                req.tokens_by_version[req.version] = req.tokens_by_version.get(req.version, 0) + tokens
+                req.generated += tokens
+                self.tokens_generated += tokens
             req.mark_v = self.v_tokens
             req.version = version
         self.version = version

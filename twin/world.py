@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from heapq import heappush
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import simpy
@@ -21,7 +21,7 @@ from mixfleet.costmodel.runlog import EventRecord, GroupRecord, TrajectoryRecord
 from mixfleet.costmodel.workload import WorkloadSpec
 from mixfleet.policies.views import BufferView, FleetView, GroupView, PromptGroupView, ReplicaView
 from mixfleet.twin.episodes import Episode, draw_episodes
-from mixfleet.twin.replica import Replica, ReplicaRates, Request
+from mixfleet.twin.replica import Replica, ReplicaRates
 from simpy.events import NORMAL
 
 
@@ -84,6 +84,21 @@ class Session:
     tokens_by_version: dict[int, int] = field(default_factory=dict)
     restarts: int = 0
     prompt_total: int = 0            # non-generated tokens (prompt + tool outputs)
+    # the session is its own replica request (replica.Request's fields) and its own SimPy queue entry
+    # while a tool call runs (callbacks, _ok): a turn allocates no objects
+    new_tokens: int = 0              # this turn's tokens to prefill
+    reply_tokens: int = 0            # this turn's reply tokens
+    context_tokens: int = 0          # context before this turn's reply
+    finish_v: float = 0.0
+    mark_v: float = 0.0
+    version: int = 0
+    generated: int = 0               # tokens decoded for this turn's request so far
+    callbacks: list | None = None
+    _ok: ClassVar[bool] = True
+
+    @property
+    def session(self) -> Session:
+        return self
 
 
 @dataclass(eq=False)
@@ -148,7 +163,7 @@ class World:
         self._last_group_marks: dict[str, tuple[float, float, int, float]] = {}
         self.trainer_busy_s = 0.0
         self.stalled: SpecError | None = None
-        self._wake_cbs, self._tool_cbs = [self._wake], [self._tool_done]  # shared by every _Call of a kind
+        self._wake_cbs, self._tool_cbs = [self._wake], [self._turn]  # shared by every queue entry of a kind
         for g in self.groups.values():
             for _ in range(g.setup.replicas):
                 self._new_replica(g, up=True)
@@ -301,21 +316,17 @@ class World:
             rep = next(r for r in self.groups[route[0]].replicas if r.index == route[1])
             s.replica = rep
         ctx = s.context + s.pending_new
-        prefill = s.pending_new if s.cached_on is rep else ctx
+        s.new_tokens = s.pending_new if s.cached_on is rep else ctx
+        s.reply_tokens, s.context_tokens, s.generated = s.remaining_reply, ctx, 0
         now = self.env._now
         rep.advance_to(now)
-        rep.submit(Request(session=s, new_tokens=prefill, reply_tokens=s.remaining_reply, context_tokens=ctx,
-                           on_done=self._turn_done), now)
+        rep.submit(s, now)  # the session is the request: the replica adds its tokens to s.tokens_by_version
         self.poke(rep)
 
-    def _turn_done(self, req: Request, ok: bool) -> None:
-        s: Session = req.session
-        generated = 0
-        for v, n in req.tokens_by_version.items():
-            if n:
-                s.tokens_by_version[v] = s.tokens_by_version.get(v, 0) + n
-                generated += n
+    def _turn_done(self, s: Session, ok: bool) -> None:
+        """The session's request left its replica: completed (ok) or cut by the replica's loss."""
         if not ok:  # the replica was lost mid-turn
+            generated = s.generated
             self.sessions_lost += 1
             if self.on_loss == "restart":
                 self.sessions_restarted += 1
@@ -339,11 +350,9 @@ class World:
         ep, turn = s.ep, s.turn
         s.pending_new, s.remaining_reply = ep.tool_tokens[turn - 1], ep.reply_tokens[turn]
         s.prompt_total += s.pending_new
-        env = self.env  # a SimPy timeout of the tool's latency, as a bare queue entry (see _Call)
-        heappush(env._queue, (env._now + ep.tool_s[turn - 1], NORMAL, next(env._eid), _Call(self._tool_cbs, s)))
-
-    def _tool_done(self, event: _Call) -> None:
-        self._turn(event.value)
+        env = self.env  # a SimPy timeout of the tool's latency: the session is the queue entry; SimPy calls _turn(s)
+        s.callbacks = self._tool_cbs
+        heappush(env._queue, (env._now + ep.tool_s[turn - 1], NORMAL, next(env._eid), s))
 
     def _finish(self, s: Session) -> None:
         s.end_s = self.env.now
