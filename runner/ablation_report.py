@@ -306,11 +306,13 @@ def _pct(x: float) -> str:
 
 
 def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | None = None,
-                 plots: bool = True) -> dict[str, Any]:
+                 plots: bool = True, include_unfinished: bool = False) -> dict[str, Any]:
     """Read the runs under `root`, write `out_dir/README.md`, the plots, `verdicts.json` and `series.csv` (every
     run's per-update series); returns the verdicts and the per-group tables."""
     root, out = Path(root), Path(out_dir)
-    runs = find_runs(root)
+    found = find_runs(root)
+    runs = [r for r in found if include_unfinished or r.status == "finished"]
+    left_out = [r for r in found if r not in runs]
     if not runs:
         raise ValueError(f"ablation report: no run log with updates under {root}; allowed: the --out folder of "
                          "`mixfleet experiment ablation`")
@@ -331,7 +333,9 @@ def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | N
               f"- Plans: {', '.join(f'{k}: `{v}`' for k, v in manifest.get('plans', {}).items()) or 'n/a'}; "
               f"learning rate {cfg.get('lr', 'n/a')}; top-p of the top-p variants {cfg.get('top_p', 'n/a')}.",
               f"- Base policy: `{Path(str(manifest.get('base_policy', ''))).name or 'n/a'}` (the cached "
-              "`mixfleet pretrain` checkpoint unless the study set another).", "",
+              "`mixfleet pretrain` checkpoint unless the study set another).",
+              "- Not finished, left out: " + (", ".join(f"{r.fleet}/{r.variant}/seed{r.seed} ({len(r.series)} updates)"
+                                                       for r in left_out) or "none") + ".", "",
               "## Verdict rule", "", VERDICT_RULE, ""]
     result: dict[str, Any] = {"verdicts": [], "groups": {}}
     for fleet in fleets:

@@ -143,6 +143,20 @@ def test_markdown_report(study: Path, tmp_path: Path) -> None:
     assert csv[csv["variant"] == "grpo"]["reward"].tolist() == [0.5, 0.5, 0.45, 0.4, 0.35, 0.3, 0.2, 0.2]
 
 
+def test_unfinished_runs_are_left_out_unless_asked(study: Path, tmp_path: Path) -> None:
+    import shutil
+
+    root = tmp_path / "s"
+    shutil.copytree(study, root)
+    header = json.loads((root / "mixed" / "sc" / "seed0" / "run.json").read_text())
+    (root / "mixed" / "sc" / "seed0" / "run.json").write_text(json.dumps({**header, "status": "running"}))
+    res = build_report(root, tmp_path / "a", plots=False)
+    assert [v["variant"] for v in res["verdicts"]] == ["grpo", "sc_mis"]
+    assert "Not finished, left out: mixed/sc/seed0 (8 updates)." in (tmp_path / "a" / "README.md").read_text()
+    res = build_report(root, tmp_path / "b", plots=False, include_unfinished=True)
+    assert [v["variant"] for v in res["verdicts"]] == ["grpo", "sc", "sc_mis"]
+
+
 def test_report_cli(study: Path, tmp_path: Path) -> None:
     app = typer.Typer()
     experiment.register(app)

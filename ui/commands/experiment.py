@@ -78,6 +78,8 @@ def report_ablation(
     out: Path = typer.Option(None, "--out", "-o", help="Where README.md and the plots go (default: FOLDER/report)."),
     notes: Path = typer.Option(None, "--notes", help="A Markdown file to put first (the study's findings)."),
     no_plots: bool = typer.Option(False, "--no-plots", help="Markdown only."),
+    include_unfinished: bool = typer.Option(False, "--include-unfinished", help="Also report runs still running or "
+                                                                                "killed (left out by default)."),
 ) -> None:
     """Report the study: per variant over updates (reward, KL, extreme ratios, grad norm, entropy, episodes without
     tool calls), a verdict per run by a stated rule, per group shares; Markdown + PNG (or HTML) plots."""
@@ -87,7 +89,7 @@ def report_ablation(
         _fail(f"report folder {str(folder)!r} does not exist; allowed: the --out folder of an ablation study")
     dest = out or folder / "report"
     try:
-        res = build_report(folder, dest, notes=notes, plots=not no_plots)
+        res = build_report(folder, dest, notes=notes, plots=not no_plots, include_unfinished=include_unfinished)
     except ValueError as e:
         _fail(str(e))
     counts: dict[str, int] = {}
