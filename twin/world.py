@@ -208,7 +208,9 @@ class World:
             rep.gen += 1
             rep.wake_at = math.inf
             return
-        t = rep.next_event_s()
+        ts, stall = rep.t_s, rep.stall_until_s  # rep.next_event_s(), inlined (the same arithmetic)
+        left = running[0][0] - rep.v_tokens
+        t = (stall if stall > ts else ts) + (left if left > 0.0 else 0.0) * rep._step_s
         if rep.wake_at <= t:
             return  # the pending wake-up comes first; it reschedules if nothing is due by then
         rep.gen += 1
