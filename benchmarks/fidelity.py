@@ -66,6 +66,17 @@ def real_run(plan: Path, out: Path, updates: int, timeout_s: float, retries: int
     raise SystemExit(f"[fidelity] the real run of {plan.name} failed {retries + 1} times")
 
 
+def _trainer_pace(runlog: Path) -> dict[str, float]:
+    """The trainer's measured pace in a run (same model, same step on both plans): how fast the shared machine
+    was during it, independent of the twin. A different pace between runs a and b is machine load."""
+    from mixfleet.costmodel.runlog import RunLog
+
+    up = RunLog.open(runlog).updates
+    tok, step = float(up["tokens"].sum()), float(up["train_step_s"].sum())
+    return {"train_step_mean_s": step / max(len(up), 1), "tokens_per_update": tok / max(len(up), 1),
+            "train_tokens_per_s": tok / step if step > 0 else math.nan}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--updates", type=int, default=6, help="Trainer updates per real run.")
@@ -117,6 +128,14 @@ def main() -> None:
         "cross_validation": out_sample.to_dict(),
         "cross_validation_with_priors": priors.to_dict(),
     }
+    pace = {k: _trainer_pace(p) for k, p in (("a", a), ("b", b))}
+    ratio = pace["b"]["train_tokens_per_s"] / pace["a"]["train_tokens_per_s"]
+    t = out_sample.row("time_per_update_mean_s")
+    result["machine_speed_check"] = {
+        **pace, "pace_ratio_b_over_a": ratio,
+        "note": "diagnostic only (uses run b's trainer pace, so it is not a prediction): the twin's time per "
+                "update divided by how much faster the shared machine ran during b than during a",
+        "time_per_update_rel_error_pace_adjusted": t.predicted / ratio / t.measured - 1.0}
     args.out.write_text(json.dumps(_clean(result), indent=2) + "\n")
     for label, rep in (("in-sample (tiny-cpu)", in_sample), ("cross-validation (tiny-cpu-xval)", out_sample),
                        ("xval with priors", priors)):
