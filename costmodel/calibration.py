@@ -689,18 +689,22 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
                                        overhead_s=0.0), dtype=np.float64)
     train_y = up["train_step_s"].to_numpy(dtype=np.float64)
     ok = np.isfinite(train_y) & (base_t > 0)
-    if ok.sum() >= 3 and _spread_ok(base_t[ok], np.ones(ok.sum())):
+    split = ok.sum() >= 3 and _spread_ok(base_t[ok], np.ones(ok.sum()))
+    why = "tokens per update hardly varied (or < 3 updates): prior kept"
+    if split:
         xt, et, train_rms, _ = _lsq(np.stack([base_t[ok], np.ones(ok.sum())], axis=1), train_y[ok],
                                     np.array([1e-6, 0.0]), np.array([np.inf, np.inf]),
                                     np.array([1.0, tacc.trainer_overhead_s]), np.ones(ok.sum()))
         t_scale = Fitted(value=float(xt[0]), stderr=float(et[0]), prior=1.0, unit="x")
         t_over = Fitted(value=float(xt[1]), stderr=float(et[1]), prior=tacc.trainer_overhead_s, unit="s")
-    else:
+        if not et[0] < xt[0]:   # the slope is not identified (stderr >= value): keep time proportional to tokens
+            split, why = False, "slope and overhead not separable here (scale stderr >= value): prior kept"
+    if not split:
         xt, et, train_rms, _ = _lsq(base_t[ok][:, None], train_y[ok] - tacc.trainer_overhead_s, np.array([1e-6]),
                                     np.array([np.inf]), np.array([1.0]), np.ones(ok.sum()))
         t_scale = Fitted(value=float(xt[0]), stderr=float(et[0]), prior=1.0, unit="x")
         t_over = Fitted(value=tacc.trainer_overhead_s, prior=tacc.trainer_overhead_s, unit="s", fitted=False,
-                        note="tokens per update hardly varied (or < 3 updates): prior kept")
+                        note=why)
     gaps = []
     for r in runs:
         u = r.log.updates.sort_values("version")
