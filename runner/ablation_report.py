@@ -360,15 +360,18 @@ def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | N
                 f"({_f(v['kl_growth'], '.1f')}x) | {_pct(v['extreme_start'])} -> {_pct(v['extreme_end'])} | "
                 f"{_f(v['grad_max_over_start'], '.1f')} | {_f(v['entropy_start'])} -> {_f(v['entropy_end'])} | "
                 f"{_pct(v['no_tool_start'])} -> {_pct(v['no_tool_end'])} | {v['signs']} | **{v['verdict']}** |")
-        lines += ["", "Per variant (over seeds):", "", "| variant | verdicts | mean reward start -> end | "
-                  "mean KL growth |", "|---|---|---|---|"]
+        lines += ["", "Per variant (over seeds):", "", "| variant | verdicts | runs with each sign (R, K, T) | "
+                  "mean reward start -> end | mean KL growth | mean share of episodes without tool calls, end |",
+                  "|---|---|---|---|---|---|"]
         for k, rs in by_variant.items():
             vs = [verdict(r.series) for r in rs]
             counts = {x: sum(1 for y in vs if y["verdict"] == x) for x in ("stable", "unstable", "collapsed")}
+            sign_counts = ", ".join(f"{c} {sum(1 for y in vs if c in y['signs'])}/{len(vs)}" for c in "RKT")
             lines.append(f"| {LABELS.get(k, k)} | " + ", ".join(f"{c} {x}" for x, c in counts.items() if c)
-                         + f" | {_f(sum(v['reward_start'] for v in vs) / len(vs))} -> "
+                         + f" | {sign_counts} | {_f(sum(v['reward_start'] for v in vs) / len(vs))} -> "
                          f"{_f(sum(v['reward_end'] for v in vs) / len(vs))} | "
-                         f"{_f(sum(v['kl_growth'] for v in vs) / len(vs), '.2f')}x |")
+                         f"{_f(sum(v['kl_growth'] for v in vs) / len(vs), '.2f')}x | "
+                         f"{_pct(sum(v['no_tool_end'] for v in vs) / len(vs))} |")
         lines.append("")
         table = group_table(fr)
         result["groups"][fleet] = table
