@@ -79,11 +79,17 @@ def _progress(total: int, label: str):
                     transient=True)
 
 
-def _simulate(plan: str, updates: int, seed: int | None, out: str | None, price_table: str | None, label: str):
+def _simulate(plan: str, updates: int, seed: int | None, out: str | None, price_table: str | None, label: str,
+              calibration: Path | None = None):
     from mixfleet.twin.sim import simulate
 
     with _progress(updates, label) as bar:
         task = bar.add_task(label, total=updates)
+        if calibration is not None:  # fitted values (mixfleet calibrate) in place of the cost model's priors
+            from mixfleet.twin.calibrated import simulate_calibrated
+
+            return simulate_calibrated(plan, calibration, updates=updates, seed=seed, out=out,
+                                       price_table=price_table, progress=lambda v: bar.update(task, completed=v))
         return simulate(plan, updates=updates, seed=seed, out=out, price_table=price_table,
                         progress=lambda v: bar.update(task, completed=v))
 
@@ -193,18 +199,22 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(None, "--seed", help="Override the plan's seed."),
         price_table: str = typer.Option(None, "--price-table", "-p", help="Override the plan's price table."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+        calibration: Path = typer.Option(None, "--calibration", "-c",
+                                         help="Calibration TOML (mixfleet calibrate): replaces the priors."),
     ) -> None:
         """Dry-run a plan in the twin: run log + summary."""
         from mixfleet.costmodel.errors import SpecError
 
         try:
-            r = _simulate(plan, updates, seed, str(out) if out else None, price_table, "simulating")
+            r = _simulate(plan, updates, seed, str(out) if out else None, price_table, "simulating", calibration)
         except (SpecError, FileNotFoundError) as e:
             _fail(e)
         if as_json:
             typer.echo(json.dumps(r.to_dict(), indent=2))
             return
         _print_summaries([(Path(plan).stem, r)])
+        if calibration is not None:
+            typer.echo(f"calibrated twin: fitted values from {calibration} in place of the cost model's priors")
         typer.echo(f"simulated {r.simulated_s:,.0f} s in {r.wall_s:,.1f} s wall ({r.events:,} events, "
                    f"{r.events_per_s:,.0f}/s); run log: {r.runlog_dir or '(not kept; pass --out)'}")
 
