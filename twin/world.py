@@ -1,9 +1,10 @@
 """The simulated world: sampler groups of processor-sharing replicas, sessions, the buffer, costs.
 
 `World` holds the state and the event handlers; `run_loop` (bottom) is the algorithm a run follows.
-Hot paths (turns, completions) are SimPy timeouts with plain callbacks, so a turn costs about three
-events; the trainer, autoscaler and fault injection are SimPy processes. Policies (router, autoscaler,
-batcher, weight sync) are the plan's objects from mixfleet.policies, fed read-only views.
+Hot paths (tool calls ending, replica wake-ups) are bare entries in SimPy's queue with plain callbacks
+(see `_Call`; a session is its own entry and its own replica request), so a turn costs about two events
+and allocates nothing; the trainer, autoscaler and fault injection are SimPy processes. Policies
+(router, autoscaler, batcher, weight sync) are the plan's objects from mixfleet.policies, fed read-only views.
 """
 
 from __future__ import annotations
