@@ -65,6 +65,8 @@ class PlannerConfig:
     prices: dict[str, float] = field(default_factory=dict)  # accelerator -> USD per GPU-hour, over the price table
     precisions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # accelerator -> allowed weight precisions
     emulated: bool = False                      # `precisions` may name formats an accelerator only emulates
+    calibration: Any = None                     # a costmodel.calibration.Calibration: its fitted values replace
+                                                # the priors for the groups and trainer it covers (None = priors)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -167,6 +169,15 @@ class PlanResult:
     note: str = ""
 
 
+def calibrated_group(cal: Any, accelerator: str, precision: str, kv_dtype: str) -> Any:
+    """The calibration's group for (accelerator, precision, KV dtype): the kernel-less one first, else any
+    kernel (the planner's candidates carry none); None without a calibration or a match."""
+    if cal is None:
+        return None
+    found = cal.group(key=(accelerator, precision, kv_dtype, ""))
+    return found or next((g for g in cal.groups if tuple(g.key[:3]) == (accelerator, precision, kv_dtype)), None)
+
+
 def group_types(cfg: PlannerConfig, only: list[tuple[str, str, str, bool, int]] | None = None) -> list[GroupType]:
     """Every (accelerator, native precision, KV dtype) of the pool that fits the model; or exactly the
     `only` list of (accelerator, precision, KV dtype, emulated, tp) (tp 0 = auto), e.g. a plan's groups.
@@ -195,6 +206,9 @@ def group_types(cfg: PlannerConfig, only: list[tuple[str, str, str, bool, int]] 
             if explicit and (emulated or tp):
                 raise
             continue
+        gc = calibrated_group(cfg.calibration, a, p, kv)
+        if gc is not None:
+            rm = gc.apply(rm)
         tps, _ = nominal_point(rm, ctx)
         b = max(1, int(rm.max_batch(ctx)))
         prefill_per_token_s = float(rm.prefill_s(new_per_turn)) / wl.reply_tokens.mean
@@ -203,8 +217,10 @@ def group_types(cfg: PlannerConfig, only: list[tuple[str, str, str, bool, int]] 
         suffix = p.upper() + ("" if kv == "fp8_e4m3" or p == "bf16" and kv == "bf16" else f"-KV{kv.upper()}")
         out.append(GroupType(name=f"{a}-{suffix}", accelerator=a, precision=p, kv_dtype=kv,
                              tp=rm.tp, tokens_per_s=eff_tps, per_seq_tokens_per_s=tps / b,
-                             usd_per_hour=rm.price_usd_per_hour, sync_s=weight_sync_s(rm, trainer_acc),
-                             masked_share=prior.extreme_share, kl_k3=prior.kl_k3, emulated=emulated))
+                             usd_per_hour=rm.price_usd_per_hour,
+                             sync_s=gc.weight_sync_s.value if gc else weight_sync_s(rm, trainer_acc),
+                             masked_share=gc.extreme_share.value if gc else prior.extreme_share,
+                             kl_k3=gc.kl_k3.value if gc else prior.kl_k3, emulated=emulated))
     return out
 
 
@@ -263,7 +279,11 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
     trainer_usd_h = cfg.trainer_gpus * trainer_acc.price_usd_per_gpu_hour
     ppu, spp = update_shape or (wl.prompts_per_update, wl.samples_per_prompt)
     gen_tokens = ppu * spp * wl.mean_generated_tokens_per_episode
-    train_s = float(trainer_step_s(model, trainer_acc, cfg.trainer_gpus, gen_tokens))
+    cal = cfg.calibration
+    if cal is not None and cal.trainer_accelerator == trainer_acc.name:
+        train_s = float(cal.trainer_step_s(model, cat, cfg.trainer_gpus, gen_tokens))
+    else:
+        train_s = float(trainer_step_s(model, trainer_acc, cfg.trainer_gpus, gen_tokens))
     n, k = np.atleast_2d(n), np.atleast_1d(k)
     tps = np.array([t.tokens_per_s for t in types])
     seq = np.array([t.per_seq_tokens_per_s for t in types])
@@ -387,7 +407,13 @@ def plan_mix(cfg: PlannerConfig, progress: Callable[[str], None] | None = None) 
         verified = []
         for j, c in enumerate(top[:cfg.verify]):
             say(f"verifying candidate {j + 1}/{min(cfg.verify, len(top))} in the DES")
-            r = simulate(candidate_plan(c, types, cfg), updates=cfg.verify_updates, seed=cfg.seed)
+            cand = candidate_plan(c, types, cfg)
+            setup = None
+            if cfg.calibration is not None:
+                from mixfleet.twin.calibrated import calibrated_setup
+
+                setup = calibrated_setup(cand, cfg.calibration)[0]
+            r = simulate(cand, updates=cfg.verify_updates, seed=cfg.seed, setup=setup)
             s = r.summary
             verified.append(Candidate(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, "verified": {
                 "time_per_update_s": s.time_per_update_mean_s, "cost_per_update_usd": s.cost_per_update_usd,

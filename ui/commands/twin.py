@@ -123,6 +123,9 @@ def register(app: typer.Typer) -> None:
         out: Path = typer.Option(None, "--out", "-o", help="Write the chosen plan here (TOML)."),
         pareto_n: int = typer.Option(12, "--pareto", help="Pareto rows to print."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
+        calibration: Path = typer.Option(None, "--calibration", "-c",
+                                         help="Calibration file (mixfleet calibrate): fitted values in place of "
+                                              "the cost model's priors for the groups and trainer it covers."),
     ) -> None:
         """Find the fleet mix with the lowest cost per (effective) update under the constraints."""
         from mixfleet.costmodel.errors import SpecError
@@ -133,7 +136,12 @@ def register(app: typer.Typer) -> None:
 
         console = Console(stderr=True)
         try:
-            cfg = PlannerConfig(model=model, workload=workload, price_table=price_table,
+            cal = None
+            if calibration is not None:
+                from mixfleet.costmodel.calibration import Calibration
+
+                cal = Calibration.load(calibration)
+            cfg = PlannerConfig(calibration=cal, model=model, workload=workload, price_table=price_table,
                                 accelerators=tuple(a.strip() for a in accelerators.split(",") if a.strip()),
                                 max_gpus=_caps(max_gpus), default_max_gpus=default_max_gpus,
                                 kv_dtypes=tuple(k.strip() for k in kv_dtypes.split(",") if k.strip()),
@@ -145,6 +153,14 @@ def register(app: typer.Typer) -> None:
                 result = plan_mix(cfg, progress=lambda m: status.update(f"planning: {m}"))
         except (SpecError, FileNotFoundError) as e:
             _fail(e)
+        if cal is not None:
+            from mixfleet.twin.planner import calibrated_group
+
+            covered = [t.name for t in result.types if calibrated_group(cal, t.accelerator, t.precision, t.kv_dtype)]
+            typer.echo(f"calibrated planner: fitted values from {calibration} in place of the priors for "
+                       f"{', '.join(covered) or 'no group of this pool'}"
+                       + (f" and the {cfg.trainer_accelerator} trainer" if cal.trainer_accelerator ==
+                          cfg.trainer_accelerator else "") + "; the rest use the priors", err=True)
         if result.best is None:
             typer.echo(f"no plan: {result.note}", err=True)
             raise typer.Exit(code=1)
