@@ -20,6 +20,7 @@ import tomli_w
 from mixfleet.ui import app_charts as charts
 from mixfleet.ui import app_planner as planner
 from mixfleet.ui.app_common import (
+    calibration_files,
     default_workload_override,
     fmt_s,
     fmt_usd,
@@ -241,6 +242,13 @@ def render() -> None:
         cons = _constraints()
         st.markdown("**Trainer and twin check**")
         trainer = _trainer()
+        cals = calibration_files()
+        calibration = st.selectbox(
+            "calibration", ["none (cost-model priors)", *cals], index=0, key="pl_cal",
+            help="A calibration file (mixfleet calibrate): its fitted values replace the priors for the "
+                 "groups and trainer it covers.") if cals else None
+        if calibration and calibration.startswith("none"):
+            calibration = None
     if mw is None or pool is None:
         return
     go = st.button("Run planner", type="primary", key="pl_go", disabled=not planner.available())
@@ -252,7 +260,7 @@ def render() -> None:
 
         try:
             inputs = {"model": mw[0], "workload": mw[1], "price_table": price_table, "kv_dtypes": kv, **cons,
-                      **trainer, "emulated": emulated}
+                      **trainer, "emulated": emulated, "calibration": calibration}
             cols = pool[["use", "accelerator", "max_gpus", "usd_per_gpu_hour", "precisions"]]
             cols = cols.assign(precisions=[",".join(planner.precision_list(v)) for v in cols["precisions"]])
             view = _plan_cached(inputs, cols, progress)

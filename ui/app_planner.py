@@ -127,11 +127,17 @@ def _twin_point(name: str, pt: PlanText, updates: int, seed: int,
              "run_log": run.path}, s)
 
 
+def _load_calibration(path: str) -> Any:
+    from mixfleet.costmodel.calibration import Calibration
+
+    return Calibration.load(path)
+
+
 def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_dtypes: tuple[str, ...],
         trainer_accelerator: str, trainer_gpus: int, max_staleness: float | None,
         max_time_per_update_s: float | None, budget_usd_per_hour: float | None, objective: str,
         twin_updates: int = DEFAULT_TWIN_UPDATES, references: bool = True, seed: int = 0, emulated: bool = False,
-        progress: Callable[[float, str], None] | None = None) -> PlannerView:
+        calibration: str | None = None, progress: Callable[[float, str], None] | None = None) -> PlannerView:
     """Plan a mix; raises the planner's SpecError on bad inputs and ValueError when nothing is feasible.
     `pool`: columns use, accelerator, max_gpus and optionally usd_per_gpu_hour and precisions (edited prices
     and precision lists become the planner's per-accelerator overrides; `emulated` allows emulated ones)."""
@@ -147,7 +153,8 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
         kv_dtypes=tuple(kv_dtypes), trainer_accelerator=trainer_accelerator, trainer_gpus=int(trainer_gpus),
         max_staleness=max_staleness, max_time_per_update_s=max_time_per_update_s,
         max_usd_per_hour=budget_usd_per_hour, objective=OBJECTIVES.get(objective, objective), verify=0, seed=seed,
-        prices=prices, precisions=precisions, emulated=emulated)
+        prices=prices, precisions=precisions, emulated=emulated,
+        calibration=_load_calibration(calibration) if calibration else None)
     if not cfg.accelerators:
         from mixfleet.costmodel.errors import SpecError
 
