@@ -306,11 +306,12 @@ def _pct(x: float) -> str:
 
 
 def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | None = None,
-                 plots: bool = True, include_unfinished: bool = False) -> dict[str, Any]:
+                 plots: bool = True, include_unfinished: bool = False,
+                 seeds: tuple[int, ...] | None = None) -> dict[str, Any]:
     """Read the runs under `root`, write `out_dir/README.md`, the plots, `verdicts.json` and `series.csv` (every
     run's per-update series); returns the verdicts and the per-group tables."""
     root, out = Path(root), Path(out_dir)
-    found = find_runs(root)
+    found = [r for r in find_runs(root) if seeds is None or r.seed in seeds]
     runs = [r for r in found if include_unfinished or r.status == "finished"]
     left_out = [r for r in found if r not in runs]
     if not runs:

@@ -155,6 +155,9 @@ def test_unfinished_runs_are_left_out_unless_asked(study: Path, tmp_path: Path) 
     assert "Not finished, left out: mixed/sc/seed0 (8 updates)." in (tmp_path / "a" / "README.md").read_text()
     res = build_report(root, tmp_path / "b", plots=False, include_unfinished=True)
     assert [v["variant"] for v in res["verdicts"]] == ["grpo", "sc", "sc_mis"]
+    assert build_report(root, tmp_path / "c", plots=False, seeds=(0,))["verdicts"]
+    with pytest.raises(ValueError, match="no run log"):
+        build_report(root, tmp_path / "d", plots=False, seeds=(5,))
 
 
 def test_report_cli(study: Path, tmp_path: Path) -> None:

@@ -80,6 +80,7 @@ def report_ablation(
     no_plots: bool = typer.Option(False, "--no-plots", help="Markdown only."),
     include_unfinished: bool = typer.Option(False, "--include-unfinished", help="Also report runs still running or "
                                                                                 "killed (left out by default)."),
+    seeds: str = typer.Option("", "--seeds", help="Only these seeds (comma list; default: all found)."),
 ) -> None:
     """Report the study: per variant over updates (reward, KL, extreme ratios, grad norm, entropy, episodes without
     tool calls), a verdict per run by a stated rule, per group shares; Markdown + PNG (or HTML) plots."""
@@ -89,7 +90,12 @@ def report_ablation(
         _fail(f"report folder {str(folder)!r} does not exist; allowed: the --out folder of an ablation study")
     dest = out or folder / "report"
     try:
-        res = build_report(folder, dest, notes=notes, plots=not no_plots, include_unfinished=include_unfinished)
+        only = tuple(int(x) for x in seeds.split(",") if x.strip()) if seeds else None
+    except ValueError:
+        _fail(f"--seeds = {seeds!r}; allowed: a comma list of integers such as 0,1")
+    try:
+        res = build_report(folder, dest, notes=notes, plots=not no_plots, include_unfinished=include_unfinished,
+                           seeds=only)
     except ValueError as e:
         _fail(str(e))
     counts: dict[str, int] = {}
