@@ -463,10 +463,11 @@ class RunLogWriter:
     def truncate_after_version(self, version: int, tables: Iterable[str] = ("updates", "groups")) -> int:
         """Drop already-written rows of `tables` whose weight version is > `version` (for a resume from the
         checkpoint of `version`, so the replayed updates are not duplicated). Trajectories are filtered by
-        `version_end`, events by `version`. Each affected part is rewritten atomically (deleted if emptied).
+        `trained_version` (the update that trained them; never-trained rows, -1, stay), events by `version`.
+        Each affected part is rewritten atomically (deleted if emptied).
         Buffered rows are flushed first. Returns the number of rows dropped."""
         self.flush()
-        key = {"trajectories": "version_end", "updates": "version", "groups": "version", "events": "version"}
+        key = {"trajectories": "trained_version", "updates": "version", "groups": "version", "events": "version"}
         dropped = 0
         for t in tables:
             if t not in TABLES:

@@ -115,6 +115,18 @@ def expected_shapes(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def replace_dir_atomically(tmp: Path, directory: Path) -> None:
+    """Put the finished folder `tmp` at `directory`, replacing any old one by renames (a reader sees the old
+    folder or the new one, never a mix); `tmp` must be beside `directory` (same filesystem)."""
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old.{os.getpid()}")
+        os.replace(directory, old)
+        os.replace(tmp, directory)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, directory)
+
+
 def save_checkpoint(directory: str | Path, cfg: HFConfig, tensors: Mapping[str, torch.Tensor],
                     *, tokenizer: Any | None = None) -> Path:
     """Write config.json + model.safetensors (+ tokenizer) atomically: a reader never sees half a checkpoint.
@@ -138,13 +150,7 @@ def save_checkpoint(directory: str | Path, cfg: HFConfig, tensors: Mapping[str, 
         (tmp / CONFIG_FILE).write_text(json.dumps(cfg.to_json(), indent=2) + "\n")
         if tokenizer is not None:
             tokenizer.save(tmp)
-        if directory.exists():
-            old = directory.with_name(f".{directory.name}.old.{os.getpid()}")
-            os.replace(directory, old)
-            os.replace(tmp, directory)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, directory)
+        replace_dir_atomically(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -356,8 +356,7 @@ class Orchestrator:
             self.version, *_ = await asyncio.gather(self.trainer.version.remote(), *starts())
         else:
             self.version = await self.trainer.version.remote()
-            dropped = self.writer.truncate_after_version(self.version, tables=("updates", "groups"))
-            dropped += _drop_trained_after(self.out / "trajectories", self.version)
+            dropped = self.writer.truncate_after_version(self.version, tables=("updates", "groups", "trajectories"))
             st = json.loads((state_dir / ORCH_STATE_FILE).read_text()) if (state_dir / ORCH_STATE_FILE).exists() else {}
             self.started_prompts = int(st.get("started_prompts", 0))
             self.restarts = int(st.get("restarts", 0))
@@ -909,32 +908,6 @@ class _Served:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._r, name)
-
-
-def _drop_trained_after(folder: Path, version: int) -> int:
-    """Remove trajectory rows whose `trained_version` > `version` (the updates a resume replays), part by part,
-    atomically; returns the rows dropped. (`RunLogWriter.truncate_after_version` keys trajectories by the
-    sampling version; the runner also needs the training version cut.)"""
-    import pyarrow.parquet as pq
-
-    dropped = 0
-    for path in sorted(folder.glob("part-*.parquet")):
-        data = pq.read_table(path)
-        col = data.column("trained_version").to_pylist()
-        keep = [i for i, v in enumerate(col) if v <= version]
-        if len(keep) == len(col):
-            continue
-        dropped += len(col) - len(keep)
-        if not keep:
-            path.unlink()
-            continue
-        tmp = folder / f".{path.name}.{uuid.uuid4().hex[:8]}.tmp"
-        with open(tmp, "wb") as fh:
-            pq.write_table(data.take(keep), fh)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    return dropped
 
 
 def _tokens_by_group(ep: Episode) -> dict[str, int]:

@@ -250,6 +250,16 @@ def test_truncate_after_version_for_a_checkpoint_resume(tmp_path: Path) -> None:
     assert list(log.groups["version"]) == [1, 2]
 
 
+def test_truncate_cuts_trajectories_by_the_update_that_trained_them(tmp_path: Path) -> None:
+    """A resume replays the updates after the checkpoint: their trajectories go, untrained ones (-1) stay."""
+    w = RunLogWriter(tmp_path / "run", {"source": "runner"}, flush_every_rows=3, flush_every_s=None)
+    trained = [1, 2, 3, -1, 4, 2, -1, 3]
+    w.extend(traj(i, trained_version=v, version_start=0, version_end=0) for i, v in enumerate(trained))
+    assert w.truncate_after_version(2, tables=("trajectories",)) == 3
+    w.close()
+    assert sorted(RunLog.open(tmp_path / "run").trajectories["trained_version"]) == [-1, -1, 1, 2, 2]
+
+
 def test_auto_flush_by_rows_and_refresh_follows_a_live_log(tmp_path: Path) -> None:
     d = tmp_path / "live"
     w = RunLogWriter(d, {"source": "twin"}, flush_every_rows=2, flush_every_s=None)

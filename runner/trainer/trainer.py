@@ -39,7 +39,13 @@ from typing import Any
 import numpy as np
 import torch
 from mixfleet.costmodel.model import ModelSpec, model_spec_from_dict
-from mixfleet.runner.hf_checkpoint import HFConfig, load_checkpoint, load_config, save_checkpoint
+from mixfleet.runner.hf_checkpoint import (
+    HFConfig,
+    load_checkpoint,
+    load_config,
+    replace_dir_atomically,
+    save_checkpoint,
+)
 from mixfleet.runner.tokenizer import TOKENIZER_FILE, ByteTokenizer
 from mixfleet.runner.trainer.hf_export import hf_to_megatron, load_into_model, megatron_to_hf, uses_fused_norms
 from mixfleet.runner.trainer.megatron_model import BuildOptions, BuiltModel, build_gpt_model
@@ -166,16 +172,6 @@ def _fsync_dir_files(path: Path) -> None:
     for f in path.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
-
-
-def _replace_dir_atomically(tmp: Path, directory: Path) -> None:
-    if directory.exists():
-        old = directory.with_name(f".{directory.name}.old.{os.getpid()}")
-        os.replace(directory, old)
-        os.replace(tmp, directory)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.replace(tmp, directory)
 
 
 class Trainer:
@@ -354,7 +350,7 @@ class Trainer:
                     "config": self.config.to_dict()}
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
             _fsync_dir_files(tmp)
-            _replace_dir_atomically(tmp, directory)
+            replace_dir_atomically(tmp, directory)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
