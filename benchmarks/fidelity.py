@@ -30,20 +30,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from mixfleet.costmodel.runsummary import json_safe
+
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_A = ROOT / "data" / "plans" / "tiny-cpu.toml"
 PLAN_B = ROOT / "data" / "plans" / "tiny-cpu-xval.toml"
 RESULTS = ROOT / "benchmarks" / "results"
-
-
-def _clean(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 def real_run(plan: Path, out: Path, updates: int, timeout_s: float, retries: int = 2) -> dict[str, Any]:
@@ -136,7 +128,7 @@ def main() -> None:
         "note": "diagnostic only (uses run b's trainer pace, so it is not a prediction): the twin's time per "
                 "update divided by how much faster the shared machine ran during b than during a",
         "time_per_update_rel_error_pace_adjusted": t.predicted / ratio / t.measured - 1.0}
-    args.out.write_text(json.dumps(_clean(result), indent=2) + "\n")
+    args.out.write_text(json.dumps(json_safe(result), indent=2) + "\n")
     for label, rep in (("in-sample (tiny-cpu)", in_sample), ("cross-validation (tiny-cpu-xval)", out_sample),
                        ("xval with priors", priors)):
         print(f"\n== {label}")
@@ -145,7 +137,7 @@ def main() -> None:
             e = "—" if not math.isfinite(err) else (f"{err:+.1%}" if r.kind == "rel" else
                                                      f"{err:+.2f} pp" if r.kind == "pp" else f"{err:+.3g}")
             print(f"  {r.metric:40s} measured {r.measured:12.5g}  predicted {r.predicted:12.5g}  error {e}")
-        print("  goals:", json.dumps(_clean(rep.goals())))
+        print("  goals:", json.dumps(json_safe(rep.goals())))
     print(f"\n[fidelity] wrote {args.out}")
 
 

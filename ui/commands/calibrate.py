@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import Any
 
 import typer
+from mixfleet.costmodel.runsummary import json_safe
 
 
 def _fail(e: Exception) -> None:
@@ -21,16 +21,6 @@ def _fail(e: Exception) -> None:
 
 def _fmt(x: float, spec: str = ".4g") -> str:
     return "—" if x is None or not math.isfinite(x) else format(x, spec)
-
-
-def _clean(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_clean(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
 
 
 def register(app: typer.Typer) -> None:
@@ -53,7 +43,8 @@ def register(app: typer.Typer) -> None:
         if out is not None:
             cal.save(out)
         if as_json:
-            typer.echo(json.dumps(_clean({**calibration_dict(cal), "written_to": str(out) if out else None}), indent=2))
+            body = {**calibration_dict(cal), "written_to": str(out) if out else None}
+            typer.echo(json.dumps(json_safe(body), indent=2))
             return
         from rich.console import Console
         from rich.table import Table
@@ -93,7 +84,7 @@ def register(app: typer.Typer) -> None:
         except (SpecError, FileNotFoundError, OSError) as e:
             _fail(e)
         if as_json:
-            typer.echo(json.dumps(_clean(rep.to_dict()), indent=2))
+            typer.echo(json.dumps(json_safe(rep.to_dict()), indent=2))
             return
         from rich.console import Console
         from rich.table import Table
