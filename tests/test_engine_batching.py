@@ -280,18 +280,26 @@ def test_engine_thread_with_updates_from_other_threads(ckpts) -> None:
         if len(done) == 3:
             finished.set()
 
+    after_done = threading.Event()
     try:
         for i in range(3):
             eng.add_request(req(f"t{i}", prompt(i), 30), on_finish=on_finish)
-        ok, _ = eng.update_weights_from_disk(v7)
+        ok, _ = eng.update_weights_from_disk(v7)   # loads on this thread while the engine thread decodes
         assert ok
         assert finished.wait(120)
+        # a request sent after the update returned is served by the new weights, whatever the race above did
+        eng.add_request(req("after", prompt(0), 5), on_finish=lambda r: (done.__setitem__(r.rid, r), after_done.set()))
+        assert after_done.wait(120)
     finally:
         stop.set()
         thread.join(10)
     assert not thread.is_alive()
-    assert all(len(r.output_ids) == 30 for r in done.values())
-    assert all(r.weight_version == "7" for r in done.values())
+    assert all(len(done[f"t{i}"].output_ids) == 30 for i in range(3))
+    for i in range(3):   # each token carries the version that produced it: 0s, then 7s once the swap landed
+        versions = [t.weight_version for t in done[f"t{i}"].tokens]
+        assert set(versions) <= {"0", "7"} and versions == sorted(versions, key=int)
+    assert eng.weight_version == "7"
+    assert done["after"].weight_version == "7" and {t.weight_version for t in done["after"].tokens} == {"7"}
 
 
 def test_session_cache_is_lru_bounded(ckpts) -> None:
