@@ -1,7 +1,8 @@
 """Child process of tests/test_run_faults.py: a small real run with fault drills, killed by the test.
 
-Usage: python tests/run_child.py PLAN.toml OUT INIT UPDATES. Prints "UPDATE <v> <n>" after each update's
-checkpoint, n = trained trajectories so far that were re-routed after the replica loss. Drills: the plan's
+Usage: python tests/run_child.py PLAN.toml OUT INIT UPDATES. Prints "UPDATE <v> <n> <up>" after each update's
+checkpoint (the run log is flushed by then), n = trained trajectories so far that were re-routed after the
+replica loss, up = replicas of the first group that are up. Drills: the plan's
 second group fails its weight load of version 1 (a truncated checkpoint); after update 1 a replica of the
 first group is killed while it serves requests.
 """
@@ -32,7 +33,8 @@ def main() -> None:
                     break
                 await asyncio.sleep(0.05)
             orch.kill_replica(first, reps[0].index if reps else None)
-        print(f"UPDATE {view.version} {orch.trained_restarted}", flush=True)
+        up = sum(1 for r in orch.replicas[first] if r.up)   # after the kill: has the replacement come up?
+        print(f"UPDATE {view.version} {orch.trained_restarted} {up}", flush=True)
 
     run_plan(plan, cfg, on_update=on_update)
 

@@ -77,16 +77,21 @@ def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     seen: list[str] = []
     last = 0
+    replaced_at: int | None = None
     deadline = time.monotonic() + CHILD_TIMEOUT_S
     try:
         assert child.stdout is not None
         for line in child.stdout:
             seen.append(line.strip())
             parts = line.split()
-            if len(parts) == 3 and parts[0] == "UPDATE":
+            if len(parts) == 4 and parts[0] == "UPDATE":
                 last = int(parts[1])
-                # kill once a re-routed session has been trained (and logged), at update 3 or later
-                if (last >= 3 and int(parts[2]) > 0) or last >= MAX_CHILD_UPDATES - 1:
+                if last >= 2 and int(parts[3]) > 0 and replaced_at is None:
+                    replaced_at = last                # the replacement is up; its events go out with the next flush
+                # kill once a re-routed session has been trained (and logged) and the replacement's "restart" and
+                # "ready" events are flushed (one update after it came up), at update 3 or later
+                if (last >= 3 and int(parts[2]) > 0 and replaced_at is not None and last > replaced_at) \
+                        or last >= MAX_CHILD_UPDATES - 1:
                     break
             if time.monotonic() > deadline:
                 break
