@@ -51,6 +51,9 @@ name = "cpu-fp8"
 accelerator = "CPU-2core"
 precision = "fp8"
 kv_dtype = "fp8_e4m3"
+[policies.autoscaler]
+name = "fixed"
+interval_s = 1.0
 [policies.batcher]
 prompts_per_update = 2
 samples_per_prompt = 3
@@ -61,7 +64,19 @@ max_new_tokens = 12
 """
 
 CHILD_TIMEOUT_S = 480
-MAX_CHILD_UPDATES = 9
+MAX_CHILD_UPDATES = 40                 # an upper bound: the child is killed as soon as the log shows the replacement
+
+
+def _replaced_in_log(out: Path) -> bool:
+    """The first group's crash, then its replacement's restart and ready events, are in the log on disk."""
+    ev = RunLog.open(out).events
+    ev = ev[ev["group"] == "cpu-bf16"]
+    crash = ev[ev["kind"] == "crash"]
+    if crash.empty:
+        return False
+    t = float(crash["time_s"].min())
+    after = ev[ev["time_s"] >= t]
+    return bool((after["kind"] == "restart").any() and (after["kind"] == "ready").any())
 
 
 @pytest.fixture(scope="module")
@@ -77,7 +92,6 @@ def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     child = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True)
     seen: list[str] = []
     last = 0
-    replaced_at: int | None = None
     deadline = time.monotonic() + CHILD_TIMEOUT_S
     try:
         assert child.stdout is not None
@@ -86,12 +100,9 @@ def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
             parts = line.split()
             if len(parts) == 4 and parts[0] == "UPDATE":
                 last = int(parts[1])
-                if last >= 2 and int(parts[3]) > 0 and replaced_at is None:
-                    replaced_at = last                # the replacement is up; its events go out with the next flush
-                # kill once a re-routed session has been trained (and logged) and the replacement's "restart" and
-                # "ready" events are flushed (one update after it came up), at update 3 or later
-                if (last >= 3 and int(parts[2]) > 0 and replaced_at is not None and last > replaced_at) \
-                        or last >= MAX_CHILD_UPDATES - 1:
+                # kill once a re-routed session has been trained and the replacement replica is up, both in
+                # the run log on disk (it is flushed before each UPDATE line), at update 3 or later
+                if (last >= 3 and int(parts[2]) > 0 and _replaced_in_log(out)) or last >= MAX_CHILD_UPDATES - 1:
                     break
             if time.monotonic() > deadline:
                 break
