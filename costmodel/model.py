@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.paths import data_path
+from mixfleet.costmodel.paths import resolve_shipped, shipped_names
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 KINDS = ("dense", "moe")
@@ -153,16 +153,12 @@ def model_spec_from_dict(raw: dict[str, Any], where: str = "model spec") -> Mode
 
 def known_models() -> list[str]:
     """Names of the model specs shipped in data/models."""
-    return sorted(p.stem for p in data_path("models").glob("*.toml"))
+    return shipped_names("models")
 
 
 def load_model_spec(name_or_path: str | Path) -> ModelSpec:
     """Load a model spec by shipped name (e.g. 'tiny') or by TOML path."""
-    path = Path(name_or_path)
-    if path.suffix != ".toml" and len(path.parts) == 1:
-        path = data_path("models", f"{name_or_path}.toml")
-        if not path.exists():
-            raise SpecError("model", "name", str(name_or_path), known_models())
+    path = resolve_shipped("models", name_or_path, "model")
     if not path.exists():
         raise FileNotFoundError(f"model spec file not found: {path}")
     try:

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from mixfleet.costmodel.dist import Dist, dist_from_dict
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.paths import data_path
+from mixfleet.costmodel.paths import resolve_shipped, shipped_names
 from mixfleet.costmodel.tomlread import check_keys, get_float, get_int, get_str, read_toml
 
 DIST_FIELDS = ("turns", "prompt_tokens", "reply_tokens", "tool_output_tokens", "tool_latency_s")
@@ -123,14 +123,10 @@ def workload_from_dict(raw: dict[str, Any], where: str = "workload") -> Workload
 
 def known_workloads() -> list[str]:
     """Names of the workloads shipped in data/workloads."""
-    return sorted(p.stem for p in data_path("workloads").glob("*.toml"))
+    return shipped_names("workloads")
 
 
 def load_workload(name_or_path: str | Path) -> WorkloadSpec:
     """Load a workload by shipped name (e.g. 'seed-agentic-coding') or by TOML path."""
-    path = Path(name_or_path)
-    if path.suffix != ".toml" and len(path.parts) == 1:
-        path = data_path("workloads", f"{name_or_path}.toml")
-        if not path.exists():
-            raise SpecError("workload", "name", str(name_or_path), known_workloads())
+    path = resolve_shipped("workloads", name_or_path, "workload")
     return workload_from_dict(read_toml(path), where=str(path))
