@@ -115,6 +115,21 @@ def expected_shapes(cfg: HFConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+def check_layout(cfg: HFConfig, tensors: Mapping[str, torch.Tensor], where: str, *, allow_extra: bool = True) -> None:
+    """ValueError naming `where` and the tensor when `tensors` lack a name of the layout, carry one of the wrong
+    shape, or (allow_extra=False) carry a name the layout does not have."""
+    shapes = expected_shapes(cfg)
+    missing = sorted(set(shapes) - set(tensors))
+    extra = [] if allow_extra else sorted(set(tensors) - set(shapes))
+    if missing or extra:
+        more = " ..." if len(missing) > 5 else ""
+        unexpected = f", unexpected {extra[:5]}" if extra else ""
+        raise ValueError(f"{where}: missing tensors {missing[:5]}{more}{unexpected}")
+    for name, shape in shapes.items():
+        if tuple(tensors[name].shape) != shape:
+            raise ValueError(f"{where}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+
+
 def replace_dir_atomically(tmp: Path, directory: Path) -> None:
     """Put the finished folder `tmp` at `directory`, replacing any old one by renames (a reader sees the old
     folder or the new one, never a mix); `tmp` must be beside `directory` (same filesystem)."""
@@ -134,14 +149,7 @@ def save_checkpoint(directory: str | Path, cfg: HFConfig, tensors: Mapping[str, 
     The folder is written under a temporary name beside `directory` and renamed into place.
     """
     directory = Path(directory)
-    shapes = expected_shapes(cfg)
-    missing = sorted(set(shapes) - set(tensors))
-    extra = sorted(set(tensors) - set(shapes))
-    if missing or extra:
-        raise ValueError(f"checkpoint tensors do not match the layout: missing {missing[:5]}, unexpected {extra[:5]}")
-    for name, shape in shapes.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"tensor {name}: shape {tuple(tensors[name].shape)}, expected {shape}")
+    check_layout(cfg, tensors, "checkpoint tensors", allow_extra=False)
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
@@ -171,11 +179,5 @@ def load_checkpoint(directory: str | Path) -> tuple[HFConfig, dict[str, torch.Te
     if not path.exists():
         raise FileNotFoundError(f"{directory}: no {WEIGHTS_FILE}")
     tensors = load_file(str(path))
-    shapes = expected_shapes(cfg)
-    missing = sorted(set(shapes) - set(tensors))
-    if missing:
-        raise ValueError(f"{directory}: missing tensors {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    for name, shape in shapes.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"{directory}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    check_layout(cfg, tensors, str(directory))
     return cfg, tensors

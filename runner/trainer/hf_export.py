@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
-from mixfleet.runner.hf_checkpoint import HFConfig, expected_shapes
+from mixfleet.runner.hf_checkpoint import HFConfig, check_layout, expected_shapes
 
 _EXTRA = "._extra_state"
 
@@ -122,13 +122,7 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
 def hf_to_megatron(tensors: Mapping[str, torch.Tensor], cfg: HFConfig, *, padded_vocab_size: int,
                    fused_norms: bool = False) -> dict[str, torch.Tensor]:
     """HF layout tensors -> a dense GPTModel state dict (vocabulary zero-padded to padded_vocab_size)."""
-    shapes = expected_shapes(cfg)
-    missing = sorted(set(shapes) - set(tensors))
-    if missing:
-        raise ValueError(f"HF tensors missing {missing[:5]}")
-    for name, shape in shapes.items():
-        if tuple(tensors[name].shape) != shape:
-            raise ValueError(f"HF tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
+    check_layout(cfg, tensors, "HF tensors")
     out: dict[str, torch.Tensor] = {"embedding.word_embeddings.weight":
                                     _pad_rows(tensors["model.embed_tokens.weight"], padded_vocab_size)}
     if cfg.position_embedding_type == "learned_absolute":
