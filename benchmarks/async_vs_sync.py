@@ -39,11 +39,11 @@ def main() -> None:
 
     import torch
     from mixfleet.policies.plan import load_plan
-    from mixfleet.runner.orchestrator import RunConfig, run_plan
+    from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
 
     torch.set_num_threads(1)
     if args.init is None:
-        from mixfleet.runner.pretrain import pretrain
+        from mixfleet.runner.orchestration.pretrain import pretrain
 
         args.init = str(pretrain().path)
     plan = load_plan(args.plan)

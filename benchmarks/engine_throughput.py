@@ -43,7 +43,7 @@ def _device_name(device: str) -> str:
 
 
 def _one_run(engine, batch: int, new_tokens: int, tag: str) -> dict:
-    from mixfleet.runner.engine_api import EngineRequest, SamplingParams
+    from mixfleet.runner.sampler.engine_api import EngineRequest, SamplingParams
 
     done: dict[str, int] = {}
     for i in range(batch):
@@ -87,8 +87,8 @@ def main() -> None:
 
     import torch
     from mixfleet.costmodel.model import load_model_spec
-    from mixfleet.runner.engine import Engine
-    from mixfleet.runner.init_model import init_model
+    from mixfleet.runner.checkpoint.init_model import init_model
+    from mixfleet.runner.sampler.engine import Engine
 
     torch.set_num_threads(args.threads)
     load_before = os.getloadavg()[0] if hasattr(os, "getloadavg") else None

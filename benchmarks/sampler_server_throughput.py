@@ -1,6 +1,6 @@
 """Benchmark: what the HTTP layer costs. Generated tokens/s through the embedded server vs the engine direct.
 
-Why: every sampler call of the runner goes through runner/server.py (parse, engine thread hand-off,
+Why: every sampler call of the runner goes through runner/sampler/server.py (parse, engine thread hand-off,
 JSON response); this shows how much of the engine's throughput survives the protocol layer at
 1, 8 and 32 concurrent requests on the tiny model. For each concurrency level the same requests
 (T = 1, log-probs and top-5 recorded, EOS ignored, `--new-tokens` each) run (a) straight on the
@@ -39,11 +39,11 @@ def main() -> None:
 
     import torch
     from mixfleet.costmodel.model import load_model_spec
-    from mixfleet.runner.client import SamplerClient
-    from mixfleet.runner.engine import Engine
-    from mixfleet.runner.engine_api import EngineRequest, SamplingParams
-    from mixfleet.runner.init_model import init_model
-    from mixfleet.runner.server import ServerArgs, start_in_thread
+    from mixfleet.runner.checkpoint.init_model import init_model
+    from mixfleet.runner.sampler.client import SamplerClient
+    from mixfleet.runner.sampler.engine import Engine
+    from mixfleet.runner.sampler.engine_api import EngineRequest, SamplingParams
+    from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
 
     model = a.model or str(init_model(load_model_spec("tiny"), Path(tempfile.mkdtemp()) / "tiny", seed=0))
     engine = Engine(model, precision=a.precision, kv_cache_dtype="bf16")

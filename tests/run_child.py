@@ -14,7 +14,7 @@ import sys
 
 import torch
 from mixfleet.policies.plan import load_plan
-from mixfleet.runner.orchestrator import RunConfig, run_plan
+from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
 
 
 def main() -> None:

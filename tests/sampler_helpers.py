@@ -18,7 +18,7 @@ from mixfleet.costmodel.model import load_model_spec
 
 def make_checkpoint(directory: Path, *, seed: int, weight_version: str) -> Path:
     """A seeded random checkpoint of the tiny model spec (with its tokenizer)."""
-    from mixfleet.runner.init_model import init_model
+    from mixfleet.runner.checkpoint.init_model import init_model
 
     return Path(init_model(load_model_spec("tiny"), directory, seed=seed, weight_version=weight_version))
 
@@ -26,8 +26,8 @@ def make_checkpoint(directory: Path, *, seed: int, weight_version: str) -> Path:
 @contextmanager
 def served_engine(checkpoint: Path, **server_kw):
     """(engine, base_url) of a real Engine served over HTTP on loopback for the duration of the block."""
-    from mixfleet.runner.engine import Engine
-    from mixfleet.runner.server import ServerArgs, start_in_thread
+    from mixfleet.runner.sampler.engine import Engine
+    from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
 
     engine = Engine(checkpoint, precision="bf16", kv_cache_dtype="bf16", kernel="fp32", max_running_requests=64)
     handle = start_in_thread(engine, server_args=ServerArgs(port=0, **server_kw))

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.runlog import RunLog
-from mixfleet.runner.ablation_report import build_report
-from mixfleet.runner.experiments import ABLATION_FILE, RUN_FILE, AblationConfig, run_ablation
-from mixfleet.runner.init_model import init_model
+from mixfleet.runner.checkpoint.init_model import init_model
+from mixfleet.studies.ablation import ABLATION_FILE, RUN_FILE, AblationConfig, run_ablation
+from mixfleet.studies.ablation_report import build_report
 
 PLAN = """
 base = "ablation-homogeneous"

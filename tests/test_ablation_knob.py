@@ -10,9 +10,11 @@ import torch
 import typer
 from mixfleet.costmodel.model import load_model_spec
 from mixfleet.policies.plan import load_plan
-from mixfleet.runner.engine.engine import Engine, EngineConfig
-from mixfleet.runner.engine.model import load_weights, perturb
-from mixfleet.runner.experiments import (
+from mixfleet.runner.checkpoint.init_model import init_model
+from mixfleet.runner.sampler.engine.engine import Engine, EngineConfig
+from mixfleet.runner.sampler.engine.model import load_weights, perturb
+from mixfleet.runner.sampler.mismatch import MismatchConfig, _generate, prompts, score
+from mixfleet.studies.ablation import (
     VARIANT_KEYS,
     VARIANTS,
     AblationConfig,
@@ -22,8 +24,6 @@ from mixfleet.runner.experiments import (
     variant,
     variant_plan,
 )
-from mixfleet.runner.init_model import init_model
-from mixfleet.runner.mismatch import MismatchConfig, _generate, prompts, score
 from mixfleet.ui.commands import experiment
 from typer.testing import CliRunner
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import typer
 from mixfleet.costmodel.runlog import EventRecord, GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
-from mixfleet.runner.ablation_report import RUN_FILE, VERDICT_RULE, build_report, find_runs, group_table, verdict
+from mixfleet.studies.ablation_report import RUN_FILE, VERDICT_RULE, build_report, find_runs, group_table, verdict
 from mixfleet.ui.commands import experiment
 from typer.testing import CliRunner
 

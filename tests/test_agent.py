@@ -13,7 +13,8 @@ import asyncio
 from dataclasses import dataclass
 
 import pytest
-from mixfleet.runner.agent import (
+from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
+from mixfleet.runner.rollout.agent import (
     ASSISTANT_ID,
     CALL_ID,
     ENDCALL_ID,
@@ -24,9 +25,8 @@ from mixfleet.runner.agent import (
     plain_ids,
     run_episode,
 )
-from mixfleet.runner.engine_api import RequestResult, SamplingParams, TokenOutput
-from mixfleet.runner.tasks import StepResult, Task, ToolCall, make_task
-from mixfleet.runner.tokenizer import ByteTokenizer
+from mixfleet.runner.rollout.tasks import StepResult, Task, ToolCall, make_task
+from mixfleet.runner.sampler.engine_api import RequestResult, SamplingParams, TokenOutput
 
 TOK = ByteTokenizer()
 

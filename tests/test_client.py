@@ -1,4 +1,4 @@
-"""runner/client.py against the embedded server (real engine, real HTTP on loopback).
+"""runner/sampler/client.py against the embedded server (real engine, real HTTP on loopback).
 
 Covers generate with the routing-key header (a session's second turn reuses its cached prefix),
 streaming, load, pause / continue, weight update and version, abort, health; retries with backoff
@@ -14,8 +14,8 @@ import threading
 import time
 
 import pytest
-from mixfleet.runner.client import ClientConfig, Load, SamplerClient, SamplerHTTPError, SamplerUnavailable
-from mixfleet.runner.tokenizer import ByteTokenizer
+from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
+from mixfleet.runner.sampler.client import ClientConfig, Load, SamplerClient, SamplerHTTPError, SamplerUnavailable
 from sampler_helpers import make_checkpoint, served_engine
 
 TOK = ByteTokenizer()
@@ -99,8 +99,8 @@ def _free_port() -> int:
 
 def test_retries_until_the_server_is_up(checkpoints):
     """The client's first connection attempts are refused (no server yet); it backs off and succeeds."""
-    from mixfleet.runner.engine import Engine
-    from mixfleet.runner.server import ServerArgs, start_in_thread
+    from mixfleet.runner.sampler.engine import Engine
+    from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
 
     port = _free_port()
     engine = Engine(checkpoints[0], precision="bf16", kv_cache_dtype="bf16", kernel="fp32")

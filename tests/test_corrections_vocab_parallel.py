@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from mixfleet.runner.corrections import CorrectionConfig, policy_loss
-from mixfleet.runner.corrections_vocab_parallel import vocab_parallel_policy_loss
+from mixfleet.runner.corrections.vocab_parallel import vocab_parallel_policy_loss
 from test_corrections_chunked import random_batch, without_kept
 
 T, VOCAB, SPLIT = 40, 37, 20  # rank 0 holds ids [0, 20), rank 1 ids [20, 37)

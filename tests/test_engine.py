@@ -11,13 +11,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from mixfleet.costmodel.model import load_model_spec
-from mixfleet.runner.engine import Engine
-from mixfleet.runner.engine.model import forward_full, load_weights, scaled_mm_linear
-from mixfleet.runner.engine.quant import quantize_fp8
-from mixfleet.runner.engine_api import EngineRequest, RequestResult, SamplingParams, TokenOutput
-from mixfleet.runner.hf_checkpoint import HFConfig, load_checkpoint, save_checkpoint
-from mixfleet.runner.init_model import init_model, init_tensors
-from mixfleet.runner.tokenizer import ByteTokenizer
+from mixfleet.runner.checkpoint.hf_checkpoint import HFConfig, load_checkpoint, save_checkpoint
+from mixfleet.runner.checkpoint.init_model import init_model, init_tensors
+from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
+from mixfleet.runner.sampler.engine import Engine
+from mixfleet.runner.sampler.engine.model import forward_full, load_weights, scaled_mm_linear
+from mixfleet.runner.sampler.engine.quant import quantize_fp8
+from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplingParams, TokenOutput
 
 TOK = ByteTokenizer()
 PROMPT = TOK.encode("<|user|>Hello, world!<|assistant|>")

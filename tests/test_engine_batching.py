@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 from mixfleet.costmodel.model import load_model_spec
-from mixfleet.runner.engine import Engine
-from mixfleet.runner.engine_api import EngineRequest, RequestResult, SamplingParams, TokenOutput
-from mixfleet.runner.hf_checkpoint import load_checkpoint, save_checkpoint
-from mixfleet.runner.init_model import init_model
-from mixfleet.runner.tokenizer import ByteTokenizer
+from mixfleet.runner.checkpoint.hf_checkpoint import load_checkpoint, save_checkpoint
+from mixfleet.runner.checkpoint.init_model import init_model
+from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
+from mixfleet.runner.sampler.engine import Engine
+from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplingParams, TokenOutput
 
 TOK = ByteTokenizer()
 

@@ -1,9 +1,12 @@
 """The import direction of ARCHITECTURE.md, enforced over the real import graph.
 
-costmodel <- policies <- twin / runner <- ui. costmodel imports nothing of ours; policies imports
-no twin/runner/ui and no simpy/torch; twin imports neither runner nor torch; runner imports neither
-twin nor simpy. Every module under each folder is parsed (ast), so an import hidden inside a
-function counts too.
+costmodel <- policies <- twin / runner <- studies <- ui. costmodel imports nothing of ours; policies
+imports no twin/runner/ui and no simpy/torch; twin imports neither runner nor torch; runner imports
+neither twin nor simpy; studies (built on the runner) imports no twin or ui. Inside runner/ the rooms
+import one way (ROOMS below): checkpoint and corrections import no other room; sampler imports checkpoint;
+rollout imports sampler and checkpoint; trainer imports checkpoint and corrections; orchestration may
+import them all. Every module under each folder is parsed (ast), so an import hidden inside a function
+counts too.
 """
 
 from __future__ import annotations
@@ -15,14 +18,15 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("costmodel", "policies", "twin", "runner", "ui")
+LAYERS = ("costmodel", "policies", "twin", "runner", "studies", "ui")
 
 # package -> names it must never import (ours are given as mixfleet.<pkg>)
 FORBIDDEN: dict[str, set[str]] = {
     "costmodel": {"mixfleet.policies", "mixfleet.twin", "mixfleet.runner", "mixfleet.ui", "torch", "simpy"},
     "policies": {"mixfleet.twin", "mixfleet.runner", "mixfleet.ui", "simpy", "torch"},
     "twin": {"mixfleet.runner", "mixfleet.ui", "torch"},
-    "runner": {"mixfleet.twin", "mixfleet.ui", "simpy"},
+    "runner": {"mixfleet.twin", "mixfleet.studies", "mixfleet.ui", "simpy"},
+    "studies": {"mixfleet.twin", "mixfleet.ui", "simpy"},
     "ui": set(),
 }
 
@@ -65,10 +69,62 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
     """A planted bad import in each layer is reported (so the test above can fail)."""
     fake_root = tmp_path
     for i, (pkg, bad) in enumerate((("costmodel", "mixfleet.twin"), ("policies", "simpy"), ("twin", "torch.nn"),
-                                    ("runner", "simpy"), ("policies", "mixfleet.runner.engine"))):
+                                    ("runner", "simpy"), ("policies", "mixfleet.runner.sampler.engine"))):
         d = fake_root / pkg
         d.mkdir(exist_ok=True)
         (d / f"bad{i}.py").write_text(f"def f():\n    import {bad}\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake_root)
     assert violations("costmodel") and violations("twin") and violations("runner")
     assert len(violations("policies")) == 2
+
+
+# runner room -> the rooms it may import (besides itself); anything not listed is forbidden.
+ROOMS: dict[str, set[str]] = {
+    "checkpoint": set(),
+    "corrections": set(),
+    "sampler": {"checkpoint"},
+    "rollout": {"sampler", "checkpoint"},
+    "trainer": {"checkpoint", "corrections"},
+    "orchestration": {"checkpoint", "corrections", "sampler", "rollout", "trainer"},
+}
+
+
+def room_violations(root: Path) -> list[str]:
+    found = []
+    for room, allowed in ROOMS.items():
+        for path in sorted((root / "runner" / room).rglob("*.py")):
+            for name in imported_names(path):
+                parts = name.split(".")
+                if parts[:2] != ["mixfleet", "runner"] or len(parts) < 3:
+                    continue
+                other = parts[2]
+                if other != room and other not in allowed:
+                    found.append(f"{path.relative_to(root)} imports {name}")
+    return found
+
+
+def test_runner_rooms_import_one_way() -> None:
+    rooms = {p.name for p in (ROOT / "runner").iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == set(ROOMS), "a new room of runner/ needs its place in ROOMS"
+    loose = [p.name for p in (ROOT / "runner").glob("*.py") if p.name != "__init__.py"]
+    assert loose == [], f"runner/ holds only rooms: {loose}"
+    assert room_violations(ROOT) == []
+
+
+def test_the_room_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for room in ROOMS:
+        (tmp_path / "runner" / room).mkdir(parents=True)
+    (tmp_path / "runner" / "sampler" / "bad.py").write_text("from mixfleet.runner.trainer import Trainer\n")
+    (tmp_path / "runner" / "rollout" / "ok.py").write_text("from mixfleet.runner.sampler.engine_api import X\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert room_violations(tmp_path) == ["runner/sampler/bad.py imports mixfleet.runner.trainer"]
+
+
+def test_every_package_is_listed_for_the_wheel() -> None:
+    """pyproject lists each subpackage explicitly (package-dir maps the folders): a new one must be added."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {"mixfleet." + ".".join(p.parent.relative_to(ROOT).parts)
+             for top in (*LAYERS, "data") for p in (ROOT / top).rglob("__init__.py")}
+    assert found == listed

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from mixfleet.runner.hf_checkpoint import load_checkpoint
-from mixfleet.runner.mismatch import MismatchConfig, measure_mismatch
-from mixfleet.runner.tokenizer import ByteTokenizer
+from mixfleet.runner.checkpoint.hf_checkpoint import load_checkpoint
+from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
+from mixfleet.runner.sampler.mismatch import MismatchConfig, measure_mismatch
 from mixfleet.ui.cli import app
 from typer.testing import CliRunner
 

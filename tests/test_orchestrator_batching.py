@@ -1,5 +1,5 @@
-"""Batch assembly (runner/batching.py), the fleet from a plan (runner/fleet.py) and the response -> result
-conversion of the orchestrator: exact, model-free checks.
+"""Batch assembly (runner/orchestration/batching.py), the fleet from a plan (runner/orchestration/fleet.py)
+and the response -> result conversion of the orchestrator: exact, model-free checks.
 
 Covers: the causal shift (row t predicts token t + 1) and the loss mask on generated tokens only,
 GRPO advantages by prompt-group, per-token staleness (v - 1) - u, top-K and kept-set records landing on
@@ -14,11 +14,18 @@ import math
 import pytest
 import torch
 from mixfleet.policies.plan import plan_from_dict
-from mixfleet.runner.agent import Episode
-from mixfleet.runner.batching import BatchItem, BatchOptions, build_batch, correction_batch, group_metrics, version_int
 from mixfleet.runner.corrections import CorrectionConfig, policy_loss
-from mixfleet.runner.fleet import fleet_from_plan
-from mixfleet.runner.orchestrator import RunConfig, result_from_response
+from mixfleet.runner.orchestration.batching import (
+    BatchItem,
+    BatchOptions,
+    build_batch,
+    correction_batch,
+    group_metrics,
+    version_int,
+)
+from mixfleet.runner.orchestration.fleet import fleet_from_plan
+from mixfleet.runner.orchestration.orchestrator import RunConfig, result_from_response
+from mixfleet.runner.rollout.agent import Episode
 
 
 def _episode(tokens: list[int], mask: list[int], versions: list[str | None], group: str, reward: float,

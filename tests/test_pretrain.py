@@ -13,9 +13,16 @@ import random
 from pathlib import Path
 
 import pytest
-from mixfleet.runner.demos import DemoConfig, generate_demos
-from mixfleet.runner.hf_checkpoint import load_checkpoint
-from mixfleet.runner.pretrain import PAD_SEGMENT, PretrainConfig, cache_key, measure_reward, pack_episodes, pretrain
+from mixfleet.runner.checkpoint.hf_checkpoint import load_checkpoint
+from mixfleet.runner.orchestration.pretrain import (
+    PAD_SEGMENT,
+    PretrainConfig,
+    cache_key,
+    measure_reward,
+    pack_episodes,
+    pretrain,
+)
+from mixfleet.runner.rollout.demos import DemoConfig, generate_demos
 
 MICRO_SPEC = """
 name = "micro"

@@ -1,4 +1,4 @@
-"""runner/protocol.py without HTTP: SGLang's /generate body -> engine requests, and results -> responses.
+"""runner/sampler/protocol.py without HTTP: SGLang's /generate body -> engine requests, and results -> responses.
 
 Covers: SGLang's defaults; batch forms (input_ids lists, text lists, per-item sampling_params, rid
 expansion, `n`); keys SGLang knows but the engine does not implement (accepted at the neutral
@@ -11,15 +11,15 @@ from __future__ import annotations
 import math
 
 import pytest
-from mixfleet.runner.engine_api import RequestResult, SamplingParams, TokenOutput
-from mixfleet.runner.protocol import (
+from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
+from mixfleet.runner.sampler.engine_api import RequestResult, SamplingParams, TokenOutput
+from mixfleet.runner.sampler.protocol import (
     ProtocolError,
     ProtocolLimits,
     build_response,
     parse_generate,
     parse_json_body,
 )
-from mixfleet.runner.tokenizer import ByteTokenizer
 
 TOK = ByteTokenizer()
 LIMITS = ProtocolLimits(vocab_size=272, context_length=64, max_body_bytes=1000, sampling_mask_max_tokens=16)

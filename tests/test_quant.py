@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from mixfleet.runner.engine.kvcache import dequantize_kv, quantize_kv
-from mixfleet.runner.engine.quant import (
+from mixfleet.runner.sampler.engine.kvcache import dequantize_kv, quantize_kv
+from mixfleet.runner.sampler.engine.quant import (
     FP8_E4M3_MAX,
     fake_quantize,
     quantize_fp8,

@@ -27,8 +27,8 @@ import pytest
 from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.policies.plan import load_plan
-from mixfleet.runner.init_model import init_model
-from mixfleet.runner.orchestrator import RunConfig, run_plan
+from mixfleet.runner.checkpoint.init_model import init_model
+from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
 
 PLAN = """
 name = "test-run"

@@ -14,7 +14,7 @@ import json
 
 import httpx
 import pytest
-from mixfleet.runner.tokenizer import ByteTokenizer
+from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
 from sampler_helpers import logsumexp, make_checkpoint, served_engine, sse_chunks
 
 TOK = ByteTokenizer()

@@ -14,7 +14,7 @@ import sys
 
 import httpx
 import pytest
-from mixfleet.runner.sglang_launch import attach
+from mixfleet.runner.sampler.sglang_launch import attach
 from mixfleet.ui.cli import app
 from sampler_helpers import make_checkpoint
 from typer.testing import CliRunner

@@ -1,4 +1,4 @@
-"""runner/sglang_launch.py: the exact SGLang command per plan group, and attaching to servers by URL.
+"""runner/sampler/sglang_launch.py: the exact SGLang command per plan group, and attaching to servers by URL.
 
 The command lines are checked token by token (PROTOCOL.md's flags per precision / KV dtype / TP,
 the mask flag only with top-p replay). `attach` is exercised against a real embedded server on
@@ -10,7 +10,7 @@ from __future__ import annotations
 import socket
 
 import pytest
-from mixfleet.runner.sglang_launch import (
+from mixfleet.runner.sampler.sglang_launch import (
     AttachError,
     SGLangLaunchSpec,
     argv_for_group,

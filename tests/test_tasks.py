@@ -11,7 +11,7 @@ import asyncio
 import math
 
 import pytest
-from mixfleet.runner.tasks import (
+from mixfleet.runner.rollout.tasks import (
     EVAL_SEED_START,
     TASKS,
     Task,
@@ -22,8 +22,8 @@ from mixfleet.runner.tasks import (
     split_seeds,
     task_names,
 )
-from mixfleet.runner.tasks.calc import CalcConfig, evaluate, make_expression
-from mixfleet.runner.tasks.guess import GuessConfig, GuessTask
+from mixfleet.runner.rollout.tasks.calc import CalcConfig, evaluate, make_expression
+from mixfleet.runner.rollout.tasks.guess import GuessConfig, GuessTask
 
 
 def guess(task: Task, k: int | str) -> tuple[str, bool]:

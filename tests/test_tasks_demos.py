@@ -7,8 +7,8 @@ from their config; their format is the agent loop's (tool calls parse, loss mask
 
 from __future__ import annotations
 
-from mixfleet.runner.agent import CALL_ID, ENDCALL_ID, parse_tool_call
-from mixfleet.runner.demos import DemoConfig, demo_stats, generate_demos
+from mixfleet.runner.rollout.agent import CALL_ID, ENDCALL_ID, parse_tool_call
+from mixfleet.runner.rollout.demos import DemoConfig, demo_stats, generate_demos
 
 
 def test_noise_free_demonstrators_solve_everything() -> None:

@@ -1,7 +1,7 @@
 """Tests of the Megatron-core trainer (runner/trainer): build, forward/backward, HF export layout,
 round trip, training progress, resumable state, and clear errors. CPU, gloo world size 1, tiny model.
 
-The reference forward below is written from `runner/hf_checkpoint.py`'s docstring only (not from
+The reference forward below is written from `runner/checkpoint/hf_checkpoint.py`'s docstring only (not from
 Megatron), in float64, so agreeing with it pins the export layout (QKV interleave, gate/up order,
 norm mapping, vocabulary padding) that every sampler relies on.
 """
@@ -19,7 +19,7 @@ import torch
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 from mixfleet.costmodel.model import load_model_spec  # noqa: E402
-from mixfleet.runner.hf_checkpoint import HFConfig, load_checkpoint  # noqa: E402
+from mixfleet.runner.checkpoint.hf_checkpoint import HFConfig, load_checkpoint  # noqa: E402
 from mixfleet.runner.trainer.hf_export import fuse_qkv, hf_to_megatron, megatron_to_hf, split_qkv  # noqa: E402
 from mixfleet.runner.trainer.megatron_model import BuildOptions, ensure_parallel_state  # noqa: E402
 from mixfleet.runner.trainer.trainer import OptimizerConfig, Trainer, TrainerConfig  # noqa: E402

@@ -4,7 +4,7 @@
 group's replica model (decode scale, prefill overhead), weight-sync time and mismatch (KL, its growth with
 staleness, extreme-ratio share), the trainer's step time (scale, overhead, per-update overhead) and the
 measured workload. Routing weights stay the prior's, because that is what the real runner routes with
-(runner/fleet.py); pass `calibrated_routing=True` to route by the calibrated capacities instead.
+(runner/orchestration/fleet.py); pass `calibrated_routing=True` to route by the calibrated capacities instead.
 `simulate(plan, setup=calibrated_setup(plan, cal))` is a calibrated dry run.
 
 `fidelity(plan, runlog, calibration)` simulates the plan with the run's seed, number of updates, replica

@@ -1,4 +1,4 @@
-"""Megatron-core GPTModel state dict <-> the Hugging Face layout of `runner/hf_checkpoint.py`.
+"""Megatron-core GPTModel state dict <-> the Hugging Face layout of `runner/checkpoint/hf_checkpoint.py`.
 
 Why: the trainer trains a Megatron `GPTModel`; every sampler (embedded engine, SGLang) loads the
 Llama-style layout. This module is the one place that knows how the two differ, in pure torch (no
@@ -25,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 import torch
-from mixfleet.runner.hf_checkpoint import HFConfig, check_layout, expected_shapes
+from mixfleet.runner.checkpoint.hf_checkpoint import HFConfig, check_layout, expected_shapes
 
 _EXTRA = "._extra_state"
 

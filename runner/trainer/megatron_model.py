@@ -73,7 +73,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-_free_port = free_port   # older name, used by runner/actors.py
+_free_port = free_port   # older name, used by runner/orchestration/actors.py
 
 
 def ensure_parallel_state(device: str = "cpu") -> None:

@@ -39,14 +39,14 @@ from typing import Any
 import numpy as np
 import torch
 from mixfleet.costmodel.model import ModelSpec, model_spec_from_dict
-from mixfleet.runner.hf_checkpoint import (
+from mixfleet.runner.checkpoint.hf_checkpoint import (
     HFConfig,
     load_checkpoint,
     load_config,
     replace_dir_atomically,
     save_checkpoint,
 )
-from mixfleet.runner.tokenizer import TOKENIZER_FILE, ByteTokenizer
+from mixfleet.runner.checkpoint.tokenizer import TOKENIZER_FILE, ByteTokenizer
 from mixfleet.runner.trainer.hf_export import hf_to_megatron, load_into_model, megatron_to_hf, uses_fused_norms
 from mixfleet.runner.trainer.megatron_model import BuildOptions, BuiltModel, build_gpt_model
 

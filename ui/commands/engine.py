@@ -2,7 +2,7 @@
 
 `init-model` writes a seeded random checkpoint (Hugging Face layout + tokenizer) of a model spec;
 `mismatch` measures each serving precision's sampler-trainer mismatch against the fp32 reference
-(runner/mismatch.py). Bad input prints one line naming the field and what is allowed (exit 2).
+(runner/sampler/mismatch.py). Bad input prints one line naming the field and what is allowed (exit 2).
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def register(app: typer.Typer) -> None:
         """Write a seeded, randomly initialized checkpoint of a model spec, with its tokenizer."""
         from mixfleet.costmodel.errors import SpecError
         from mixfleet.costmodel.model import load_model_spec
-        from mixfleet.runner.init_model import init_model
+        from mixfleet.runner.checkpoint.init_model import init_model
 
         try:
             path = init_model(load_model_spec(spec), out, seed=seed, logit_scale=logit_scale,
@@ -58,7 +58,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Per-token KL (k1, k3, exact), ratio-band share and top-1 agreement of each precision vs fp32."""
         import torch
-        from mixfleet.runner.mismatch import MismatchConfig, format_table, measure_mismatch
+        from mixfleet.runner.sampler.mismatch import MismatchConfig, format_table, measure_mismatch
 
         if threads < 1:
             _fail(ValueError(f"--threads = {threads}; allowed: an integer >= 1"))

@@ -1,8 +1,8 @@
 """`mixfleet experiment ablation` and `mixfleet report ablation`: the corrections ablation study (docs/ablation/).
 
-`experiment ablation` runs the six loss variants (runner/experiments.py) on the mixed and/or homogeneous
+`experiment ablation` runs the six loss variants (studies/ablation.py) on the mixed and/or homogeneous
 fleet for the given seeds, one real run each, resumable; `report ablation DIR` reads their run logs and
-writes Markdown + plots (runner/ablation_report.py). Heavy imports happen inside the commands.
+writes Markdown + plots (studies/ablation_report.py). Heavy imports happen inside the commands.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def ablation(
     """Run the six loss variants (GRPO, GRPO+MIS, SC, GRPO+top-p, SC+MIS, SC+MIS+top-p) with identical seeds,
     base policy, tasks and plan except the loss; one run log per (fleet, variant, seed) under --out."""
     from mixfleet.costmodel.errors import SpecError
-    from mixfleet.runner.experiments import VARIANT_KEYS, AblationConfig, fleets_for, run_ablation
+    from mixfleet.studies.ablation import VARIANT_KEYS, AblationConfig, fleets_for, run_ablation
 
     plans = {k: v for k, v in (("mixed", mixed_plan), ("homogeneous", homogeneous_plan)) if v}
     try:
@@ -84,7 +84,7 @@ def report_ablation(
 ) -> None:
     """Report the study: per variant over updates (reward, KL, extreme ratios, grad norm, entropy, episodes without
     tool calls), a verdict per run by a stated rule, per group shares; Markdown + PNG (or HTML) plots."""
-    from mixfleet.runner.ablation_report import build_report
+    from mixfleet.studies.ablation_report import build_report
 
     if not folder.is_dir():
         _fail(f"report folder {str(folder)!r} does not exist; allowed: the --out folder of an ablation study")

@@ -1,7 +1,7 @@
 """`mixfleet pretrain`: train (or reuse) the base policy and report its reward.
 
 The base policy is the tiny model imitating slightly noisy scripted demonstrations of a task
-(runner/pretrain.py); it is cached by a hash of its inputs, so a second call returns at once. After
+(runner/orchestration/pretrain.py); it is cached by a hash of its inputs, so a second call returns at once. After
 training, the command samples episodes of the held-out split with the embedded engine and prints
 the policy's mean reward, the number RL starts from.
 """
@@ -44,8 +44,8 @@ def register_pretrain(app: typer.Typer) -> None:
 
         import torch
         from mixfleet.costmodel.errors import SpecError
-        from mixfleet.runner.demos import DemoConfig
-        from mixfleet.runner.pretrain import PretrainConfig, measure_reward, pretrain
+        from mixfleet.runner.orchestration.pretrain import PretrainConfig, measure_reward, pretrain
+        from mixfleet.runner.rollout.demos import DemoConfig
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         if threads < 1:

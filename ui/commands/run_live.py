@@ -101,7 +101,7 @@ def _parse_attach(items: list[str]) -> dict[str, list[str]]:
 
 def default_base_policy(progress: bool = True) -> str:
     """The cached `mixfleet pretrain` checkpoint (trained now if missing: a few minutes on a CPU)."""
-    from mixfleet.runner.pretrain import pretrain
+    from mixfleet.runner.orchestration.pretrain import pretrain
 
     if progress:
         typer.echo("base policy: the cached `mixfleet pretrain` checkpoint (training it if missing)...")
@@ -116,7 +116,7 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
     from mixfleet.costmodel.catalog import load_catalog
     from mixfleet.costmodel.errors import SpecError
     from mixfleet.policies.plan import load_plan
-    from mixfleet.runner.orchestrator import RunConfig, run_plan
+    from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
 
     torch.set_num_threads(1)
     try:
@@ -156,7 +156,7 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
 
-    from mixfleet.runner.fleet import fleet_from_plan
+    from mixfleet.runner.orchestration.fleet import fleet_from_plan
 
     groups = list(fleet_from_plan(plan, mode=fleet_mode, attach=attach_map).group_names)
     view = LiveView(plan.name, groups, cfg.updates, quiet=quiet)

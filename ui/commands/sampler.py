@@ -40,7 +40,7 @@ def serve(
                                       help="print the equivalent `python -m sglang.launch_server` command and exit"),
 ) -> None:
     """Serve a checkpoint with the embedded engine over SGLang's native HTTP API."""
-    from mixfleet.runner.engine_api import KERNELS, KV_CACHE_DTYPES, PRECISIONS
+    from mixfleet.runner.sampler.engine_api import KERNELS, KV_CACHE_DTYPES, PRECISIONS
 
     if precision not in PRECISIONS:
         _fail(f"--precision {precision!r}; allowed: {', '.join(PRECISIONS)}")
@@ -55,7 +55,7 @@ def serve(
         if v < 1:
             _fail(f"{name} {v}; allowed: an integer >= 1")
     if print_sglang:
-        from mixfleet.runner.sglang_launch import SGLangLaunchSpec, describe, launch_argv
+        from mixfleet.runner.sampler.sglang_launch import SGLangLaunchSpec, describe, launch_argv
 
         try:
             spec = SGLangLaunchSpec(model_path=str(model), port=port, host=host, precision=precision,
@@ -68,9 +68,9 @@ def serve(
     if not (model / "config.json").exists():
         _fail(f"--model {model}: no config.json there (make one with `mixfleet init-model tiny -o {model}`)")
 
-    from mixfleet.runner.engine import Engine
-    from mixfleet.runner.server import ServerArgs
-    from mixfleet.runner.server import serve as run_server
+    from mixfleet.runner.sampler.engine import Engine
+    from mixfleet.runner.sampler.server import ServerArgs
+    from mixfleet.runner.sampler.server import serve as run_server
 
     try:
         args = ServerArgs(host=host, port=port, max_body_bytes=max_body_bytes,

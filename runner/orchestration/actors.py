@@ -1,0 +1,197 @@
+"""Ray actors of a real run: one per sampler replica, one for the trainer.
+
+Why actors: a run spreads over processes (here) or nodes (a cluster) without the orchestrator caring.
+`SamplerWorker` runs one sampler replica in its own process: an embedded engine behind the SGLang-
+protocol server (runner/engine + runner/server) on 127.0.0.1 and a free port, or a real SGLang server
+(runner/sglang_launch) on a GPU node; the orchestrator talks to it over HTTP only (runner/client), so
+an attached URL and an actor look the same to it. `TrainerWorker` owns the Megatron-core Trainer
+(runner/trainer) and the corrected policy loss (runner/corrections): train one update, export the
+weights in the Hugging Face layout the samplers load, save / resume its state.
+
+Placement: each replica asks Ray for its group's accelerator as a custom resource (`{"H100": tp}`);
+a local Ray (the default) declares the plan's accelerators as logical resources so the same request
+is satisfied on one machine (the `--embedded` rehearsal). Actors take num_cpus=0 and one torch thread
+each by default, so a 2-core machine can hold several of them.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+SAMPLER_MODES = ("embedded", "sglang")
+RAY_START_ATTEMPTS = 3      # a local Ray whose raylet does not register within Ray's 30 s (busy machine) is retried
+
+
+def _free_port(host: str) -> int:
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
+
+
+def _set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(max(1, int(threads)))
+    try:
+        torch.set_num_interop_threads(1)
+    except RuntimeError:
+        pass                                   # already set in this process
+
+
+class SamplerWorker:
+    """One sampler replica (run as a Ray actor, or in-process in tests)."""
+
+    def __init__(self, *, group: str, index: int, model_path: str, precision: str, kv_dtype: str,
+                 kernel: str | None = None, threads: int = 1, seed: int = 0, weight_version: str = "0",
+                 mode: str = "embedded", max_running_requests: int = 256, top_p_replay: bool = False,
+                 tp: int = 1) -> None:
+        if mode not in SAMPLER_MODES:
+            raise ValueError(f"SamplerWorker.mode = {mode!r}; allowed: {', '.join(SAMPLER_MODES)}")
+        self.group, self.index, self.mode = group, index, mode
+        self._handle: Any = None
+        self._proc: Any = None
+        self.started_s = time.time()
+        if mode == "embedded":
+            _set_threads(threads)
+            from mixfleet.runner.sampler.engine import Engine
+            from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
+
+            engine = Engine(model_path, precision=precision, kv_cache_dtype=kv_dtype, kernel=kernel, seed=seed,
+                            weight_version=weight_version, max_running_requests=max_running_requests,
+                            max_total_tokens=max_running_requests * 1024)
+            self._handle = start_in_thread(engine, server_args=ServerArgs(port=0, kernel=kernel,
+                                                                          max_running_requests=max_running_requests))
+            self.url = self._handle.url
+        else:
+            import ray
+            from mixfleet.runner.sampler.sglang_launch import launch, spec_for_group
+            from mixfleet.runner.trainer.megatron_model import _free_port
+
+            host = ray.util.get_node_ip_address()
+            spec = spec_for_group({"name": group, "precision": precision, "kv_dtype": kv_dtype, "tp": tp},
+                                  model_path=model_path, port=_free_port(), host=host, top_p_replay=top_p_replay,
+                                  weight_version=weight_version)
+            self._proc, attached = launch(spec)
+            self.url = attached.url
+        self.ready_s = time.time() - self.started_s
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) this process has used."""
+        t = os.times()
+        return t.user + t.system
+
+    def info(self) -> dict[str, Any]:
+        return {"group": self.group, "index": self.index, "url": self.url, "pid": os.getpid(),
+                "ready_s": self.ready_s, "mode": self.mode}
+
+    def stop(self) -> None:
+        if self._handle is not None:
+            self._handle.stop()
+            self._handle = None
+        if self._proc is not None:
+            self._proc.terminate()
+            self._proc = None
+
+
+class TrainerWorker:
+    """The trainer (run as a Ray actor, or in-process): one optimizer step per update with the corrected loss."""
+
+    def __init__(self, *, init_from: str, state_dir: str | None, correction: Mapping[str, Any],
+                 optimizer: Mapping[str, Any] | None = None, threads: int = 1, resume: bool = False,
+                 export_dtype: str = "float32") -> None:
+        _set_threads(threads)
+        from mixfleet.runner.corrections import CorrectionConfig
+        from mixfleet.runner.trainer import Trainer
+        from mixfleet.runner.trainer.trainer import OptimizerConfig, TrainerConfig
+
+        self.correction = CorrectionConfig.from_mapping(dict(correction))
+        self.state_dir = Path(state_dir) if state_dir else None
+        t0 = time.perf_counter()
+        if resume and self.state_dir is not None and (self.state_dir / "trainer_meta.json").exists():
+            self.trainer = Trainer.resume(self.state_dir)
+        else:
+            opt = dict(optimizer or {})
+            if "betas" in opt:
+                opt["betas"] = tuple(opt["betas"])
+            cfg = TrainerConfig(optimizer=OptimizerConfig(**opt), export_dtype=export_dtype)
+            self.trainer = Trainer.from_checkpoint(init_from, cfg)
+            self.trainer.version = 0
+        self.build_s = time.perf_counter() - t0
+
+    def version(self) -> int:
+        return int(self.trainer.version)
+
+    def cpu_s(self) -> float:
+        """CPU seconds (user + system) this process has used."""
+        t = os.times()
+        return t.user + t.system
+
+    def train(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
+        """One update on a `runner.batching.TrainBatch.tensors` mapping; returns the step's metrics."""
+        from mixfleet.runner.corrections import policy_loss
+        from mixfleet.runner.orchestration.batching import correction_batch
+
+        cfg = self.correction
+
+        def loss_fn(logits: Any, batch: Mapping[str, Any]) -> tuple[Any, Mapping[str, Any]]:
+            flat = logits.reshape(-1, logits.shape[-1])
+            return policy_loss(flat, correction_batch(batch), cfg)
+
+        return dict(self.trainer.train_step(dict(tensors), loss_fn))
+
+    def export(self, directory: str, version: int | None = None) -> str:
+        """Write the current weights (HF layout) to `directory`; returns its path."""
+        return str(self.trainer.export_hf(directory, version))
+
+    def save_state(self, directory: str | None = None) -> str:
+        target = Path(directory) if directory else self.state_dir
+        if target is None:
+            raise ValueError("TrainerWorker.save_state: no directory (give one or a state_dir)")
+        return str(self.trainer.save_state(target))
+
+    def token_logprobs(self, input_ids: Any, temperature: float = 1.0) -> Any:
+        return self.trainer.token_logprobs(input_ids, temperature=temperature)
+
+
+def init_ray(*, address: str | None = None, num_cpus: int | None = None,
+             resources: Mapping[str, float] | None = None) -> None:
+    """Connect to a Ray cluster (`address`) or start a local one declaring `resources` (idempotent)."""
+    import ray
+
+    if ray.is_initialized():
+        return
+    env = {"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                        "PYTHONWARNINGS": "ignore"}}
+    if address:
+        ray.init(address=address, runtime_env=env, log_to_driver=False)
+        return
+    for attempt in range(RAY_START_ATTEMPTS):
+        try:
+            ray.init(num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 2), include_dashboard=False,
+                     resources={k: float(v) for k, v in (resources or {}).items()}, runtime_env=env,
+                     log_to_driver=False, configure_logging=True, logging_level="ERROR")
+            return
+        except Exception as e:  # noqa: BLE001 - Ray's own "node timed out during startup" on a busy machine
+            if attempt == RAY_START_ATTEMPTS - 1 or "timed out during startup" not in str(e):
+                raise
+            ray.shutdown()
+
+
+def remote_sampler(*, accelerator: str, amount: float = 1.0) -> Any:
+    """The Ray actor class of a sampler replica placed on `amount` of `accelerator` (a custom resource)."""
+    import ray
+
+    return ray.remote(num_cpus=0, resources={accelerator: float(amount)}, max_restarts=0)(SamplerWorker)
+
+
+def remote_trainer(*, accelerator: str | None = None, amount: float = 1.0) -> Any:
+    import ray
+
+    res = {accelerator: float(amount)} if accelerator else {}
+    return ray.remote(num_cpus=0, resources=res, max_restarts=0)(TrainerWorker)

@@ -1,0 +1,143 @@
+"""A plan's sampler groups -> the concrete sampler replicas a run starts (or attaches to).
+
+Three ways a group becomes replicas:
+- "embedded" (`mixfleet run --embedded`, and any plan on a machine without its accelerators): each
+  group becomes `min(replicas, embedded.max_replicas_per_group)` embedded samplers (runner/engine +
+  runner/server) in the group's own weight precision, KV dtype and kernel. Replica counts are scaled
+  down to fit the local machine; the policies, routing weights and run log are the plan's.
+- "sglang": each replica is a real SGLang server launched with the group's flags
+  (runner/sampler/sglang_launch.py) by a Ray actor placed on a node carrying the group's accelerator.
+- "attach": replicas already serving at given URLs (`attach={"H100-FP8": ["http://..."]}`).
+
+Routing weights: capacity-proportional routing needs each group's serving capacity. It comes from the
+cost model (costmodel/roofline.py) for the plan's accelerator / precision / KV dtype at the workload's
+mean decode context, exactly as the twin computes it. When a rehearsal scales a group of R planned replicas
+down to n, each local replica carries R / n replicas' weight, so the groups' routing shares stay the plan's.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from mixfleet.costmodel.catalog import load_catalog
+from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.roofline import replica_model
+from mixfleet.costmodel.workload import load_workload
+from mixfleet.policies.plan import EmbeddedPlan, GroupPlan, Plan
+
+MODES = ("embedded", "sglang", "attach")
+ENGINE_PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4", "mxfp4")
+ENGINE_KV_DTYPES = ("bf16", "fp8_e4m3", "fp32")
+_MAX_BATCH = 256
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupSpec:
+    """One sampler group as the runner starts it."""
+
+    name: str
+    accelerator: str                      # the plan's accelerator (the Ray custom resource requested)
+    precision: str                        # engine / SGLang weight precision
+    kv_dtype: str
+    kernel: str | None                    # embedded engine's matmul dtype (None: the precision's own)
+    replicas: int                         # replicas started (scaled down when embedded)
+    planned_replicas: int                 # the plan's count
+    min_replicas: int
+    max_replicas: int
+    tp: int                               # accelerators per replica (the Ray resource amount); 1 embedded
+    capacity_tokens_per_s: float          # one replica's nominal throughput (routing weight)
+    usd_per_hour: float                   # one replica's price
+    usd_per_mtoken: float
+    urls: tuple[str, ...] = ()            # "attach" mode: the replicas' base URLs
+
+    def __post_init__(self) -> None:
+        where = f"fleet group '{self.name}'"
+        if self.precision not in ENGINE_PRECISIONS:
+            raise ValueError(f"{where}: precision = {self.precision!r}; allowed: {', '.join(ENGINE_PRECISIONS)}")
+        if self.kv_dtype not in ENGINE_KV_DTYPES:
+            raise ValueError(f"{where}: kv_dtype = {self.kv_dtype!r}; allowed: {', '.join(ENGINE_KV_DTYPES)}")
+        if self.replicas < 0:
+            raise ValueError(f"{where}: replicas = {self.replicas}; allowed: >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FleetSpec:
+    mode: str                             # one of MODES
+    groups: tuple[GroupSpec, ...]
+    threads_per_replica: int = 1          # torch threads of one embedded sampler
+    resources: dict[str, float] = field(default_factory=dict)  # local Ray: custom resources to declare
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"fleet mode = {self.mode!r}; allowed: {', '.join(MODES)}")
+
+    def group(self, name: str) -> GroupSpec:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise KeyError(f"fleet group {name!r}; known: {', '.join(g.name for g in self.groups)}")
+
+    @property
+    def group_names(self) -> tuple[str, ...]:
+        return tuple(g.name for g in self.groups)
+
+    @property
+    def total_replicas(self) -> int:
+        return sum(g.replicas for g in self.groups)
+
+
+def _nominal(plan: Plan, g: GroupPlan) -> tuple[float, float, float, int]:
+    """(tokens/s, USD/hour, USD/Mtoken, tp) of one replica from the cost model; NaN-free fallbacks."""
+    try:
+        cat = load_catalog(plan.price_table or None).with_prices(plan.prices)
+        model = load_model_spec(plan.model)
+        workload = load_workload(plan.workload)
+        ctx = float(workload.mean_decode_context)
+        rm = replica_model(model, g.accelerator, g.precision, g.kv_dtype, catalog=cat, tp=g.tp or None,
+                           emulated=True, kv_budget_tokens=min(workload.max_context, model.max_context))
+        b = max(1, int(rm.max_batch(ctx, _MAX_BATCH)))
+        tps = float(rm.tokens_per_s(b, ctx))
+        usd_h = float(rm.price_usd_per_hour)
+        return tps, usd_h, usd_h / 3600.0 / max(tps, 1e-12) * 1e6, int(rm.tp)
+    except Exception:  # noqa: BLE001 - an accelerator / precision the catalog lacks: equal weights
+        return 1.0, 0.0, 0.0, max(1, g.tp)
+
+
+def fleet_from_plan(plan: Plan, *, mode: str = "embedded", attach: Mapping[str, Sequence[str]] | None = None,
+                    max_replicas_per_group: int | None = None) -> FleetSpec:
+    """The replicas a run of `plan` starts in `mode` (see the module doc)."""
+    if mode not in MODES:
+        raise ValueError(f"fleet mode = {mode!r}; allowed: {', '.join(MODES)}")
+    emb = plan.embedded or EmbeddedPlan()
+    cap = max_replicas_per_group if max_replicas_per_group is not None else emb.max_replicas_per_group
+    attach = dict(attach or {})
+    for name in attach:
+        plan.group(name)                                   # unknown names -> SpecError listing the groups
+    groups = []
+    resources: dict[str, float] = {}
+    for g in plan.groups:
+        tps, usd_h, usd_m, tp = _nominal(plan, g)
+        urls = tuple(attach.get(g.name, ()))
+        if mode == "embedded":
+            n = min(g.replicas, cap)
+            lo, hi, tp = min(g.min_replicas or 0, n), min(max(g.max_replicas or n, n), cap), 1
+            if n > 0:                  # a scaled-down group keeps the plan's share of the routing weight
+                tps *= g.replicas / n
+        elif mode == "attach":
+            if not urls and g.replicas > 0:
+                raise ValueError(f"fleet group '{g.name}': mode 'attach' needs its URLs (attach={{'{g.name}': "
+                                 f"['http://host:port', ...]}})")
+            n, lo, hi = len(urls), len(urls), len(urls)
+        else:
+            n, lo, hi = g.replicas, g.min_replicas or 0, g.max_replicas or g.replicas
+        groups.append(GroupSpec(name=g.name, accelerator=g.accelerator, precision=g.precision, kv_dtype=g.kv_dtype,
+                                kernel=g.kernel or None, replicas=n, planned_replicas=g.replicas, min_replicas=lo,
+                                max_replicas=hi, tp=tp, capacity_tokens_per_s=tps if math.isfinite(tps) else 1.0,
+                                usd_per_hour=usd_h, usd_per_mtoken=usd_m, urls=urls))
+        resources[g.accelerator] = resources.get(g.accelerator, 0.0) + hi * tp
+    if sum(g.replicas for g in groups) == 0:
+        raise ValueError(f"plan '{plan.name}': no sampler replica to start (every group scaled to 0)")
+    return FleetSpec(mode=mode, groups=tuple(groups), threads_per_replica=emb.threads_per_replica,
+                     resources=resources)

@@ -1,0 +1,192 @@
+"""Synthetic demonstrations: well-formatted episodes of each task, made by scripted demonstrators.
+
+The base policy (runner/orchestration/pretrain.py) is the tiny model trained to imitate these. A demonstrator is
+a policy written in Python that reads the transcript so far and writes the next reply; it is
+plugged into the real agent loop (runner/rollout/agent.py) as its generate function, so demonstrations have
+exactly the chat format, tool-output encoding and loss mask of the episodes RL will sample.
+
+Demonstrators are good but deliberately imperfect, with controlled noise, so that the imitating
+policy starts with a reward that is clearly nonzero but improvable:
+- guess: binary search (the midpoint of the interval still possible); with probability `noise` a
+  reply guesses a uniformly random number of that interval instead (still consistent, but slower).
+- calc: `calc EXPR` with the expression copied from the prompt, then `answer` with the calculator's
+  value; with probability `noise` it answers at once, without the calculator, with a "mental" value
+  that is right only `mental_accuracy` of the time (off by 1..10 otherwise).
+- both: with probability `no_call_rate` a reply is a short remark without a tool call (the loop
+  then nudges, and the next reply calls a tool), so the base policy knows how to recover.
+Every draw comes from one seeded RNG: the same DemoConfig gives the same episodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from mixfleet.runner.rollout.agent import (
+    CALL_ID,
+    ENDCALL_ID,
+    EOS_ID,
+    AgentConfig,
+    Episode,
+    decode_plain,
+    plain_ids,
+    run_episode,
+)
+from mixfleet.runner.rollout.tasks import make_task, split_seeds, task_config, task_names
+from mixfleet.runner.sampler.engine_api import RequestResult, SamplingParams, TokenOutput
+
+DEMO_WEIGHT_VERSION = "demo"
+_REMARKS = ("Let me think.", "Thinking.", "Hmm.", "OK.")
+_GUESS_RANGE_RE = re.compile(r"in 1\.\.(\d+)\.")
+_GUESS_STEP_RE = re.compile(r"<\|call\|>guess (\d+)<\|endcall\|><\|tool\|>(higher|lower)<\|eos\|>")
+_CALC_EXPR_RE = re.compile(r"Compute ([0-9+\-*() ]+)\.")
+_CALC_RESULT_RE = re.compile(r"<\|call\|>calc [^<]*<\|endcall\|><\|tool\|>(-?\d+)<\|eos\|>")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DemoConfig:
+    """Which demonstrations to make; part of the pretrain cache key."""
+
+    task: str = "guess"
+    task_options: tuple[tuple[str, Any], ...] = ()   # (name, value) pairs for make_task (hashable)
+    num_episodes: int = 2000
+    noise: float = 0.1                     # share of expert replies replaced by a noisy one (see module doc)
+    no_call_rate: float = 0.03             # share of replies that are a remark without a tool call
+    mental_accuracy: float = 0.3           # calc: share of correct answers made without the calculator
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.task not in task_names():
+            raise ValueError(f"demos.task: {self.task!r} is not one of {', '.join(task_names())}")
+        if self.task not in DEMONSTRATORS:
+            raise ValueError(f"demos.task: no demonstrator for {self.task!r}; have {', '.join(sorted(DEMONSTRATORS))}")
+        task_config(self.task, **dict(self.task_options))   # validates the options
+        if not isinstance(self.num_episodes, int) or self.num_episodes < 1:
+            raise ValueError(f"demos.num_episodes: {self.num_episodes!r} must be an integer >= 1")
+        for name in ("noise", "no_call_rate", "mental_accuracy"):
+            v = getattr(self, name)
+            if not isinstance(v, int | float) or not 0.0 <= v <= 1.0:
+                raise ValueError(f"demos.{name}: {v!r} must be a number in [0, 1]")
+
+
+Demonstrator = Callable[[str, random.Random, DemoConfig], str]
+
+
+def _call(name: str, args: str) -> str:
+    return f"<|call|>{name} {args}<|endcall|>"
+
+
+def _last_reply_had_no_call(transcript: str) -> bool:
+    """True when the last observation was the loop's nudge (a user message after the first prompt)."""
+    return transcript.count("<|user|>") > 1 and transcript.rfind("<|user|>") > transcript.rfind("<|tool|>")
+
+
+def guess_demonstrator(transcript: str, rng: random.Random, config: DemoConfig) -> str:
+    """Binary search over what the transcript's answers still allow, with `noise` random feasible guesses."""
+    m = _GUESS_RANGE_RE.search(transcript)
+    if m is None:
+        raise ValueError("guess demonstrator: no '1..N' range in the prompt")
+    lo, hi = 1, int(m.group(1))
+    for k, answer in _GUESS_STEP_RE.findall(transcript):
+        if answer == "higher":
+            lo = max(lo, int(k) + 1)
+        else:
+            hi = min(hi, int(k) - 1)
+    if rng.random() < config.no_call_rate and not _last_reply_had_no_call(transcript):
+        return rng.choice(_REMARKS) + "<|eos|>"
+    k = rng.randint(lo, hi) if rng.random() < config.noise else (lo + hi) // 2
+    return _call("guess", str(k))
+
+
+def calc_demonstrator(transcript: str, rng: random.Random, config: DemoConfig) -> str:
+    """calc then answer; with `noise` an answer without the calculator (right `mental_accuracy` of the time)."""
+    m = _CALC_EXPR_RE.search(transcript)
+    if m is None:
+        raise ValueError("calc demonstrator: no 'Compute EXPR.' in the prompt")
+    expr = m.group(1)
+    results = _CALC_RESULT_RE.findall(transcript)
+    if results:
+        return _call("answer", results[-1])
+    if rng.random() < config.no_call_rate and not _last_reply_had_no_call(transcript):
+        return rng.choice(_REMARKS) + "<|eos|>"
+    if rng.random() < config.noise:
+        from mixfleet.runner.rollout.tasks.calc import evaluate
+
+        value = evaluate(expr)
+        if rng.random() >= config.mental_accuracy:
+            value += rng.choice((-1, 1)) * rng.randint(1, 10)
+        return _call("answer", str(value))
+    return _call("calc", expr)
+
+
+DEMONSTRATORS: dict[str, Demonstrator] = {"guess": guess_demonstrator, "calc": calc_demonstrator}
+
+
+def reply_ids(reply: str) -> list[int]:
+    """A demonstrator's reply text to ids: `<|call|>`, `<|endcall|>` and `<|eos|>` as specials, the rest bytes."""
+    ids: list[int] = []
+    for piece in re.split(r"(<\|call\|>|<\|endcall\|>|<\|eos\|>)", reply):
+        if piece == "<|call|>":
+            ids.append(CALL_ID)
+        elif piece == "<|endcall|>":
+            ids.append(ENDCALL_ID)
+        elif piece == "<|eos|>":
+            ids.append(EOS_ID)
+        elif piece:
+            ids.extend(plain_ids(piece))
+    return ids
+
+
+def demonstrator_generate(config: DemoConfig, rng: random.Random):
+    """A GenerateFn (runner/rollout/agent.py) that answers with the task's demonstrator."""
+    demonstrator = DEMONSTRATORS[config.task]
+
+    async def generate(input_ids: list[int], sampling_params: SamplingParams, session_id: str) -> RequestResult:
+        ids = reply_ids(demonstrator(decode_plain(input_ids), rng, config))[: sampling_params.max_new_tokens]
+        stopped = ids[-1] in (ENDCALL_ID, EOS_ID)
+        finish = {"type": "stop", "matched": ids[-1]} if stopped else {"type": "length", "length": len(ids)}
+        return RequestResult(rid=session_id, output_ids=ids,
+                             tokens=[TokenOutput(token_id=i, logprob=0.0, weight_version=DEMO_WEIGHT_VERSION)
+                                     for i in ids],
+                             finish_reason=finish, prompt_tokens=len(input_ids), cached_tokens=0,
+                             weight_version=DEMO_WEIGHT_VERSION, e2e_latency=0.0)
+
+    return generate
+
+
+async def agenerate_demos(config: DemoConfig, *, agent: AgentConfig | None = None) -> list[Episode]:
+    """`config.num_episodes` demonstration episodes on seeds drawn from the train split."""
+    rng = random.Random(config.seed)
+    first = rng.randrange(0, 10**8)
+    seeds = split_seeds("train", config.num_episodes, offset=first)
+    generate = demonstrator_generate(config, rng)
+    options = dict(config.task_options)
+    episodes = []
+    for i, seed in enumerate(seeds):   # sequential: one RNG, reproducible order
+        ep = await run_episode(make_task(config.task, **options), seed, generate, config=agent,
+                               session_id=f"demo-{config.task}-{i}", clock=lambda: 0.0)
+        if ep.finish_reason == "error":
+            raise RuntimeError(f"demonstration {i} (seed {seed}) failed: {ep.error}")
+        episodes.append(ep)
+    return episodes
+
+
+def generate_demos(config: DemoConfig, *, agent: AgentConfig | None = None) -> list[Episode]:
+    """Synchronous wrapper of agenerate_demos (not for use inside a running event loop)."""
+    return asyncio.run(agenerate_demos(config, agent=agent))
+
+
+def demo_stats(episodes: list[Episode]) -> dict[str, float]:
+    """Mean reward, mean turns, mean tokens and finish-reason shares of a set of episodes."""
+    n = len(episodes)
+    out: dict[str, float] = {"episodes": float(n), "reward": sum(e.reward for e in episodes) / n,
+                             "turns": sum(e.num_turns for e in episodes) / n,
+                             "tokens": sum(len(e.tokens) for e in episodes) / n}
+    for e in episodes:
+        key = f"finish_{e.finish_reason}"
+        out[key] = out.get(key, 0.0) + 1.0 / n
+    return out

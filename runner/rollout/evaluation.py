@@ -1,0 +1,95 @@
+"""Held-out evaluation like the seed's: pass@k on the task's evaluation split, BF16 weights, full vocabulary.
+
+Every N updates the orchestrator evaluates the weights it just exported: `problems` held-out problems
+(seeds of the task's "eval" split, the same ones every time, so the curve compares like with like), `k`
+samples each, sampled at the run's temperature from the FULL vocabulary (top_p = 1, no top-k) by an
+embedded engine loading the checkpoint in BF16, independent of the fleet's mixed precisions. A problem
+passes when any of its k episodes earns reward >= `success_reward`; pass@k is the share that pass.
+The engine runs in the caller's process on its own thread, so the asyncio loop (and the run) keep going.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mixfleet.runner.rollout.agent import AgentConfig, engine_generate, run_episode
+from mixfleet.runner.rollout.tasks import make_task, split_seeds
+from mixfleet.runner.sampler.engine_api import SamplingParams
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalConfig:
+    task: str = "guess"
+    task_options: dict[str, Any] = field(default_factory=dict)
+    problems: int = 8                      # held-out problems (seeds of the eval split, from its start)
+    k: int = 4                             # samples per problem
+    max_turns: int | None = None
+    max_new_tokens: int = 48
+    temperature: float = 1.0
+    success_reward: float = 1.0            # an episode with reward >= this solves its problem
+    precision: str = "bf16"                # the evaluation engine's weight format
+    seed: int = 0
+    threads: int = 1                       # torch threads of the evaluation engine
+
+    def __post_init__(self) -> None:
+        for name in ("problems", "k", "max_new_tokens", "threads"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"EvalConfig.{name} = {v!r}; allowed: an integer >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"EvalConfig.temperature = {self.temperature!r}; allowed: > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalResult:
+    pass_at_k: float
+    reward_mean: float
+    problems: int
+    k: int
+    solved: int
+    wall_s: float
+
+
+def pass_at_k(successes: list[list[bool]]) -> float:
+    """Share of problems with at least one success among their samples."""
+    if not successes:
+        return float("nan")
+    return sum(1.0 for s in successes if any(s)) / len(successes)
+
+
+async def pass_at_k_eval(checkpoint: str | Path, config: EvalConfig | None = None) -> EvalResult:
+    """Evaluate the checkpoint (see the module doc); awaits without blocking the caller's event loop."""
+    from mixfleet.runner.sampler.engine import Engine
+
+    config = config or EvalConfig()
+    t0 = time.perf_counter()
+    engine = await asyncio.to_thread(Engine, str(checkpoint), precision=config.precision, seed=config.seed,
+                                     max_running_requests=config.problems * config.k)
+    stop = threading.Event()
+    thread = threading.Thread(target=engine.run_forever, args=(stop,), name="mixfleet-eval-engine", daemon=True)
+    thread.start()
+    generate = engine_generate(engine)
+    seeds = split_seeds("eval", config.problems)
+    agent = AgentConfig(context_length=engine.context_length, max_turns=config.max_turns,
+                        sampling=SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature))
+    try:
+        eps = await asyncio.gather(*[
+            run_episode(make_task(config.task, **config.task_options), s, generate, session_id=f"eval-{s}-{j}",
+                        config=AgentConfig(context_length=agent.context_length, max_turns=agent.max_turns,
+                                           sampling=SamplingParams(
+                                               max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                               sampling_seed=config.seed * 1_000_003 + i * 97 + j)))
+            for i, s in enumerate(seeds) for j in range(config.k)])
+    finally:
+        stop.set()
+        await asyncio.to_thread(thread.join, 10)
+    succ = [[eps[i * config.k + j].reward >= config.success_reward for j in range(config.k)]
+            for i in range(config.problems)]
+    rewards = [e.reward for e in eps]
+    return EvalResult(pass_at_k=pass_at_k(succ), reward_mean=sum(rewards) / len(rewards), problems=config.problems,
+                      k=config.k, solved=sum(1 for s in succ if any(s)), wall_s=time.perf_counter() - t0)

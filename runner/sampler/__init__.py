@@ -1,0 +1,5 @@
+"""The samplers: the embedded engine (engine/), the engine interface the rollout code drives
+(engine_api.py), the SGLang-protocol HTTP server (server.py, protocol.py), the one async client that
+drives embedded and real SGLang servers alike (client.py), the SGLang launcher (sglang_launch.py) and
+the mismatch measurement (mismatch.py). Imports only the checkpoint room.
+"""

@@ -1,0 +1,553 @@
+"""The embedded sampler's HTTP server: a `SamplerEngine` behind SGLang's native API subset.
+
+FastAPI app (`create_app`) + uvicorn (`serve`), bound to 127.0.0.1 by default. The engine runs on
+one background thread (`engine.run_forever`); HTTP handlers run on the asyncio loop. Engine
+callbacks (on the engine thread) hand tokens and results to the loop with
+`loop.call_soon_threadsafe`, so a handler simply awaits its request's future (or reads its queue
+when streaming). Parsing and validation live in `runner/sampler/protocol.py`: a malformed request is
+answered 400 before the engine sees it, so it never disturbs the requests in flight.
+
+Endpoints: /generate (single, batch, `stream` as server-sent events), /health, /health_generate,
+/model_info, /server_info, /weight_version (each also under its /get_ name), /get_load,
+/flush_cache, /abort_request, /pause_generation, /continue_generation, /update_weights_from_disk,
+/update_weight_version. The distributed weight-update endpoints answer 400: the embedded engine
+takes weights from disk.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
+from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplerEngine, SamplingParams, TokenOutput
+from mixfleet.runner.sampler.protocol import (
+    DEFAULT_MAX_BATCH_SIZE,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_SAMPLING_MASK_MAX_TOKENS,
+    GenerateCall,
+    GenerateItem,
+    ProtocolError,
+    ProtocolLimits,
+    build_response,
+    parse_generate,
+    parse_json_body,
+    response_dict,
+)
+
+log = logging.getLogger("mixfleet.server")
+
+ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+PAUSE_MODES = ("abort", "retract", "in_place")
+# what SGLang's --quantization calls each embedded precision (None: unquantized)
+QUANTIZATION_NAME = {"fp32": None, "bf16": None, "fp8": "fp8", "nvfp4": "modelopt_fp4", "mxfp4": "mxfp4"}
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+ENGINE_JOIN_TIMEOUT_S = 10.0
+DISCONNECT_POLL_S = 0.5
+NOT_SUPPORTED = "not supported by the embedded engine; use update_weights_from_disk"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServerArgs:
+    """Launch settings of one embedded sampler server (also reported by /server_info)."""
+
+    host: str = "127.0.0.1"                      # bind address; loopback unless told otherwise
+    port: int = 30000
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # larger request bodies get a 400
+    sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS  # largest kept set per token
+    max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # prompts per /generate call
+    max_running_requests: int | None = None      # engine's batch bound (reported; the engine enforces it)
+    kernel: str | None = None                     # matmul dtype after dequantization (reported)
+    tp_size: int = 1                              # always 1 for the embedded engine
+    log_level: str = "warning"                    # uvicorn's log level
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError(f"ServerArgs.host = {self.host!r}: must be a host name or address")
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ValueError(f"ServerArgs.port = {self.port!r}: allowed 0..65535 (0: any free port)")
+        for name in ("max_body_bytes", "sampling_mask_max_tokens", "max_batch_size", "tp_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"ServerArgs.{name} = {v!r}: must be an integer >= 1")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ValueError(f"ServerArgs.max_running_requests = {self.max_running_requests}: must be >= 1 or None")
+        if self.tp_size != 1:
+            raise ValueError(f"ServerArgs.tp_size = {self.tp_size}: the embedded engine runs tp_size 1")
+        levels = ("critical", "error", "warning", "info", "debug", "trace")
+        if self.log_level not in levels:
+            raise ValueError(f"ServerArgs.log_level = {self.log_level!r}: allowed {', '.join(levels)}")
+
+
+def _error(message: str, status: int = 400) -> JSONResponse:
+    return JSONResponse({"error": {"message": message}}, status_code=status)
+
+
+class _Pending:
+    """One request in flight: the loop-side end of the engine's callbacks."""
+
+    def __init__(self, item: GenerateItem, loop: asyncio.AbstractEventLoop, stream: bool) -> None:
+        self.item = item
+        self.loop = loop
+        self.future: asyncio.Future[RequestResult] = loop.create_future()
+        self.queue: asyncio.Queue | None = asyncio.Queue() if stream else None
+        self.tokens: list[TokenOutput] = []
+        self.start_s = time.perf_counter()
+
+    # engine thread -> loop
+    def on_token(self, tok: TokenOutput) -> None:
+        if self.queue is not None:
+            self._post(self.queue.put_nowait, ("token", tok))
+
+    def on_finish(self, result: RequestResult) -> None:
+        self._post(self._finish, result)
+
+    def _post(self, fn: Any, arg: Any) -> None:
+        with contextlib.suppress(RuntimeError):       # the loop is closed: the server is shutting down
+            self.loop.call_soon_threadsafe(fn, arg)
+
+    def _finish(self, result: RequestResult) -> None:
+        if not self.future.done():
+            self.future.set_result(result)
+        if self.queue is not None:
+            self.queue.put_nowait(("finish", result))
+
+
+class EmbeddedSampler:
+    """The server's state: the engine, its thread, the requests in flight."""
+
+    def __init__(self, engine: SamplerEngine, args: ServerArgs, tokenizer: ByteTokenizer | None = None) -> None:
+        self.engine = engine
+        self.args = args
+        self.tokenizer = tokenizer or _tokenizer_for(engine)
+        self.limits = ProtocolLimits(vocab_size=engine.vocab_size, context_length=engine.context_length,
+                                     max_body_bytes=args.max_body_bytes,
+                                     sampling_mask_max_tokens=args.sampling_mask_max_tokens,
+                                     max_batch_size=args.max_batch_size)
+        self.pending: dict[str, _Pending] = {}
+        self.paused = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._engine_error: BaseException | None = None
+        self._weights_lock = asyncio.Lock()
+        self.port = args.port
+
+    # ---- engine thread ----------------------------------------------------------------------
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="mixfleet-engine", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self.engine.run_forever(self._stop)
+        except BaseException as e:  # noqa: BLE001 - reported by /health
+            self._engine_error = e
+            log.exception("engine thread died")
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            self.engine.abort(abort_all=True)
+        if self._thread is not None:
+            self._thread.join(ENGINE_JOIN_TIMEOUT_S)
+
+    @property
+    def ready(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self._engine_error is None
+
+    # ---- requests ---------------------------------------------------------------------------
+    def submit(self, call: GenerateCall, loop: asyncio.AbstractEventLoop) -> list[_Pending]:
+        rids = [it.request.rid for it in call.items]
+        busy = [r for r in rids if r in self.pending]
+        if busy:
+            raise ProtocolError(f"rid {busy[0]!r} is already in flight; request ids must be unique")
+        pendings = [_Pending(it, loop, call.stream) for it in call.items]
+        added: list[_Pending] = []
+        try:
+            for p in pendings:
+                self.pending[p.item.request.rid] = p
+                if p.item.request.params.max_new_tokens == 0:
+                    p.on_finish(self._empty_result(p.item.request))
+                else:
+                    self.engine.add_request(p.item.request, on_finish=p.on_finish,
+                                            on_token=p.on_token if call.stream else None)
+                added.append(p)
+        except ValueError as e:   # the engine refused the request (e.g. larger than its KV budget)
+            for p in pendings:
+                self.pending.pop(p.item.request.rid, None)
+            for p in added:
+                with contextlib.suppress(Exception):
+                    self.engine.abort(p.item.request.rid)
+            raise ProtocolError(str(e)) from None
+        return pendings
+
+    def _empty_result(self, req: EngineRequest) -> RequestResult:
+        return RequestResult(rid=req.rid, output_ids=[], tokens=[], finish_reason={"type": "length", "length": 0},
+                             prompt_tokens=len(req.input_ids), cached_tokens=0,
+                             weight_version=str(self.engine.weight_version), e2e_latency=0.0)
+
+    def release(self, pendings: list[_Pending], *, abort: bool) -> None:
+        for p in pendings:
+            rid = p.item.request.rid
+            if abort and not p.future.done():
+                with contextlib.suppress(Exception):
+                    self.engine.abort(rid)
+            if self.pending.get(rid) is p:
+                del self.pending[rid]
+
+    def respond(self, p: _Pending, result: RequestResult) -> dict:
+        return build_response(p.item, result, self.tokenizer)
+
+    def partial(self, p: _Pending) -> dict:
+        toks = p.tokens
+        version = toks[-1].weight_version if toks else str(self.engine.weight_version)
+        return response_dict(p.item, output_ids=[t.token_id for t in toks], tokens=toks, finish_reason=None,
+                             prompt_tokens=len(p.item.request.input_ids), cached_tokens=0, weight_version=version,
+                             e2e_latency=time.perf_counter() - p.start_s, tokenizer=self.tokenizer)
+
+    # ---- info -------------------------------------------------------------------------------
+    def model_info(self) -> dict:
+        e = self.engine
+        return {"model_path": str(e.model_path), "tokenizer_path": str(e.model_path), "is_generation": True,
+                "preferred_sampling_params": None, "weight_version": str(e.weight_version),
+                "has_image_understanding": False, "has_audio_understanding": False,
+                "model_type": "mixfleet", "architectures": ["MixfleetForCausalLM"],
+                "vocab_size": e.vocab_size, "context_length": e.context_length}
+
+    def server_info(self) -> dict:
+        e = self.engine
+        own = getattr(e, "server_info", None)
+        info = dict(own()) if callable(own) else {}
+        info |= {"model_path": str(e.model_path), "host": self.args.host, "port": self.port,
+                "tp_size": self.args.tp_size, "quantization": QUANTIZATION_NAME.get(e.precision, e.precision),
+                "kv_cache_dtype": "auto" if e.kv_cache_dtype in ("bf16", "fp32") else e.kv_cache_dtype,
+                "dtype": "float32" if e.precision == "fp32" else "bfloat16",
+                "context_length": e.context_length, "max_running_requests":
+                    self.args.max_running_requests or info.get("max_running_requests"),
+                "sampling_mask_max_tokens": self.args.sampling_mask_max_tokens,
+                "weight_version": str(e.weight_version), "version": "mixfleet-embedded",
+                "mixfleet": {"engine": "embedded", "precision": e.precision, "kv_cache_dtype": e.kv_cache_dtype,
+                             "kernel": self.args.kernel or getattr(e, "kernel", None),
+                             "server_args": asdict(self.args)}}
+        return info
+
+
+def _tokenizer_for(engine: SamplerEngine) -> ByteTokenizer:
+    tok = getattr(engine, "tokenizer", None)
+    if isinstance(tok, ByteTokenizer):
+        return tok
+    with contextlib.suppress(FileNotFoundError, ValueError, OSError, TypeError):
+        return ByteTokenizer.load(Path(engine.model_path))
+    return ByteTokenizer()
+
+
+async def _read_body(request: Request, max_bytes: int) -> bytes:
+    """The request body, refused (ProtocolError) as soon as it exceeds max_bytes."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ProtocolError(f"request body is {declared} bytes; the limit is {max_bytes} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise ProtocolError(f"request body exceeds the limit of {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json_object(request: Request, max_bytes: int, allowed: dict[str, tuple[type, ...]]) -> dict:
+    """A control endpoint's JSON object body, checked against its allowed keys and types."""
+    obj = parse_json_body(await _read_body(request, max_bytes), max_bytes)
+    if not isinstance(obj, dict):
+        raise ProtocolError(f"the body must be a JSON object; got {type(obj).__name__}")
+    for k, v in obj.items():
+        if k not in allowed:
+            raise ProtocolError(f"{k}: unknown key; allowed: {', '.join(sorted(allowed))}")
+        types = allowed[k]
+        if v is not None and (not isinstance(v, types) or (isinstance(v, bool) and bool not in types)):
+            names = " or ".join("boolean" if t is bool else t.__name__ for t in types)
+            raise ProtocolError(f"{k} = {json.dumps(v)[:60]}: must be {names}")
+    return obj
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
+               tokenizer: ByteTokenizer | None = None) -> FastAPI:
+    """The FastAPI app serving `engine`; the engine thread starts and stops with the app's lifespan."""
+    args = server_args or ServerArgs()
+    state = EmbeddedSampler(engine, args, tokenizer)
+
+    @asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        state.start()
+        try:
+            yield
+        finally:
+            state.stop()
+
+    app = FastAPI(title="mixfleet embedded sampler", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.sampler = state
+
+    @app.exception_handler(ProtocolError)
+    async def _protocol_error(_request: Request, exc: ProtocolError) -> JSONResponse:
+        return JSONResponse(exc.to_json(), status_code=400)
+
+    # ---- generation -------------------------------------------------------------------------
+    @app.api_route("/generate", methods=["POST", "PUT"])
+    async def generate(request: Request) -> Response:
+        body = await _read_body(request, args.max_body_bytes)
+        obj = parse_json_body(body, args.max_body_bytes)
+        call = parse_generate(obj, state.limits, state.tokenizer,
+                              routing_key=request.headers.get(ROUTING_KEY_HEADER))
+        loop = asyncio.get_running_loop()
+        pendings = state.submit(call, loop)
+        if call.stream:
+            return StreamingResponse(_stream(call, pendings), media_type="text/event-stream")
+        finished = False
+        try:
+            futures = [p.future for p in pendings]
+            while True:
+                _done, waiting = await asyncio.wait(futures, timeout=DISCONNECT_POLL_S)
+                if not waiting:
+                    break
+                if await request.is_disconnected():
+                    return Response(status_code=499)
+            finished = True
+            out = [state.respond(p, p.future.result()) for p in pendings]
+        finally:
+            state.release(pendings, abort=not finished)
+        return JSONResponse(out if call.is_batch else out[0])
+
+    async def _stream(call: GenerateCall, pendings: list[_Pending]) -> AsyncIterator[bytes]:
+        finished = False
+        try:
+            merged: asyncio.Queue = asyncio.Queue()
+
+            async def pump(i: int, p: _Pending) -> None:
+                assert p.queue is not None
+                while True:
+                    kind, payload = await p.queue.get()
+                    await merged.put((i, kind, payload))
+                    if kind == "finish":
+                        return
+
+            tasks = [asyncio.create_task(pump(i, p)) for i, p in enumerate(pendings)]
+            try:
+                left = len(pendings)
+                while left:
+                    i, kind, payload = await merged.get()
+                    p = pendings[i]
+                    if kind == "token":
+                        p.tokens.append(payload)
+                        if len(p.tokens) % p.item.stream_interval:
+                            continue
+                        out = state.partial(p)
+                    else:
+                        left -= 1
+                        out = state.respond(p, payload)
+                    if call.is_batch:
+                        out["index"] = i
+                    yield _sse(out)
+                finished = True
+                yield b"data: [DONE]\n\n"
+            finally:
+                for t in tasks:
+                    t.cancel()
+        finally:
+            state.release(pendings, abort=not finished)
+
+    # ---- health and info --------------------------------------------------------------------
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if state.ready else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if not state.ready:
+            return Response(status_code=503)
+        if state.paused:
+            return Response(status_code=200)
+        req = EngineRequest(rid=f"HEALTH_CHECK_{uuid.uuid4().hex}", input_ids=[state.tokenizer.bos_id],
+                            params=SamplingParams(max_new_tokens=1, temperature=0.0))
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def done(result: RequestResult) -> None:
+            with contextlib.suppress(RuntimeError):
+                loop.call_soon_threadsafe(lambda: fut.done() or fut.set_result(result))
+
+        engine.add_request(req, on_finish=done)
+        try:
+            await asyncio.wait_for(fut, HEALTH_GENERATE_TIMEOUT_S)
+        except TimeoutError:
+            engine.abort(req.rid)
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    for path in ("/model_info", "/get_model_info"):
+        app.add_api_route(path, lambda: state.model_info(), methods=["GET"])
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, lambda: state.server_info(), methods=["GET"])
+    for path in ("/weight_version", "/get_weight_version"):
+        app.add_api_route(path, lambda: {"weight_version": str(engine.weight_version)}, methods=["GET"])
+
+    @app.get("/get_load")
+    async def get_load() -> dict:
+        return dict(engine.load())
+
+    # ---- control ----------------------------------------------------------------------------
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        load = engine.load()
+        if load.get("num_running_reqs", 0) or load.get("num_waiting_reqs", 0) or state.pending:
+            return PlainTextResponse("Cache not flushed: requests are running or waiting.", status_code=400)
+        flush = getattr(engine, "flush_cache", None)
+        if callable(flush) and flush() is False:
+            return PlainTextResponse("Cache not flushed: requests are running or waiting.", status_code=400)
+        return PlainTextResponse("Cache flushed.", status_code=200)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> dict:
+        obj = await _json_object(request, args.max_body_bytes, {"rid": (str,), "abort_all": (bool,),
+                                                               "finished_reason": (dict,), "abort_message": (str,)})
+        if obj.get("abort_all"):
+            n = await asyncio.to_thread(engine.abort, abort_all=True)
+        elif obj.get("rid"):
+            n = await asyncio.to_thread(engine.abort, obj["rid"])
+        else:
+            raise ProtocolError("give `rid` (a request id) or `abort_all: true`")
+        return {"success": True, "num_aborted": n}
+
+    @app.post("/pause_generation")
+    async def pause_generation(request: Request) -> dict:
+        obj = await _json_object(request, args.max_body_bytes, {"mode": (str,)})
+        mode = obj.get("mode") or "abort"
+        if mode not in PAUSE_MODES:
+            raise ProtocolError(f"mode = {mode!r}: allowed {', '.join(PAUSE_MODES)}")
+        await asyncio.to_thread(engine.pause, mode)
+        state.paused = True
+        return {"message": "Generation paused successfully.", "status": "ok"}
+
+    @app.post("/continue_generation")
+    async def continue_generation(request: Request) -> dict:
+        await _json_object(request, args.max_body_bytes, {})
+        await asyncio.to_thread(engine.resume)
+        state.paused = False
+        return {"message": "Generation continued successfully.", "status": "ok"}
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: Request) -> JSONResponse:
+        obj = await _json_object(request, args.max_body_bytes, {
+            "model_path": (str,), "weight_version": (str,), "abort_all_requests": (bool,), "load_format": (str,),
+            "flush_cache": (bool,), "is_async": (bool,), "torch_empty_cache": (bool,), "keep_pause": (bool,),
+            "recapture_cuda_graph": (bool,), "token_step": (int,)})
+        if not obj.get("model_path"):
+            raise ProtocolError("model_path: required (a checkpoint folder: config.json + *.safetensors)")
+        if obj.get("load_format") not in (None, "auto", "safetensors"):
+            raise ProtocolError(f"load_format = {obj['load_format']!r}: the embedded engine reads safetensors "
+                                "(allowed null, \"auto\", \"safetensors\")")
+        async with state._weights_lock:
+            if obj.get("abort_all_requests"):
+                engine.abort(abort_all=True)
+            ok, message = await asyncio.to_thread(engine.update_weights_from_disk, obj["model_path"],
+                                                  obj.get("weight_version"))
+        body = {"success": bool(ok), "message": message, "num_paused_requests": 0}
+        return JSONResponse(body, status_code=200 if ok else 400)
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(request: Request) -> dict:
+        obj = await _json_object(request, args.max_body_bytes, {"new_version": (str,), "abort_all_requests": (bool,)})
+        if not obj.get("new_version"):
+            raise ProtocolError("new_version: required (a non-empty string)")
+        if obj.get("abort_all_requests"):
+            engine.abort(abort_all=True)
+        rename = getattr(engine, "update_weight_version", None)
+        if callable(rename):
+            rename(obj["new_version"])
+        else:
+            engine.weight_version = obj["new_version"]
+        return {"success": True, "new_version": obj["new_version"], "message": "Weight version updated."}
+
+    async def _not_supported() -> JSONResponse:
+        return JSONResponse({"success": False, "message": NOT_SUPPORTED}, status_code=400)
+
+    for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
+                 "/update_weights_from_tensor"):
+        app.add_api_route(path, _not_supported, methods=["POST"])
+
+    return app
+
+
+class ServerHandle:
+    """A server running in this process on a background thread (tests, notebooks, the runner)."""
+
+    def __init__(self, server: Any, thread: threading.Thread, url: str, sampler: EmbeddedSampler) -> None:
+        self._server, self._thread, self.url, self.sampler = server, thread, url, sampler
+
+    def stop(self) -> None:
+        """Answer the requests in flight (finish_reason abort), then shut the server and engine down."""
+        with contextlib.suppress(Exception):
+            self.sampler.engine.abort(abort_all=True)
+        self._server.should_exit = True
+        self._thread.join(ENGINE_JOIN_TIMEOUT_S + 5)
+
+    def __enter__(self) -> ServerHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def start_in_thread(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
+                    startup_timeout_s: float = 30.0) -> ServerHandle:
+    """Start uvicorn serving `engine` on a thread and return once it accepts connections.
+
+    `server_args.port = 0` picks a free port; the handle's `url` carries the real one.
+    """
+    import socket
+
+    import uvicorn
+
+    args = server_args or ServerArgs(port=0)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    port = sock.getsockname()[1]
+    app = create_app(engine, server_args=args)
+    app.state.sampler.port = port
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="mixfleet-uvicorn", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + startup_timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            server.should_exit = True
+            raise RuntimeError(f"the sampler server did not start on {args.host}:{port}")
+        time.sleep(0.01)
+    return ServerHandle(server, thread, f"http://{args.host}:{port}", app.state.sampler)
+
+
+def serve(engine: SamplerEngine, *, server_args: ServerArgs) -> None:
+    """Serve `engine` in the foreground until interrupted (the `mixfleet serve` command)."""
+    import uvicorn
+
+    app = create_app(engine, server_args=server_args)
+    uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
+                timeout_graceful_shutdown=5)
