@@ -22,6 +22,18 @@ Definitions (the run clock starts at 0; seconds are simulated for the twin, wall
 - finish_reasons: share of trajectories per reason (every reason listed, 0 when absent).
 - reward trend: reward_first / reward_last are the mean reward_mean of the first / last
   max(1, updates // 10) updates; reward_slope_per_update is a least-squares slope over updates.
+
+Steady state (`steady_state`, the standard output analysis of a simulation, applied to real logs alike):
+- pipeline fill: first_update_s, start to the first update's end (the first interval, always excluded).
+- warm-up: the remaining per-update series (interval between update ends, cost per update = the increment
+  of the cumulative sampler + trainer cost, per-update staleness_mean) are each truncated by MSER-5 (White
+  1997: the truncation point d minimizing the variance of the mean of what remains, sum((z - mean)^2) /
+  (k - d)^2 over batch means z of 5 updates, d <= k / 2; batches of 1 when fewer than 20 updates remain);
+  the run's warm-up is the largest of the three (warmup_updates counts the first update too).
+- steady_*: the mean of the updates after the warm-up and its 95% confidence half-width by batch means
+  (b = min(10, max(2, n // 2)) consecutive batches of n // b updates, the leading remainder dropped from the
+  batches; half-width t(0.975, b - 1) x sd(batch means) / sqrt(b); NaN with fewer than 2 updates).
+  steady_tokens_per_s = trained tokens / time over those updates (a ratio, no interval).
 """
 
 from __future__ import annotations
@@ -95,6 +107,18 @@ class RunSummary:
     group_extreme_share: dict[str, float] = field(default_factory=dict)
     group_staleness_mean: dict[str, float] = field(default_factory=dict)
     group_cost_usd: dict[str, float] = field(default_factory=dict)
+    # steady state (see the module docstring): after the pipeline fill (first_update_s) and the warm-up
+    warmup_updates: int = 0                  # updates before the steady state (the first one included)
+    steady_updates: int = 0                  # updates the steady-state figures average
+    steady_time_per_update_s: float = _NAN
+    steady_time_per_update_ci_s: float = _NAN       # 95% half-width (batch means)
+    steady_cost_per_update_usd: float = _NAN
+    steady_cost_per_update_ci_usd: float = _NAN
+    steady_cost_sampler_per_update_usd: float = _NAN
+    steady_cost_sampler_per_update_ci_usd: float = _NAN
+    steady_staleness_mean: float = _NAN
+    steady_staleness_ci: float = _NAN
+    steady_tokens_per_s: float = _NAN
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (per-group and finish-reason values as nested dicts); NaN stays NaN."""
@@ -140,6 +164,108 @@ def _head_tail_mean(values: np.ndarray, tail: bool) -> float:
     part = values[-k:] if tail else values[:k]
     part = part[~np.isnan(part)]
     return float(part.mean()) if len(part) else _NAN
+
+
+MSER_BATCH = 5          # MSER-5: warm-up truncation on batch means of 5 updates
+
+
+@dataclass(frozen=True, kw_only=True)
+class SteadyEstimate:
+    """One metric's steady-state mean with its 95% confidence half-width (batch means)."""
+    mean: float
+    half_width: float                        # NaN with fewer than 2 observations
+    n: int                                   # observations averaged
+    batches: int
+
+    @property
+    def low(self) -> float:
+        return self.mean - self.half_width
+
+    @property
+    def high(self) -> float:
+        return self.mean + self.half_width
+
+    def contains(self, x: float) -> bool:
+        return bool(self.low <= x <= self.high)
+
+
+def mser_truncation(values: Any, batch: int = MSER_BATCH) -> int:
+    """MSER-m warm-up truncation: how many leading observations to delete. The series is cut into batches of
+    `batch` (the trailing remainder only joins the mean later); d batches are deleted where
+    sum((z_j - mean(z_d:))^2) / (k - d)^2 is smallest, d <= k / 2 (ties: the smallest d). With fewer than
+    4 batches of `batch` it falls back to batches of 1 (MSER); under 4 observations nothing is deleted."""
+    x = np.asarray(values, dtype=float)
+    x = x[~np.isnan(x)] if np.isnan(x).any() else x
+    m = batch if len(x) >= 4 * batch else 1
+    k = len(x) // m
+    if k < 4:
+        return 0
+    z = x[:k * m].reshape(k, m).mean(axis=1)
+    best_d, best = -1, math.inf
+    for d in range(k // 2 + 1):
+        rest = z[d:]
+        stat = float(((rest - rest.mean()) ** 2).sum()) / len(rest) ** 2
+        if best_d < 0 or stat < best * (1.0 - 1e-12):
+            best_d, best = d, stat
+    return best_d * m
+
+
+def batch_means(values: Any, max_batches: int = 10) -> SteadyEstimate:
+    """Mean of `values` and its 95% half-width by batch means: b = min(max_batches, max(2, n // 2)) batches
+    of n // b consecutive values (the leading remainder left out of the batches, not of the mean)."""
+    from scipy.stats import t as student_t
+
+    x = np.asarray(values, dtype=float)
+    x = x[~np.isnan(x)]
+    n = len(x)
+    if n == 0:
+        return SteadyEstimate(mean=_NAN, half_width=_NAN, n=0, batches=0)
+    if n < 2:
+        return SteadyEstimate(mean=float(x.mean()), half_width=_NAN, n=n, batches=n)
+    b = min(max_batches, max(2, n // 2))
+    size = n // b
+    z = x[n - b * size:].reshape(b, size).mean(axis=1)
+    half = float(student_t.ppf(0.975, b - 1) * z.std(ddof=1) / math.sqrt(b))
+    return SteadyEstimate(mean=float(x.mean()), half_width=half, n=n, batches=b)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SteadyState:
+    """A run's steady state: the pipeline fill, the warm-up MSER-5 found, and the estimates after it."""
+    fill_s: float                            # start to the first update's end
+    warmup_updates: int                      # updates before the steady state (the first one included)
+    time_per_update_s: SteadyEstimate
+    cost_per_update_usd: SteadyEstimate
+    cost_sampler_per_update_usd: SteadyEstimate
+    staleness: SteadyEstimate
+    tokens_per_s: float                      # trained tokens / time over the steady updates
+
+
+def steady_state(updates: pd.DataFrame, start_s: float = 0.0) -> SteadyState:
+    """The steady state of an `updates` table (run log columns end_s, cost_sampler_usd, cost_trainer_usd,
+    staleness_mean, tokens), sorted by version; intervals are measured from `start_s`. See the module docstring."""
+    up = updates.sort_values("version", kind="stable")
+    n = len(up)
+    nan = SteadyEstimate(mean=_NAN, half_width=_NAN, n=0, batches=0)
+    if n == 0:
+        return SteadyState(fill_s=_NAN, warmup_updates=0, time_per_update_s=nan, cost_per_update_usd=nan,
+                           cost_sampler_per_update_usd=nan, staleness=nan, tokens_per_s=_NAN)
+    ends = up["end_s"].to_numpy(dtype=float)
+    iv = np.diff(ends, prepend=start_s)
+    cs = np.nan_to_num(up["cost_sampler_usd"].to_numpy(dtype=float))
+    ct = np.nan_to_num(up["cost_trainer_usd"].to_numpy(dtype=float))
+    cost_s = np.diff(cs, prepend=0.0)
+    cost = cost_s + np.diff(ct, prepend=0.0)
+    stale = up["staleness_mean"].to_numpy(dtype=float)
+    tokens = up["tokens"].to_numpy(dtype=float)
+    d = 1 + max(mser_truncation(x[1:]) for x in (iv, cost, stale))  # the first update is the pipeline fill
+    keep = slice(d, None)
+    time_kept = float(iv[keep].sum())
+    return SteadyState(
+        fill_s=float(iv[0]), warmup_updates=min(d, n), time_per_update_s=batch_means(iv[keep]),
+        cost_per_update_usd=batch_means(cost[keep]), cost_sampler_per_update_usd=batch_means(cost_s[keep]),
+        staleness=batch_means(stale[keep]),
+        tokens_per_s=float(tokens[keep].sum()) / time_kept if time_kept > 0 else _NAN)
 
 
 def summarize(runlog: RunLog | str | os.PathLike[str]) -> RunSummary:
@@ -217,7 +343,16 @@ def summarize(runlog: RunLog | str | os.PathLike[str]) -> RunSummary:
             g_stale[name] = _wmean(g["staleness_mean"], w)
             g_cost[name] = float(g["cost_usd"].sum())
 
+    ss = steady_state(up)
     return RunSummary(
+        warmup_updates=ss.warmup_updates, steady_updates=ss.time_per_update_s.n,
+        steady_time_per_update_s=ss.time_per_update_s.mean, steady_time_per_update_ci_s=ss.time_per_update_s.half_width,
+        steady_cost_per_update_usd=ss.cost_per_update_usd.mean,
+        steady_cost_per_update_ci_usd=ss.cost_per_update_usd.half_width,
+        steady_cost_sampler_per_update_usd=ss.cost_sampler_per_update_usd.mean,
+        steady_cost_sampler_per_update_ci_usd=ss.cost_sampler_per_update_usd.half_width,
+        steady_staleness_mean=ss.staleness.mean, steady_staleness_ci=ss.staleness.half_width,
+        steady_tokens_per_s=ss.tokens_per_s,
         run_id=log.run_id, source=source, clock="simulated" if source == "twin" else "wall",
         updates=n_up, trajectories=len(tr), elapsed_s=elapsed, wall_s=wall_s,
         time_per_update_mean_s=float(intervals.mean()) if n_up else _NAN,

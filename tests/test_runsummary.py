@@ -6,9 +6,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mixfleet.costmodel.runlog import FINISH_REASONS, GroupRecord, RunLog, RunLogWriter, TrajectoryRecord, UpdateRecord
-from mixfleet.costmodel.runsummary import RunSummary, compare, summarize
+from mixfleet.costmodel.runsummary import RunSummary, batch_means, compare, mser_truncation, summarize
 
 NAN = float("nan")
 
@@ -127,3 +128,45 @@ def test_compare_reports_differences(tmp_path: Path) -> None:
     assert (same["diff"].dropna() == 0).all() and (same["rel_diff"].dropna() == 0).all()
     with pytest.raises(ValueError, match="labels"):
         compare(a, b, labels=("x", "x"))
+
+
+def test_steady_state_of_the_small_log_by_hand(tmp_path: Path) -> None:
+    """Intervals 10 | 15, 20: the first is the pipeline fill; 2 steady updates, 2 batches of 1 (t(0.975, 1) =
+    12.706); cost increments 4, 4, 4 (interval 0); staleness 1, 2."""
+    s = summarize(RunLog.open(small_log(tmp_path / "run")))
+    assert (s.first_update_s, s.warmup_updates, s.steady_updates) == (10.0, 1, 2)
+    assert s.steady_time_per_update_s == pytest.approx(17.5)
+    assert s.steady_time_per_update_ci_s == pytest.approx(12.7062 * 2.5, rel=1e-4)  # sd(15, 20) / sqrt(2) = 2.5
+    assert s.steady_cost_per_update_usd == pytest.approx(4.0) and s.steady_cost_per_update_ci_usd == pytest.approx(0)
+    assert s.steady_cost_sampler_per_update_usd == pytest.approx(3.0)
+    assert s.steady_staleness_mean == pytest.approx(1.5)
+    assert s.steady_tokens_per_s == pytest.approx(300 / 35)
+    assert compare(s, s)["metric"].str.startswith("steady_").sum() == 10
+
+
+def test_mser_cuts_the_transient_and_keeps_a_stationary_series() -> None:
+    rng = np.random.default_rng(0)
+    ramp = np.r_[np.linspace(10.0, 2.0, 15), 1.0 + 0.1 * rng.standard_normal(85)]
+    d = mser_truncation(ramp)
+    assert 10 <= d <= 25 and d % 5 == 0  # MSER-5 deletes whole batches of 5 past the ramp
+    assert mser_truncation(1.0 + 0.1 * rng.standard_normal(100)) <= 10
+    assert mser_truncation([5.0, 1.0, 1.1, 0.9, 1.0, 1.05, 0.95]) == 1  # short: batches of 1
+    assert mser_truncation([3.0, 1.0, 2.0]) == 0
+
+
+def test_batch_means_interval_covers_the_mean_about_95_percent() -> None:
+    """AR(1) series (phi 0.5): batch means of 10 batches cover the true mean in ~95% of 400 replications."""
+    rng = np.random.default_rng(1)
+    hits = 0
+    for _ in range(400):
+        e = rng.standard_normal(200)
+        x = np.empty(200)
+        x[0] = e[0]
+        for i in range(1, 200):
+            x[i] = 0.5 * x[i - 1] + e[i]
+        est = batch_means(3.0 + x)
+        assert est.batches == 10 and est.n == 200
+        hits += est.contains(3.0)
+    assert 0.88 <= hits / 400 <= 0.99
+    one = batch_means([2.0])
+    assert one.mean == 2.0 and math.isnan(one.half_width)

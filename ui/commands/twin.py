@@ -27,6 +27,19 @@ def _num(x: Any, spec: str = ",.2f") -> str:
     return format(x, spec)
 
 
+STEADY_ROWS = (("steady time/update s", "steady_time_per_update_s", "steady_time_per_update_ci_s", ",.0f"),
+               ("steady cost/update USD", "steady_cost_per_update_usd", "steady_cost_per_update_ci_usd", ",.2f"),
+               ("  samplers", "steady_cost_sampler_per_update_usd", "steady_cost_sampler_per_update_ci_usd", ",.2f"),
+               ("steady staleness", "steady_staleness_mean", "steady_staleness_ci", ".2f"))
+
+
+def _pm(x: Any, half: Any, spec: str) -> str:
+    """`x +- half` ("x" alone when the interval is unknown)."""
+    if half is None or (isinstance(half, float) and not math.isfinite(half)):
+        return _num(x, spec)
+    return f"{_num(x, spec)} ± {_num(half, spec)}"
+
+
 def _caps(items: list[str]) -> dict[str, int]:
     from mixfleet.costmodel.errors import SpecError
 
@@ -260,18 +273,26 @@ def _print_summaries(runs: list[tuple[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    t = Table(title=f"Twin dry run ({runs[0][1].updates} updates)")
+    t = Table(title=f"Twin dry run ({runs[0][1].updates} updates; steady state: after the pipeline fill and the "
+                    "MSER-5 warm-up, +- 95% batch-means interval)")
     t.add_column("metric")
     for name, _ in runs:
         t.add_column(name, justify="right")
-    rows = [("cost/update USD", "cost_per_update_usd", ",.2f"), ("  samplers", "cost_sampler_per_update_usd", ",.2f"),
+    for label, field, ci, spec in STEADY_ROWS:
+        t.add_row(label, *(_pm(getattr(r.summary, field), getattr(r.summary, ci), spec) for _, r in runs))
+    t.add_row("steady tokens/s", *(_num(r.summary.steady_tokens_per_s, ",.0f") for _, r in runs))
+    t.add_row("pipeline fill s (start to update 1)", *(_num(r.summary.first_update_s, ",.0f") for _, r in runs))
+    t.add_row("warm-up / steady updates", *(f"{r.summary.warmup_updates} / {r.summary.steady_updates}"
+                                            for _, r in runs))
+    rows = [("whole run, incl. fill:", "", ""),
+            ("cost/update USD", "cost_per_update_usd", ",.2f"), ("  samplers", "cost_sampler_per_update_usd", ",.2f"),
             ("  trainer", "cost_trainer_per_update_usd", ",.2f"), ("time/update s", "time_per_update_mean_s", ",.0f"),
             ("time/update p95 s", "time_per_update_p95_s", ",.0f"), ("staleness mean", "staleness_mean", ".2f"),
             ("staleness p95", "staleness_p95", ".2f"), ("trainer idle", "trainer_idle_share", ".1%"),
             ("utilization", "utilization", ".1%"), ("tokens/s", "tokens_per_s", ",.0f"),
             ("KL k3 (prior)", "kl_k3", ".2e"), ("extreme share (prior)", "extreme_share", ".3%")]
     for label, field, spec in rows:
-        t.add_row(label, *(_num(getattr(r.summary, field, None), spec) for _, r in runs))
+        t.add_row(label, *(_num(getattr(r.summary, field, None), spec) if field else "" for _, r in runs))
     groups = sorted({g for _, r in runs for g in r.summary.group_share_of_samples})
     for g in groups:
         t.add_row(f"share of samples: {g}",
