@@ -25,6 +25,7 @@ class MoESpec:
     active_experts: int              # top-k experts per token
     expert_ffn_hidden_size: int      # SwiGLU inner width of one expert
     shared_experts: int = 0          # always-active experts of the same width
+    norm_topk_prob: bool = True      # renormalize the top-k router probabilities to sum to 1 (HF `norm_topk_prob`)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,6 +45,8 @@ class ModelSpec:
     norm_eps: float = 1e-5
     activation: str = "swiglu"
     tie_embeddings: bool = False
+    rope_theta: float = 10000.0      # RoPE base (position_embedding = "rope")
+    qk_norm: bool = False            # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     estimate: bool = False           # True when the numbers are an estimate, not a published config
     source: str = ""
     moe: MoESpec | None = None
@@ -67,6 +70,19 @@ class ModelSpec:
             raise SpecError(where, "moe", None, "a [moe] table for kind = 'moe'")
         if self.kind == "dense" and self.ffn_hidden_size <= 0:
             raise SpecError(where, "ffn_hidden_size", self.ffn_hidden_size, "a positive integer for a dense model")
+        if not isinstance(self.rope_theta, int | float) or isinstance(self.rope_theta, bool) or not self.rope_theta > 0:
+            raise SpecError(where, "rope_theta", self.rope_theta, "a number > 0")
+        if not isinstance(self.qk_norm, bool):
+            raise SpecError(where, "qk_norm", self.qk_norm, "true or false")
+        if self.moe is not None:
+            for name in ("num_experts", "expert_ffn_hidden_size"):
+                v = getattr(self.moe, name)
+                if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
+                    raise SpecError(where, f"moe.{name}", v, "a positive integer")
+            if not isinstance(self.moe.shared_experts, int) or self.moe.shared_experts < 0:
+                raise SpecError(where, "moe.shared_experts", self.moe.shared_experts, "an integer >= 0")
+            if not isinstance(self.moe.norm_topk_prob, bool):
+                raise SpecError(where, "moe.norm_topk_prob", self.moe.norm_topk_prob, "true or false")
         if self.moe is not None and not 0 < self.moe.active_experts <= self.moe.num_experts:
             raise SpecError(where, "moe.active_experts", self.moe.active_experts,
                             f"1..num_experts ({self.moe.num_experts})")

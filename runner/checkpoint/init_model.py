@@ -5,7 +5,9 @@ The init is chosen so that a random model is a *useful* test object, not a flat 
 
 - linear weights N(0, 1/fan_in) (variance-preserving), with the two residual outputs (o_proj,
   down_proj) further scaled by 1/sqrt(2 * layers) so the residual stream stays O(1);
-- token and position embeddings N(0, 1) and N(0, 0.25); norm weights 1;
+- the MoE router (`mlp.gate`) N(0, 1/hidden) like any linear: router logits ~N(0, 1) per expert, so the
+  top-k choice is clear for most tokens yet flips under a precision's error for some (a useful routing test);
+- token and position embeddings N(0, 1) and N(0, 0.25); norm weights (also q_norm / k_norm) 1;
 - lm_head N(0, (logit_scale / sqrt(hidden))^2): after the final RMSNorm the logits have standard
   deviation ~`logit_scale` (default 4), so next-token distributions are peaked like a trained
   model's rather than near-uniform (with the usual std 0.02 the logits of the tiny model would be
@@ -33,7 +35,7 @@ def init_tensors(cfg: HFConfig, *, seed: int = 0, logit_scale: float = DEFAULT_L
     out_scale = 1.0 / math.sqrt(2 * cfg.num_hidden_layers)
     tensors: dict[str, torch.Tensor] = {}
     for name, shape in expected_shapes(cfg).items():          # a fixed order: seeded results are stable
-        if name.endswith("layernorm.weight") or name == "model.norm.weight":
+        if name.endswith("norm.weight"):                     # layer norms, q_norm / k_norm, the final norm
             tensors[name] = torch.ones(shape)
             continue
         if name == "model.embed_tokens.weight":
@@ -52,7 +54,7 @@ def init_tensors(cfg: HFConfig, *, seed: int = 0, logit_scale: float = DEFAULT_L
 
 def init_model(spec: ModelSpec, out_dir: str | Path, *, seed: int = 0, logit_scale: float = DEFAULT_LOGIT_SCALE,
                weight_version: str = "0") -> Path:
-    """Write a seeded random checkpoint of `spec` (dense) with its tokenizer into `out_dir`."""
+    """Write a seeded random checkpoint of `spec` (layout: HFConfig.from_spec) with its tokenizer into `out_dir`."""
     cfg = HFConfig.from_spec(spec, weight_version=weight_version)
     tok = ByteTokenizer()
     if cfg.vocab_size < tok.vocab_size:

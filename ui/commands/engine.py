@@ -22,7 +22,7 @@ def register(app: typer.Typer) -> None:
 
     @app.command("init-model")
     def init_model_cmd(
-        spec: str = typer.Argument(..., help="Model spec name (e.g. tiny) or TOML path; dense models only."),
+        spec: str = typer.Argument(..., help="Model spec name (tiny, tiny-qwen3, tiny-qwen3-moe) or TOML path."),
         out: str = typer.Option(..., "--out", "-o", help="Checkpoint folder to write (replaced if it exists)."),
         seed: int = typer.Option(0, "--seed", help="Seed of the random init."),
         logit_scale: float = typer.Option(4.0, "--logit-scale", help="Std of the initial logits (peakedness)."),
