@@ -49,6 +49,7 @@ class ModelSpec:
     qk_norm: bool = False            # per-head RMSNorm of queries and keys before RoPE (Qwen3)
     estimate: bool = False           # True when the numbers are an estimate, not a published config
     source: str = ""
+    hf_id: str = ""                  # the published config this spec reproduces (e.g. "Qwen/Qwen3-30B-A3B"), if any
     moe: MoESpec | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -10,9 +10,21 @@ bytes = quantized attention + dense FFN weights + the routed experts actually to
 LM head and embedding rows + the KV cache of B sequences of L tokens (+ the new token's KV);
 flops = 2 * active_params * B + attention 4 * B * L * layers * heads * head_dim. Prefill is the
 same sum over the new tokens (causal attention over the earlier context), usually compute-bound.
-The tensor-parallel size is the smallest of 1, 2, 4, 8 whose memory holds the weights plus a KV
-budget; KV capacity is what remains. Pure functions of numbers: every function accepts numpy
-arrays for batch and context (broadcast) so the planner can evaluate curves at once.
+By default the tensor-parallel size is the smallest of 1, 2, 4, 8 whose memory holds the weights plus
+a KV budget; KV capacity is what remains.
+
+Layouts (`layout=`): a replica of n = tp x dp_attention GPUs may run attention data-parallel (each of
+dp_attention groups holds its own tp-sharded copy of the attention / dense weights and its share of the
+batch's KV) with the routed experts spread over all n GPUs (expert parallel); the MoE layer then costs an
+all-to-all (dispatch + combine of each token's k expert copies) instead of the TP all-reduce.
+`layout="cheapest"` tries TP 1-8 and, for MoE, attention-DP + EP layouts, and keeps the one with the lowest
+$/Mtoken at `mean_context` (at its best batch under the serving limit), not the smallest that fits.
+
+Backends (`backend=`): "roofline" (this formula), "aiconfigurator" (measured step tables from NVIDIA's
+aiconfigurator-core, costmodel/measured.py; refused where its support matrix does not reach) and "auto"
+(measured where covered, else the roofline). The replica says which priced it (`backend`,
+`backend_source`). Pure functions of numbers: every function accepts numpy arrays for batch and context
+(broadcast) so the planner can evaluate curves at once.
 """
 
 from __future__ import annotations
@@ -24,10 +36,12 @@ from typing import Any
 import numpy as np
 from mixfleet.costmodel.catalog import TP_SIZES, Accelerator, Catalog, KVDtype, Precision, load_catalog
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.measured import Layout, NotCovered, StepTable, step_table
 from mixfleet.costmodel.model import ModelSpec, load_model_spec
 
 ACT_BYTES = 2                     # bytes per activation element in TP all-reduces (BF16)
 DEFAULT_MAX_BATCH = 256           # engine cap on running requests per replica (SGLang-like)
+BACKENDS = ("roofline", "aiconfigurator", "auto")
 
 ArrayLike = float | int | np.ndarray
 
@@ -109,6 +123,13 @@ class ReplicaModel:
     kv_capacity_tokens: int              # KV tokens the replica can hold
     peak_flops_per_s: float              # per GPU, in the precision's compute (or emulation) format
     bw_bytes_per_s: float                # per GPU
+    # layout: n_gpus = tp x dp_attention; experts over ep of them (defaults: plain TP, today's model)
+    dp_attention: int = 1                # attention data-parallel groups, each tp GPUs
+    ep: int = 1                          # expert-parallel size (1 = experts tensor-parallel)
+    # which backend prices the step times: "roofline" or "aiconfigurator" (then `measured` holds its table)
+    backend: str = "roofline"
+    backend_source: str = ""             # the measured table's source, or why the roofline priced it
+    measured: StepTable | None = None
 
     # ---- names --------------------------------------------------------------------------------
     @property
@@ -118,17 +139,24 @@ class ReplicaModel:
 
     @property
     def n_gpus(self) -> int:
-        return self.tp
+        return self.tp * self.dp_attention
 
     @property
-    def key(self) -> tuple[str, str, str, str, int, bool]:
-        """Hashable identity (model, accelerator, precision, KV dtype, tp, emulated) for caches and dicts."""
-        return (self.model.name, self.accelerator.name, self.precision.name, self.kv_dtype.name, self.tp, self.emulated)
+    def layout(self) -> Layout:
+        return Layout(tp=self.tp, dp_attention=self.dp_attention, ep=self.ep)
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        """Hashable identity (model, accelerator, precision, KV dtype, tp, emulated[, layout, backend])."""
+        base = (self.model.name, self.accelerator.name, self.precision.name, self.kv_dtype.name, self.tp, self.emulated)
+        if self.dp_attention == 1 and self.ep == 1 and self.backend == "roofline":
+            return base
+        return (*base, self.dp_attention, self.ep, self.backend)
 
     # ---- memory ---------------------------------------------------------------------------------
     @property
     def weight_bytes_per_gpu(self) -> float:
-        return self.weight_bytes / self.tp
+        return self.weight_bytes / self.n_gpus
 
     def max_batch(self, mean_context: ArrayLike, cap: int = DEFAULT_MAX_BATCH) -> ArrayLike:
         """Most concurrent sequences of `mean_context` tokens the KV cache holds (capped at `cap`)."""
@@ -158,13 +186,30 @@ class ReplicaModel:
         return 4.0 * m.num_layers * m.num_attention_heads * m.head_dim
 
     def _comm_s(self, tokens: np.ndarray) -> np.ndarray:
-        """Two ring all-reduces per layer of the tokens' hidden states over the scale-up link."""
-        if self.tp == 1:
-            return np.zeros_like(tokens)
+        """Two ring all-reduces per layer of the tokens' hidden states over the scale-up link (plain TP); with
+        attention DP + EP: one all-reduce per layer inside each TP group (if tp > 1) on its share of the
+        tokens, and the MoE all-to-all: each token's k expert copies dispatched and combined."""
         m, acc = self.model, self.accelerator
-        size = tokens * m.hidden_size * ACT_BYTES
-        per = 2.0 * (self.tp - 1) / self.tp * size / (acc.link_gb_s * 1e9) + acc.link_latency_s
-        return 2.0 * m.num_layers * per
+        if self.dp_attention == 1 or m.moe is None:
+            if self.tp == 1:
+                return np.zeros_like(tokens)
+            size = tokens * m.hidden_size * ACT_BYTES
+            per = 2.0 * (self.tp - 1) / self.tp * size / (acc.link_gb_s * 1e9) + acc.link_latency_s
+            return 2.0 * m.num_layers * per
+        n = self.n_gpus
+        out = np.zeros_like(tokens)
+        if self.tp > 1:
+            size = tokens / self.dp_attention * m.hidden_size * ACT_BYTES
+            out = out + m.num_layers * (2.0 * (self.tp - 1) / self.tp * size / (acc.link_gb_s * 1e9)
+                                        + acc.link_latency_s)
+        sent = tokens / n * m.moe.active_experts * m.hidden_size * ACT_BYTES * (n - 1) / n  # per GPU, one way
+        return out + 2.0 * m.num_layers * (sent / (acc.link_gb_s * 1e9) + acc.link_latency_s)
+
+    def _bytes_per_gpu(self, static: float, varying: np.ndarray) -> np.ndarray:
+        """Per-GPU bytes: attention / dense weights split over a TP group, everything else over all GPUs."""
+        if self.dp_attention == 1:
+            return (static + varying) / self.tp
+        return static / self.tp + varying / self.n_gpus
 
     def decode_bytes(self, batch: ArrayLike, mean_context: ArrayLike) -> ArrayLike:
         """Bytes read + written by one decode step of `batch` sequences at `mean_context` tokens."""
@@ -181,8 +226,14 @@ class ReplicaModel:
     def decode_step_s(self, batch: ArrayLike, mean_context: ArrayLike) -> ArrayLike:
         """Seconds for one decode step (one token for each of `batch` sequences at `mean_context`)."""
         b = np.asarray(batch, dtype=np.float64)
-        mem_s = np.asarray(self.decode_bytes(b, mean_context)) / (self.tp * self.bw_bytes_per_s * self.eff_bw)
-        cmp_s = np.asarray(self.decode_flops(b, mean_context)) / (self.tp * self.peak_flops_per_s * self.eff_flops)
+        if self.measured is not None:
+            return _out(self.measured.decode(b, mean_context))
+        if self.dp_attention == 1:
+            mem_s = np.asarray(self.decode_bytes(b, mean_context)) / (self.tp * self.bw_bytes_per_s * self.eff_bw)
+        else:
+            varying = np.asarray(self.decode_bytes(b, mean_context)) - self._static_bytes()
+            mem_s = self._bytes_per_gpu(self._static_bytes(), varying) / (self.bw_bytes_per_s * self.eff_bw)
+        cmp_s = np.asarray(self.decode_flops(b, mean_context)) / (self.n_gpus * self.peak_flops_per_s * self.eff_flops)
         step = np.maximum(mem_s, cmp_s) + self._comm_s(b) + self.decode_overhead_s
         return _out(step * self.slowdown)
 
@@ -195,12 +246,22 @@ class ReplicaModel:
         """Seconds to prefill `new_tokens` tokens after `context_before` cached tokens (one request)."""
         n = np.asarray(new_tokens, dtype=np.float64)
         c = np.asarray(context_before, dtype=np.float64)
+        if self.measured is not None:
+            return _out(self.measured.prefill(n, c))
         keys = n * c + n * (n + 1.0) / 2.0
         flops = 2.0 * self.model.active_params * n + self._attn_flops_per_key() * keys
-        byts = (self._static_bytes() + self._expert_bytes(n) + (c + n) * self.kv_bytes_per_token
-                + n * self.model.hidden_size * self.keep_bytes_per_weight)
-        t = np.maximum(byts / (self.tp * self.bw_bytes_per_s * self.eff_bw),
-                       flops / (self.tp * self.peak_flops_per_s * self.eff_flops))
+        varying = (self._expert_bytes(n) + (c + n) * self.kv_bytes_per_token
+                   + n * self.model.hidden_size * self.keep_bytes_per_weight)
+        if self.dp_attention == 1:
+            byts_gpu = (self._static_bytes() + varying) / self.tp
+            flops_gpu = flops / self.tp
+        else:  # one request runs on one attention-DP group; its experts' work spreads over all GPUs
+            m = self.model
+            expert_flops = 2.0 * m.num_layers * m.moe.active_experts * m.expert_params * n
+            flops_gpu = (flops - expert_flops) / self.tp + expert_flops / self.n_gpus
+            byts_gpu = self._bytes_per_gpu(self._static_bytes(), varying)
+        t = np.maximum(byts_gpu / (self.bw_bytes_per_s * self.eff_bw),
+                       flops_gpu / (self.peak_flops_per_s * self.eff_flops))
         t = (t + self._comm_s(n) + self.prefill_overhead_s) * self.slowdown
         return _out(np.where(n > 0, t, 0.0))
 
@@ -208,7 +269,7 @@ class ReplicaModel:
     @property
     def price_usd_per_hour(self) -> float:
         """Replica price: GPUs x the catalog price table's USD per GPU-hour."""
-        return self.tp * self.accelerator.price_usd_per_gpu_hour
+        return self.n_gpus * self.accelerator.price_usd_per_gpu_hour
 
     def usd_per_mtoken(self, batch: ArrayLike, mean_context: ArrayLike) -> ArrayLike:
         """USD per million generated tokens at a steady batch and mean context."""
@@ -234,7 +295,9 @@ class ReplicaModel:
     def summary(self) -> dict[str, Any]:
         """Plain-JSON facts about the replica (for CLI --json and run-log headers)."""
         return {"accelerator": self.accelerator.name, "precision": self.precision.name,
-                "kv_dtype": self.kv_dtype.name, "tp": self.tp, "emulated": self.emulated,
+                "kv_dtype": self.kv_dtype.name, "tp": self.tp, "dp_attention": self.dp_attention, "ep": self.ep,
+                "n_gpus": self.n_gpus, "layout": self.layout.label, "backend": self.backend,
+                "backend_source": self.backend_source, "emulated": self.emulated,
                 "weight_gb": self.weight_bytes / 1e9, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "kv_capacity_tokens": self.kv_capacity_tokens, "price_usd_per_hour": self.price_usd_per_hour,
                 "price_estimate": self.accelerator.price_estimate, "cold_start_s": self.cold_start_s,
@@ -244,15 +307,24 @@ class ReplicaModel:
 
 # ---- building a replica model ------------------------------------------------------------------
 
-def weight_bytes(model: ModelSpec, precision: Precision) -> float:
-    """All weights of the model in `precision`: linear layers quantized, embeddings / LM head / router kept."""
+def _weight_parts(model: ModelSpec, precision: Precision) -> tuple[float, float]:
+    """(attention + dense FFN + shared experts + router + embeddings / LM head, routed experts) bytes."""
     m = model
     linear = (m.attention_params_per_layer + m.dense_ffn_params_per_layer) * m.num_layers
     keep = m.embedding_params
+    experts = 0.0
     if m.moe is not None:
-        linear += m.num_layers * m.expert_params * (m.moe.num_experts + m.moe.shared_experts)
+        linear += m.num_layers * m.expert_params * m.moe.shared_experts
+        experts = m.num_layers * m.expert_params * m.moe.num_experts * precision.bytes_per_weight
         keep += m.num_layers * m.hidden_size * m.moe.num_experts
-    return linear * precision.bytes_per_weight + keep * precision.keep_bytes_per_weight
+    return linear * precision.bytes_per_weight + keep * precision.keep_bytes_per_weight, experts
+
+
+def weight_bytes(model: ModelSpec, precision: Precision, dp_attention: int = 1) -> float:
+    """All weights of one replica in `precision`: linear layers quantized, embeddings / LM head / router kept;
+    with attention data parallelism each of the `dp_attention` groups holds its own copy of the non-expert part."""
+    dense, experts = _weight_parts(model, precision)
+    return dense * dp_attention + experts
 
 
 def kv_bytes_per_token(model: ModelSpec, kv_dtype: KVDtype, tp: int = 1) -> float:
@@ -262,28 +334,61 @@ def kv_bytes_per_token(model: ModelSpec, kv_dtype: KVDtype, tp: int = 1) -> floa
 
 
 def kv_capacity_tokens(model: ModelSpec, accelerator: Accelerator, precision: Precision, kv_dtype: KVDtype,
-                       tp: int) -> int:
-    """KV tokens left on `tp` GPUs after the engine's memory share, the per-GPU reserve and the weights."""
-    usable = tp * (accelerator.memory_bytes * accelerator.mem_util - accelerator.reserve_gb * 1e9)
-    free = usable - weight_bytes(model, precision)
+                       tp: int, dp_attention: int = 1) -> int:
+    """KV tokens left on tp x dp_attention GPUs after the engine's memory share, the per-GPU reserve and the
+    weights (a token's KV lives in one attention group, heads replicated there when tp exceeds them)."""
+    n = tp * dp_attention
+    usable = n * (accelerator.memory_bytes * accelerator.mem_util - accelerator.reserve_gb * 1e9)
+    free = usable - weight_bytes(model, precision, dp_attention)
     return max(0, int(free // kv_bytes_per_token(model, kv_dtype, tp)))
+
+
+def candidate_layouts(model: ModelSpec, max_gpus: int) -> list[Layout]:
+    """Layouts `layout="cheapest"` tries: TP 1, 2, 4, 8 and, for MoE, attention DP + expert parallel over the
+    same GPUs (DEP n, and TP 2 x DP n/2 with EP n from 4 GPUs)."""
+    out: list[Layout] = []
+    for n in (t for t in TP_SIZES if t <= max_gpus):
+        out.append(Layout(tp=n))
+        if model.moe is not None and n > 1:
+            out.append(Layout(tp=1, dp_attention=n, ep=n))
+            if n >= 4:
+                out.append(Layout(tp=2, dp_attention=n // 2, ep=n))
+    return out
+
+
+def _as_layout(layout: Layout | str | None, tp: int | None) -> Layout | str | None:
+    if layout is None or isinstance(layout, Layout):
+        return layout
+    if layout in ("smallest", "cheapest"):
+        return layout
+    raise SpecError("replica", "layout", layout, "None, 'smallest', 'cheapest' or a Layout(tp, dp_attention, ep)")
 
 
 def replica_model(model: ModelSpec | str, accelerator: Accelerator | str, precision: Precision | str,
                   kv_dtype: KVDtype | str = "fp8_e4m3", *, catalog: Catalog | None = None, tp: int | None = None,
                   emulated: bool = False, efficiency: Efficiency | None = None,
-                  kv_budget_tokens: int | None = None) -> ReplicaModel:
+                  kv_budget_tokens: int | None = None, layout: Layout | str | None = None,
+                  mean_context: float | None = None, max_batch: int = DEFAULT_MAX_BATCH,
+                  backend: str = "roofline", engine: str = "sglang") -> ReplicaModel:
     """Build the cost model of one replica.
 
     tp=None picks the smallest of 1, 2, 4, 8 (up to the accelerator's max_tp) whose memory holds the
     weights plus `kv_budget_tokens` of KV (default: one sequence of the model's max context); a FitError
     gives the numbers when none does. A precision the accelerator cannot run natively is refused unless
     `emulated=True` (then every step is `emulation_slowdown` times slower).
+
+    `layout`: None / "smallest" (the rule above, plain TP), a `Layout(tp, dp_attention, ep)`, or "cheapest":
+    every candidate layout that fits, priced at its best batch (<= `max_batch` per attention-DP group) at
+    `mean_context` (default: a quarter of the KV budget), lowest $/Mtoken wins. `backend`: "roofline",
+    "aiconfigurator" (refused with the reason where not covered) or "auto" (measured where covered); `engine`
+    is the measured backend's serving engine (sglang, trtllm, vllm).
     """
     cat = catalog if catalog is not None else load_catalog()
     m = load_model_spec(model) if isinstance(model, str) else model
     acc, prec, kv = cat.accelerator(accelerator), cat.precision(precision), cat.kv_dtype(kv_dtype)
     where = f"replica {m.name} on {acc.name}/{prec.name}"
+    if backend not in BACKENDS:
+        raise SpecError(where, "backend", backend, BACKENDS)
     support = cat.support(acc, prec)
     if support == "unsupported":
         raise SpecError(where, "precision", prec.name,
@@ -298,34 +403,72 @@ def replica_model(model: ModelSpec | str, accelerator: Accelerator | str, precis
     budget = m.max_context if kv_budget_tokens is None else int(kv_budget_tokens)
     if budget < 0:
         raise SpecError(where, "kv_budget_tokens", budget, "an integer >= 0")
+    lay = _as_layout(layout, tp)
+    eff = (efficiency or Efficiency()).over(Efficiency(
+        eff_bw=acc.eff_bw, eff_flops=acc.eff_flops, decode_overhead_s=acc.decode_overhead_s,
+        prefill_overhead_s=acc.prefill_overhead_s, emulation_slowdown=prec.emulation_slowdown))
+    peak = acc.emulation_tflops if is_emulated else acc.peak_tflops(prec.compute)
+
+    def build(t: int, dp: int = 1, ep: int = 1) -> ReplicaModel:
+        rm = ReplicaModel(
+            model=m, accelerator=acc, precision=prec, kv_dtype=kv, tp=t, emulated=is_emulated,
+            eff_bw=eff.eff_bw, eff_flops=eff.eff_flops, decode_overhead_s=eff.decode_overhead_s,
+            prefill_overhead_s=eff.prefill_overhead_s, slowdown=eff.emulation_slowdown if is_emulated else 1.0,
+            kv_budget_tokens=budget, weight_bytes=weight_bytes(m, prec, dp),
+            quant_bytes_per_weight=prec.bytes_per_weight, keep_bytes_per_weight=prec.keep_bytes_per_weight,
+            kv_bytes_per_token=kv_bytes_per_token(m, kv, t),
+            kv_capacity_tokens=kv_capacity_tokens(m, acc, prec, kv, t, dp),
+            peak_flops_per_s=peak * 1e12, bw_bytes_per_s=acc.bandwidth_bytes_per_s, dp_attention=dp, ep=ep)
+        if backend == "roofline":
+            return rm
+        try:
+            table = step_table(m, acc, prec, kv, layout=rm.layout, engine=engine, emulated=is_emulated,
+                               max_batch=max(max_batch * dp, 2), max_context=max(budget, 2))
+        except NotCovered as e:
+            if backend == "aiconfigurator":
+                raise
+            return replace(rm, backend_source=f"roofline: not covered by the measured backend ({e.allowed})")
+        return replace(rm, backend="aiconfigurator", backend_source=table.source, measured=table)
+
+    if isinstance(lay, Layout):
+        if lay.gpus > acc.max_tp or lay.tp not in TP_SIZES:
+            raise SpecError(where, "layout", lay.label, f"at most {acc.max_tp} GPUs, tp in {TP_SIZES}")
+        if m.moe is None and (lay.dp_attention > 1 or lay.ep > 1):
+            raise SpecError(where, "layout", lay.label, "plain TP for a dense model (attention DP needs experts)")
+        if kv_capacity_tokens(m, acc, prec, kv, lay.tp, lay.dp_attention) < budget:
+            raise _no_fit(where, m, acc, prec, kv, budget, lay.tp, lay.label, lay.dp_attention)
+        return build(lay.tp, lay.dp_attention, lay.ep)
+
     candidates = [t for t in TP_SIZES if t <= acc.max_tp]
     if tp is not None:
         if tp not in TP_SIZES or tp > acc.max_tp:
             raise SpecError(where, "tp", tp, [t for t in candidates])
         candidates = [tp]
+    if lay == "cheapest":
+        fits = [c for c in candidate_layouts(m, acc.max_tp) if (tp is None or c.gpus == tp)
+                and kv_capacity_tokens(m, acc, prec, kv, c.tp, c.dp_attention) >= budget]
+        if not fits:
+            raise _no_fit(where, m, acc, prec, kv, budget, candidates[-1], tp if tp is not None else f"1..{acc.max_tp}")
+        ctx = float(mean_context) if mean_context is not None else max(1.0, budget / 4.0)
+        priced = [(build(c.tp, c.dp_attention, c.ep), c) for c in fits]
+        best = min(priced, key=lambda rc: rc[0].best_operating_point(ctx, max_batch * rc[1].dp_attention)
+                   ["usd_per_mtoken"])
+        return best[0]
     chosen = next((t for t in candidates if kv_capacity_tokens(m, acc, prec, kv, t) >= budget), None)
     if chosen is None:
-        t = candidates[-1]
-        wgb = weight_bytes(m, prec) / 1e9
-        kvgb = budget * kv_bytes_per_token(m, kv, t) / 1e9
-        per_gpu = acc.memory_gb * acc.mem_util - acc.reserve_gb
-        raise FitError(where, "tp", tp if tp is not None else f"1..{acc.max_tp}",
-                       f"a size whose memory holds weights {wgb:.1f} GB + KV {kvgb:.1f} GB "
-                       f"({budget} tokens of {kv.name}) = {wgb + kvgb:.1f} GB; {acc.name} gives {per_gpu:.1f} GB "
-                       f"usable per GPU, {t * per_gpu:.1f} GB at tp={t}")
-    eff = (efficiency or Efficiency()).over(Efficiency(
-        eff_bw=acc.eff_bw, eff_flops=acc.eff_flops, decode_overhead_s=acc.decode_overhead_s,
-        prefill_overhead_s=acc.prefill_overhead_s, emulation_slowdown=prec.emulation_slowdown))
-    peak = acc.emulation_tflops if is_emulated else acc.peak_tflops(prec.compute)
-    return ReplicaModel(
-        model=m, accelerator=acc, precision=prec, kv_dtype=kv, tp=chosen, emulated=is_emulated,
-        eff_bw=eff.eff_bw, eff_flops=eff.eff_flops, decode_overhead_s=eff.decode_overhead_s,
-        prefill_overhead_s=eff.prefill_overhead_s, slowdown=eff.emulation_slowdown if is_emulated else 1.0,
-        kv_budget_tokens=budget, weight_bytes=weight_bytes(m, prec), quant_bytes_per_weight=prec.bytes_per_weight,
-        keep_bytes_per_weight=prec.keep_bytes_per_weight, kv_bytes_per_token=kv_bytes_per_token(m, kv, chosen),
-        kv_capacity_tokens=kv_capacity_tokens(m, acc, prec, kv, chosen), peak_flops_per_s=peak * 1e12,
-        bw_bytes_per_s=acc.bandwidth_bytes_per_s,
-    )
+        raise _no_fit(where, m, acc, prec, kv, budget, candidates[-1], tp if tp is not None else f"1..{acc.max_tp}")
+    return build(chosen)
+
+
+def _no_fit(where: str, m: ModelSpec, acc: Accelerator, prec: Precision, kv: KVDtype, budget: int, t: int,
+            asked: Any, dp: int = 1) -> FitError:
+    wgb = weight_bytes(m, prec, dp) / 1e9
+    kvgb = budget * kv_bytes_per_token(m, kv, t) / 1e9
+    per_gpu = acc.memory_gb * acc.mem_util - acc.reserve_gb
+    return FitError(where, "tp", asked,
+                    f"a size whose memory holds weights {wgb:.1f} GB + KV {kvgb:.1f} GB "
+                    f"({budget} tokens of {kv.name}) = {wgb + kvgb:.1f} GB; {acc.name} gives {per_gpu:.1f} GB "
+                    f"usable per GPU, {t * dp * per_gpu:.1f} GB at {t * dp} GPUs")
 
 
 # ---- trainer and weight sync -------------------------------------------------------------------
@@ -358,7 +501,7 @@ def weight_sync_s(dst: ReplicaModel, src: Accelerator | None = None, *, network_
     """
     m = dst.model
     bf16_bytes = (m.total_params - 0) * 2.0
-    shard = bf16_bytes / dst.tp
+    shard = bf16_bytes / dst.n_gpus
     bw = network_gb_s if network_gb_s is not None else min(
         dst.accelerator.network_gb_s, src.network_gb_s if src is not None else math.inf)
     if not bw > 0:

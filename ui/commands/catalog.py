@@ -12,6 +12,8 @@ from typing import Any
 import typer
 
 _FMT_NONE = "—"
+_BACKEND_HELP = ("Step-time backend: auto (aiconfigurator-core's measured tables where they cover the replica, "
+                 "else the roofline), roofline, or aiconfigurator (refuse what it does not cover).")
 
 
 def _fail(e: Exception) -> None:
@@ -53,9 +55,12 @@ def register(app: typer.Typer) -> None:
         context: int = typer.Option(8192, "--context", help="Mean context per sequence, tokens."),
         batches: str = typer.Option("1,8,32,128", "--batches", help="Batch sizes to show."),
         kv_budget: int = typer.Option(None, "--kv-budget", help="KV tokens per replica (default: max context)."),
+        backend: str = typer.Option("auto", "--backend", help=_BACKEND_HELP),
+        layout: str = typer.Option(None, "--layout", help="None: smallest TP that fits; 'cheapest': best layout."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     ) -> None:
-        """Accelerators x precisions for a model: native/emulated, TP, tokens/s and $/Mtoken; ranked by $/Mtoken."""
+        """Accelerators x precisions for a model: native/emulated, TP, tokens/s and $/Mtoken, the backend that
+        priced each pair; ranked by $/Mtoken."""
         from mixfleet.costmodel.catalog import load_catalog
         from mixfleet.costmodel.errors import SpecError
         from mixfleet.costmodel.report import catalog_report
@@ -63,7 +68,8 @@ def register(app: typer.Typer) -> None:
         try:
             rep = catalog_report(model, catalog=load_catalog(price_table), accelerators=_split(accelerators),
                                  precisions=_split(precisions), kv_dtype=kv_dtype, mean_context=context,
-                                 batches=_ints(batches, "--batches"), kv_budget_tokens=kv_budget)
+                                 batches=_ints(batches, "--batches"), kv_budget_tokens=kv_budget, backend=backend,
+                                 layout=layout)
         except (SpecError, FileNotFoundError) as e:
             _fail(e)
         if as_json:
@@ -83,9 +89,15 @@ def register(app: typer.Typer) -> None:
         batches: str = typer.Option("1,2,4,8,16,32,64,128,256", "--batches", help="Batch sizes."),
         contexts: str = typer.Option(None, "--contexts", help="Contexts, tokens (default: 1K..256K up to max)."),
         kv_budget: int = typer.Option(None, "--kv-budget", help="KV tokens per replica (default: max context)."),
+        backend: str = typer.Option("auto", "--backend", help=_BACKEND_HELP),
+        layout: str = typer.Option(None, "--layout", help="TP4, DEP8, TP2-DP2-EP4 or 'cheapest' (default: smallest "
+                                   "TP that fits)."),
+        context: int = typer.Option(None, "--context", help="Mean context for the layout comparison (default: a "
+                                    "quarter of the KV budget)."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     ) -> None:
-        """One replica's throughput vs batch and context, KV capacity, prefill and weight-sync time."""
+        """One replica's throughput vs batch and context, KV capacity, prefill and weight-sync time; every layout
+        (TP 1-8, attention DP + expert parallel for MoE) side by side."""
         from mixfleet.costmodel.catalog import load_catalog
         from mixfleet.costmodel.errors import SpecError
         from mixfleet.costmodel.report import capacity_report
@@ -94,7 +106,7 @@ def register(app: typer.Typer) -> None:
             rep = capacity_report(model, accelerator, precision, kv_dtype, catalog=load_catalog(price_table), tp=tp,
                                   emulated=emulated, batches=_ints(batches, "--batches"),
                                   contexts=_ints(contexts, "--contexts") if contexts else None,
-                                  kv_budget_tokens=kv_budget)
+                                  kv_budget_tokens=kv_budget, backend=backend, layout=layout, mean_context=context)
         except (SpecError, FileNotFoundError) as e:
             _fail(e)
         if as_json:
@@ -111,27 +123,30 @@ def _print_catalog(rep: dict[str, Any]) -> None:
     bs = rep["batches"]
     t = Table(title=f"{rep['model']} on the catalog: price table '{rep['price_table']}', KV {rep['kv_dtype']}, "
                     f"mean context {rep['mean_context']:,} tokens, KV budget {rep['kv_budget_tokens']:,} tokens")
-    for col in ("accelerator", "precision", "support", "1 GPU?", "TP", "$/h"):
-        t.add_column(col, justify="left" if col in ("accelerator", "precision", "support") else "right")
+    for col in ("accelerator", "precision", "support", "backend", "1 GPU?", "GPUs", "$/h"):
+        t.add_column(col, justify="left" if col in ("accelerator", "precision", "support", "backend") else "right")
     for b in bs:
         t.add_column(f"tok/s @{b}", justify="right")
     t.add_column("best $/Mtok (batch)", justify="right")
     for r in rep["rows"]:
         if r["support"] == "unsupported":
-            t.add_row(r["accelerator"], r["precision"], "unsupported", *[""] * (4 + len(bs)))
+            t.add_row(r["accelerator"], r["precision"], "unsupported", *[""] * (5 + len(bs)))
             continue
         if r["error"]:
-            t.add_row(r["accelerator"], r["precision"], r["support"], "no", "none fits", "", *[""] * len(bs), "")
+            t.add_row(r["accelerator"], r["precision"], r["support"], "", "no", "none fits", "", *[""] * len(bs), "")
             continue
         price = _f(r["price_usd_per_hour"], ".2f") + ("*" if r["price_estimate"] else "")
         best = r["best"]
         best_s = f"{best['usd_per_mtoken']:.3f} ({best['batch']})" if best and best["usd_per_mtoken"] else _FMT_NONE
         style = "dim" if r["support"] == "emulated" else None
-        t.add_row(r["accelerator"], r["precision"], r["support"], "yes" if r["fits_one_gpu"] else "no", str(r["tp"]),
+        gpus = str(r["tp"]) + (f" {r['layout']}" if r["layout"] and not r["layout"].startswith("TP") else "")
+        t.add_row(r["accelerator"], r["precision"], r["support"], _backend(r["backend"]),
+                  "yes" if r["fits_one_gpu"] else "no", gpus,
                   price, *[_f(r["tokens_per_s"][str(b)]) for b in bs], best_s, style=style)
     con.print(t)
     con.print("[dim]— : the batch does not fit the KV cache at this context; * : estimated price; "
-              "emulated rows are slower (see data/precisions.toml).[/dim]")
+              "emulated rows are slower (see data/precisions.toml); backend 'measured' = aiconfigurator-core's "
+              "profiled tables, 'roofline' = the formula (not covered: see --json backend_source).[/dim]")
     rk = Table(title="Accelerators ranked by their best $/Mtoken (native precisions)")
     for col in ("#", "accelerator", "precision", "TP", "batch", "tok/s", "$/Mtoken"):
         rk.add_column(col, justify="right" if col not in ("accelerator", "precision") else "left")
@@ -153,11 +168,13 @@ def _print_capacity(rep: dict[str, Any]) -> None:
     from rich.table import Table
 
     con = Console()
-    con.print(f"[bold]{rep['model']}[/bold] on {rep['accelerator']} x{rep['tp']} ({rep['precision']} weights, "
+    con.print(f"[bold]{rep['model']}[/bold] on {rep['accelerator']} x{rep['n_gpus']} {rep['layout']} "
+              f"({rep['precision']} weights, "
               f"{rep['kv_dtype']} KV{', emulated' if rep['emulated'] else ''}): "
               f"weights {rep['weight_gb']:.1f} GB, KV capacity {rep['kv_capacity_tokens']:,} tokens, "
               f"${rep['price_usd_per_hour']:.2f}/h{' (estimate)' if rep['price_estimate'] else ''}, "
               f"cold start {rep['cold_start_s']:.0f} s, weight sync {rep['weight_sync_s']:.1f} s")
+    con.print(f"priced by: [bold]{_backend(rep['backend'])}[/bold] ({rep['backend_source'] or 'the formula'})")
     ctxs = sorted({g["context"] for g in rep["grid"]})
     bs = sorted({g["batch"] for g in rep["grid"]})
     cell = {(g["context"], g["batch"]): g for g in rep["grid"]}
@@ -178,3 +195,26 @@ def _print_capacity(rep: dict[str, Any]) -> None:
     for x in rep["prefill"]:
         p.add_row(f"{x['new_tokens']:,}", f"{x['seconds']:.4f}")
     con.print(p)
+    _print_layouts(con, rep)
+
+
+def _backend(b: str | None) -> str:
+    return {"aiconfigurator": "measured", "roofline": "roofline"}.get(b or "", b or "")
+
+
+def _print_layouts(con: Any, rep: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    t = Table(title=f"Layouts side by side at mean context {rep['layout_context']:,} tokens "
+                    f"(best batch per layout; * = this replica's layout)")
+    for col in ("layout", "GPUs", "KV capacity", "batch", "tok/s", "tok/s/GPU", "$/Mtoken", "backend"):
+        t.add_column(col, justify="left" if col in ("layout", "backend") else "right")
+    for x in rep["layouts"]:
+        name = x["layout"] + (" *" if x["chosen"] else "")
+        if not x["fits"]:
+            t.add_row(name, str(x["gpus"]), f"{x['kv_capacity_tokens']:,}", "does not fit", "", "", "", "",
+                      style="dim")
+            continue
+        t.add_row(name, str(x["gpus"]), f"{x['kv_capacity_tokens']:,}", str(x["batch"]), _f(x["tokens_per_s"]),
+                  _f(x["tokens_per_s_per_gpu"]), _f(x["usd_per_mtoken"], ".3f"), _backend(x["backend"]))
+    con.print(t)
