@@ -11,11 +11,12 @@ import simpy
 from mixfleet.costmodel.runlog import RunLog, RunLogWriter
 from mixfleet.costmodel.workload import workload_from_dict
 from mixfleet.policies.plan import plan_from_dict
+from mixfleet.policies.prompt_buffer import PromptGroup
 from mixfleet.twin.episodes import Episode
 from mixfleet.twin.rates import FixedRates, Setup
 from mixfleet.twin.replica import Replica, Request
 from mixfleet.twin.sim import simulate
-from mixfleet.twin.world import GroupSetup, PromptState, Session, TrainerSetup, World
+from mixfleet.twin.world import GroupSetup, Session, TrainerSetup, World
 
 
 def workload(**kw):
@@ -48,7 +49,7 @@ def world(tmp_path: Path, groups: list[GroupSetup]) -> World:
 def inject(w: World, sid: int, ep: Episode, at_s: float) -> Session:
     """Start one session of its own prompt-group at `at_s` (bypassing the batcher's admission)."""
     s = Session(sid=sid, prompt_id=sid, sample=0, ep=ep)
-    w.inflight[sid] = PromptState(prompt_id=sid, expected=1)
+    w.prompts.inflight[sid] = PromptGroup(prompt_id=sid, expected=1)
     w.env.timeout(at_s).callbacks.append(lambda _e: w._begin(s))
     return s
 

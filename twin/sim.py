@@ -100,8 +100,8 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
         gc.set_threshold(*gc_thresholds)
     summary = summarize(folder)
     trained = world.trajectories_written - world.trajectories_dropped
-    buffered = sum(len(p.done) for p in world.buffer.values())
-    finished_inflight = sum(len(p.done) for p in world.inflight.values())
+    buffered = sum(len(p.samples) for p in world.prompts.complete.values())
+    finished_inflight = sum(len(p.samples) for p in world.prompts.inflight.values())
     result = TwinResult(
         summary=summary, runlog_dir=str(folder) if out is not None else "", updates=updates,
         simulated_s=world.env.now, wall_s=wall_s, events=events, events_per_s=events / max(wall_s, 1e-9),

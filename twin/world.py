@@ -20,7 +20,8 @@ import simpy
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.runlog import EventRecord, GroupRecord, TrajectoryRecord, UpdateRecord
 from mixfleet.costmodel.workload import WorkloadSpec
-from mixfleet.policies.views import BufferView, FleetView, GroupView, PromptGroupView, ReplicaView
+from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
+from mixfleet.policies.views import FleetView, GroupView, ReplicaView
 from mixfleet.twin.episodes import Episode, draw_episodes
 from mixfleet.twin.replica import Replica, ReplicaRates
 from simpy.events import NORMAL
@@ -103,14 +104,6 @@ class Session:
 
 
 @dataclass(eq=False)
-class PromptState:
-    prompt_id: int
-    expected: int
-    done: list[Session] = field(default_factory=list)
-    completed_at_s: float = math.inf
-
-
-@dataclass(eq=False)
 class Group:
     setup: GroupSetup
     replicas: list[Replica] = field(default_factory=list)   # up or starting
@@ -149,9 +142,8 @@ class World:
         self.writer, self.run_id, self.progress = writer, run_id, progress
         self.fault_rate_h, self.on_loss = preemptions_per_replica_hour, on_loss
         self.version = 0
-        self.started_prompts = 0
-        self.inflight: dict[int, PromptState] = {}
-        self.buffer: dict[int, PromptState] = {}
+        self.prompts: PromptBuffer[Session] = PromptBuffer(self.batcher,
+                                                           lambda s: min(s.tokens_by_version, default=None))
         self.sessions_started = 0
         self.sessions_lost = 0           # turns cut by a replica loss (each resumed or restarted)
         self.sessions_restarted = 0
@@ -290,12 +282,9 @@ class World:
     # ---- sessions ----------------------------------------------------------------------------------
     def admit_prompts(self) -> None:
         """Start as many new prompt-groups as the batcher allows (each: samples_per_prompt sessions)."""
-        n = self.batcher.admit(self.version, self.started_prompts, len(self.inflight))
-        spp = self.batcher.config.samples_per_prompt
-        for _ in range(n):
-            pid = self.started_prompts
-            self.started_prompts += 1
-            self.inflight[pid] = PromptState(prompt_id=pid, expected=spp)
+        spp = self.prompts.samples_per_prompt
+        for p in self.prompts.admit(self.version):
+            pid = p.prompt_id
             for i, ep in enumerate(draw_episodes(self.workload, self.rng, spp)):
                 s = Session(sid=pid * spp + i, prompt_id=pid, sample=i, ep=ep)
                 self.sessions_started += 1
@@ -360,37 +349,25 @@ class World:
     def _finish(self, s: Session) -> None:
         s.end_s = self.env.now
         self.router.release(s.sid)
-        p = self.inflight[s.prompt_id]
-        p.done.append(s)
-        if len(p.done) == p.expected:
-            p.completed_at_s = self.env.now
-            del self.inflight[s.prompt_id]
-            self.buffer[s.prompt_id] = p
-            if self._batch_waiter is not None and len(self.buffer) >= self.batcher.config.prompts_per_update:
+        if self.prompts.finish(self.prompts.inflight[s.prompt_id], s, self.env.now):
+            if self._batch_waiter is not None and self.prompts.can_decide:
                 self._batch_waiter.succeed()
                 self._batch_waiter = None
             self.admit_prompts()
 
     # ---- the trainer's side ------------------------------------------------------------------------
-    def buffer_view(self) -> BufferView:
-        return BufferView(now_s=self.env.now, trainer_version=self.version, groups=tuple(
-            PromptGroupView(prompt_id=p.prompt_id, finished=len(p.done), aborted=0, expected=p.expected,
-                            min_version=min(min(s.tokens_by_version, default=self.version) for s in p.done),
-                            completed_at_s=p.completed_at_s) for p in self.buffer.values()))
-
     def wait_for_batch(self) -> Generator:
         """Block until the batcher forms an update; returns its prompt-groups (dropped ones are logged)."""
         while True:
-            if len(self.buffer) >= self.batcher.config.prompts_per_update:
-                decision = self.batcher.decide(self.buffer_view())
-                for pid in decision.drop:
-                    for s in self.buffer.pop(pid).done:
-                        self.write_trajectory(s, trained_version=-1)
-                        self.trajectories_dropped += 1
-                if decision.drop:
-                    self.admit_prompts()
-                if decision.ready:
-                    return [self.buffer.pop(pid) for pid in decision.take]
+            batch, dropped = self.prompts.decide(self.env.now, self.version)
+            for p in dropped:
+                for s in p.samples:
+                    self.write_trajectory(s, trained_version=-1)
+                    self.trajectories_dropped += 1
+            if dropped:
+                self.admit_prompts()
+            if batch is not None:
+                return batch
             self._batch_waiter = self.env.event()
             yield self._batch_waiter
             if self.stalled is not None:
@@ -438,11 +415,11 @@ class World:
             trained_version=trained_version))
         self.trajectories_written += 1
 
-    def record_update(self, batch: list[PromptState], version: int, start_s: float, train_s: float,
+    def record_update(self, batch: list[PromptGroup[Session]], version: int, start_s: float, train_s: float,
                       sync_s: float) -> None:
         """The update's row, its groups' rows and its trajectories' rows."""
         now = self.env.now
-        sessions = [s for p in batch for s in p.done]
+        sessions = [s for p in batch for s in p.samples]
         versions, counts, by_group = [], [], {}
         for s in sessions:
             g = s.replica.group
@@ -503,12 +480,13 @@ class World:
         """Every interval: each group to the autoscaler's target (scale-ups pay a cold start)."""
         while True:
             yield self.env.timeout(self.autoscaler.config.interval_s)
-            ppu = self.batcher.config.prompts_per_update
-            starved = not self.inflight and not self.parked
-            if self._batch_waiter is not None and (starved or len(self.buffer) > 10 * ppu):
+            ppu = self.prompts.prompts_per_update
+            inflight, complete = len(self.prompts.inflight), len(self.prompts.complete)
+            starved = not inflight and not self.parked
+            if self._batch_waiter is not None and (starved or complete > 10 * ppu):
                 self.stalled = SpecError("policies.batcher", "settings", self.batcher.config,
-                                         f"settings under which updates form: the trainer waits, {len(self.inflight)} "
-                                         f"prompts are generating and the buffer holds {len(self.buffer)} "
+                                         f"settings under which updates form: the trainer waits, {inflight} "
+                                         f"prompts are generating and the buffer holds {complete} "
                                          f"prompt-groups ({ppu} per update)")
                 waiter, self._batch_waiter = self._batch_waiter, None
                 waiter.succeed()  # wakes the run loop, which stops
@@ -545,7 +523,7 @@ def run_loop(w: World, updates: int) -> Generator:
         if batch is None:  # stalled: the batcher never forms an update (simulate raises w.stalled)
             return
         start_s = w.env.now
-        tokens = sum(n for p in batch for s in p.done for n in s.tokens_by_version.values())
+        tokens = sum(n for p in batch for s in p.samples for n in s.tokens_by_version.values())
         train_s = w.trainer.train_step_s(tokens)
         yield w.env.timeout(train_s)
         sync_s = w.push_weights(version)

@@ -44,7 +44,8 @@ from typing import Any
 import httpx
 from mixfleet.costmodel.runlog import EventRecord, GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
 from mixfleet.policies.plan import EmbeddedPlan, Plan
-from mixfleet.policies.views import BufferView, FleetView, GroupView, PromptGroupView, ReplicaView
+from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
+from mixfleet.policies.views import FleetView, GroupView, ReplicaView
 from mixfleet.runner.orchestration.batching import BatchItem, BatchOptions, build_batch, group_metrics, version_int
 from mixfleet.runner.orchestration.fleet import FleetSpec, GroupSpec, fleet_from_plan
 from mixfleet.runner.rollout.agent import AgentConfig, Episode, run_episode
@@ -174,19 +175,13 @@ class Session:
     group: str = ""
 
 
-@dataclass
-class PromptState:
-    prompt_id: int
-    seed: int
-    expected: int
-    done: list[tuple[Session, Episode]] = field(default_factory=list)
-    aborted: int = 0
-    completed_at_s: float = math.inf
+Sample = tuple[Session, Episode]            # a prompt-group's finished sample: the session and its episode
 
-    def min_version(self, default: int) -> int:
-        vs = [version_int(v) for _, ep in self.done for v in ep.tokens_by_version()]
-        vs = [v for v in vs if v >= 0]
-        return min(vs) if vs else default
+
+def _min_version(sample: Sample) -> int | None:
+    """The oldest weight version of an episode's sampled tokens (None: none carries one)."""
+    vs = [v for v in map(version_int, sample[1].tokens_by_version()) if v >= 0]
+    return min(vs) if vs else None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -252,10 +247,8 @@ class Orchestrator:
         self.out = config.out_dir
         self.version = 0
         self.target = config.updates
-        self.started_prompts = 0
         self.replicas: dict[str, list[Replica]] = {g.name: [] for g in self.fleet.groups}
-        self.inflight: dict[int, PromptState] = {}
-        self.buffer: dict[int, PromptState] = {}
+        self.prompts: PromptBuffer[Sample] = PromptBuffer(self.batcher, _min_version)
         self.sessions: dict[str, Session] = {}
         self._sid = itertools.count()
         self._tasks: set[asyncio.Task] = set()
@@ -358,7 +351,7 @@ class Orchestrator:
             self.version = await self.trainer.version.remote()
             dropped = self.writer.truncate_after_version(self.version, tables=("updates", "groups", "trajectories"))
             st = json.loads((state_dir / ORCH_STATE_FILE).read_text()) if (state_dir / ORCH_STATE_FILE).exists() else {}
-            self.started_prompts = int(st.get("started_prompts", 0))
+            self.prompts.restore(st)
             self.restarts = int(st.get("restarts", 0))
             self.trainer_busy_s = float(st.get("trainer_busy_s", 0.0))
             self.cost_sampler_usd = float(st.get("cost_sampler_usd", 0.0))
@@ -435,12 +428,6 @@ class Orchestrator:
     def fleet_view(self) -> FleetView:
         return FleetView(now_s=self.now(), groups=tuple(self.group_view(g) for g in self.fleet.groups))
 
-    def buffer_view(self) -> BufferView:
-        return BufferView(now_s=self.now(), trainer_version=self.version, groups=tuple(
-            PromptGroupView(prompt_id=p.prompt_id, finished=len(p.done), aborted=p.aborted, expected=p.expected,
-                            min_version=p.min_version(self.version), completed_at_s=p.completed_at_s)
-            for p in self.buffer.values()))
-
     # ---- sessions --------------------------------------------------------------------------------------
     def _spawn(self, coro: Any) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
@@ -450,31 +437,26 @@ class Orchestrator:
 
     async def _feeder(self) -> None:
         """Keep as many prompt-groups generating as the batcher admits (samplers never wait for the trainer)."""
-        spp = self.batcher.config.samples_per_prompt
+        spp = self.prompts.samples_per_prompt
         while not self._stopping:
-            n = self.batcher.admit(self.version, self.started_prompts, len(self.inflight))
-            for _ in range(n):
-                pid = self.started_prompts
-                self.started_prompts += 1
-                seed = self.config.seed * 1_000_003 + pid
-                p = PromptState(prompt_id=pid, seed=seed, expected=spp)
-                self.inflight[pid] = p
+            for p in self.prompts.admit(self.version):
                 for i in range(spp):
                     self._spawn(self._session(p, i))
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=0.5)
 
-    async def _session(self, p: PromptState, sample_index: int) -> None:
+    async def _session(self, p: PromptGroup[Sample], sample_index: int) -> None:
         sid = next(self._sid)
+        seed = self.config.seed * 1_000_003 + p.prompt_id
         s = Session(sid=sid, prompt_id=p.prompt_id, sample_index=sample_index,
                     session_id=f"p{p.prompt_id}-s{sample_index}-{uuid.uuid4().hex[:8]}")
         self.sessions[s.session_id] = s
         cfg = self.agent_config
         if cfg.sampling.sampling_seed is None:
-            cfg = replace(cfg, sampling=replace(cfg.sampling, sampling_seed=(p.seed * 131 + sample_index) % (2**31)))
+            cfg = replace(cfg, sampling=replace(cfg.sampling, sampling_seed=(seed * 131 + sample_index) % (2**31)))
         try:
-            ep = await run_episode(make_task(self.task, **self.config.task_options), p.seed, self._generate,
+            ep = await run_episode(make_task(self.task, **self.config.task_options), seed, self._generate,
                                    config=cfg, session_id=s.session_id, clock=self.now)
         finally:
             self.router.release(sid)
@@ -482,13 +464,9 @@ class Orchestrator:
         for g, n in _tokens_by_group(ep).items():
             self.tokens_generated[g] = self.tokens_generated.get(g, 0) + n
         if ep.finish_reason == "error" and not ep.num_generated:
-            p.aborted += 1
+            self.prompts.abort(p, self.now())
         else:
-            p.done.append((s, ep))
-        if len(p.done) + p.aborted >= p.expected:
-            p.completed_at_s = self.now()
-            self.inflight.pop(p.prompt_id, None)
-            self.buffer[p.prompt_id] = p
+            self.prompts.finish(p, (s, ep), self.now())
         self._wake.set()
 
     async def _generate(self, input_ids: list[int], params: SamplingParams, session_id: str) -> RequestResult:
@@ -620,24 +598,22 @@ class Orchestrator:
         await rep.client.aclose()
 
     # ---- the trainer's side ----------------------------------------------------------------------------
-    async def next_batch(self) -> list[PromptState]:
+    async def next_batch(self) -> list[PromptGroup[Sample]]:
         """Wait until the batcher forms an update from the completed prompt-groups; log the dropped ones."""
         while True:
-            if self.buffer:
-                decision = self.batcher.decide(self.buffer_view())
-                for pid in decision.drop:
-                    p = self.buffer.pop(pid)
-                    for s, ep in p.done:
-                        self._write_trajectory(s, ep, trained_version=-1)
-                if decision.ready:
-                    return [self.buffer.pop(pid) for pid in decision.take]
+            batch, dropped = self.prompts.decide(self.now(), self.version)
+            for p in dropped:
+                for s, ep in p.samples:
+                    self._write_trajectory(s, ep, trained_version=-1)
+            if batch is not None:
+                return batch
             self._wake.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout=0.5)
 
-    async def train(self, prompts: list[PromptState]) -> tuple[Any, dict[str, Any], float]:
+    async def train(self, prompts: list[PromptGroup[Sample]]) -> tuple[Any, dict[str, Any], float]:
         items = [BatchItem(episode=ep, prompt_id=p.prompt_id, sample_index=s.sample_index)
-                 for p in prompts for s, ep in p.done]
+                 for p in prompts for s, ep in p.samples]
         batch = build_batch(items, trained_version=self.version + 1, group_names=self.fleet.group_names,
                             options=BatchOptions(top_k=self.config.top_k_record, top_p_replay=self.top_p_replay))
         t0 = self.now()
@@ -737,14 +713,14 @@ class Orchestrator:
             start_s=max(ep.start_s, 0.0), end_s=max(ep.end_s, ep.start_s, 0.0), reward=ep.reward,
             finish_reason=reason, restarts=s.restarts, tokens_by_version=tbv, trained_version=trained_version))
 
-    def log_update(self, prompts: list[PromptState], batch: Any, metrics: Mapping[str, Any], start_s: float,
+    def log_update(self, prompts: list[PromptGroup[Sample]], batch: Any, metrics: Mapping[str, Any], start_s: float,
                    train_s: float, sync_s: float, pass_at_k: float) -> UpdateView:
         assert self.writer is not None
         v = batch.trained_version
         now = self.now()
         window = max(now - self._last_update_end_s, 1e-9)
         for p in prompts:
-            for s, ep in p.done:
+            for s, ep in p.samples:
                 self._write_trajectory(s, ep, trained_version=v)
                 self.trained_restarted += s.restarts > 0
         by_group, fresh = group_metrics(metrics, batch.group_names)
@@ -804,7 +780,7 @@ class Orchestrator:
         state_dir = self.out / STATE_DIR
         await self.trainer.save_state.remote(str(state_dir))
         tmp = state_dir / f".{ORCH_STATE_FILE}.tmp"
-        tmp.write_text(json.dumps({"version": self.version, "started_prompts": self.started_prompts,
+        tmp.write_text(json.dumps({"version": self.version, **self.prompts.state(),
                                    "restarts": self.restarts, "trainer_busy_s": self.trainer_busy_s,
                                    "cost_sampler_usd": self.cost_sampler_usd, "elapsed_s": self.now(),
                                    "fresh_kl": self.fresh_kl, "trained_restarted": self.trained_restarted}))

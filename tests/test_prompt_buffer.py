@@ -1,0 +1,41 @@
+"""The prompt buffer (policies/prompt_buffer.py) both worlds keep their prompt-groups in: admission, siblings,
+the update decision, drops."""
+
+from __future__ import annotations
+
+from mixfleet.policies.prompt_buffer import PromptBuffer
+from mixfleet.policies.registry import make
+
+
+def _buffer(**settings: object) -> PromptBuffer[tuple[str, int | None]]:
+    """Samples are (name, oldest version) pairs."""
+    return PromptBuffer(make("batcher", "fifo", settings), lambda s: s[1])
+
+
+def test_a_group_completes_once_all_its_siblings_are_in() -> None:
+    buf = _buffer(prompts_per_update=2, samples_per_prompt=3, inflight_prompts=3)
+    groups = buf.admit(trainer_version=0)
+    assert [p.prompt_id for p in groups] == [0, 1, 2] and buf.started == 3 and set(buf.inflight) == {0, 1, 2}
+    assert buf.admit(trainer_version=0) == []                        # in-flight limit reached
+    p = groups[1]
+    assert not buf.finish(p, ("a", 0), 1.0) and not buf.abort(p, 2.0)
+    assert buf.finish(p, ("b", 0), 3.0)                              # the third sibling completes it
+    assert p.completed_at_s == 3.0 and set(buf.complete) == {1} and set(buf.inflight) == {0, 2}
+    assert [q.prompt_id for q in buf.admit(trainer_version=0)] == [3]
+
+
+def test_the_batcher_is_asked_once_an_update_is_complete_and_takes_the_oldest() -> None:
+    buf = _buffer(prompts_per_update=2, samples_per_prompt=1, inflight_prompts=8, max_staleness=1, stale="drop")
+    g = buf.admit(trainer_version=0)
+    buf.finish(g[3], ("d", 0), 1.0)
+    assert buf.decide(1.0, trainer_version=2) == (None, [])          # one complete group: not asked yet
+    buf.finish(g[0], ("a", 1), 2.0)
+    batch, dropped = buf.decide(2.0, trainer_version=2)
+    assert batch is None and [p.prompt_id for p in dropped] == [3]   # 2 - 0 > 1: stale; one usable group left
+    assert set(buf.complete) == {0}
+    buf.finish(g[2], ("c", 2), 3.0)
+    buf.finish(g[1], ("b", None), 4.0)                               # no versioned token: the trainer's version
+    assert [v.min_version for v in buf.view(4.0, trainer_version=2).groups] == [1, 2, 2]
+    batch, dropped = buf.decide(4.0, trainer_version=2)
+    assert [p.prompt_id for p in batch] == [0, 2] and dropped == [] and buf.taken == 2   # oldest completed first
+    assert set(buf.complete) == {1}
