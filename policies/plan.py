@@ -28,6 +28,7 @@ from typing import Any
 import tomli_w
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.paths import data_path
+from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies import registry
 
 LOSSES = ("grpo", "mis", "sc", "sc_mis")
@@ -189,15 +190,17 @@ class Plan:
 
     def build_policies(self, workload: Any = None) -> dict[str, Any]:
         """Fresh policy objects: {"router": ..., "autoscaler": ..., "batcher": ..., "weight_sync": ...}.
-        With a workload (costmodel WorkloadSpec), batcher settings the plan leaves out come from it:
-        prompts_per_update, samples_per_prompt, and inflight_prompts = 4 x prompts_per_update."""
+        Batcher settings the plan leaves out come from the workload (costmodel WorkloadSpec; default: the
+        plan's own `workload`): prompts_per_update, samples_per_prompt, and inflight_prompts = 4 x
+        prompts_per_update. Both worlds build their policies here, so a plan has one update shape."""
+        if workload is None:
+            workload = load_workload(self.workload)
         out = {kind: getattr(self.policies, kind).build(kind) for kind in registry.KINDS}
-        if workload is not None:
-            ref = self.policies.batcher
-            ppu = ref.settings.get("prompts_per_update", workload.prompts_per_update)
-            settings = {"prompts_per_update": ppu, "samples_per_prompt": workload.samples_per_prompt,
-                        "inflight_prompts": 4 * ppu, **ref.settings}
-            out["batcher"] = registry.make("batcher", ref.name, settings)
+        ref = self.policies.batcher
+        ppu = ref.settings.get("prompts_per_update", workload.prompts_per_update)
+        settings = {"prompts_per_update": ppu, "samples_per_prompt": workload.samples_per_prompt,
+                    "inflight_prompts": 4 * ppu, **ref.settings}
+        out["batcher"] = registry.make("batcher", ref.name, settings)
         return out
 
     def to_dict(self) -> dict[str, Any]:

@@ -1,8 +1,11 @@
 """The prompt buffer (policies/prompt_buffer.py) both worlds keep their prompt-groups in: admission, siblings,
-the update decision, drops."""
+the update decision, drops, and one update shape for a plan in the twin and in the runner."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from mixfleet.policies.plan import plan_from_dict
 from mixfleet.policies.prompt_buffer import PromptBuffer
 from mixfleet.policies.registry import make
 
@@ -39,3 +42,17 @@ def test_the_batcher_is_asked_once_an_update_is_complete_and_takes_the_oldest() 
     batch, dropped = buf.decide(4.0, trainer_version=2)
     assert [p.prompt_id for p in batch] == [0, 2] and dropped == [] and buf.taken == 2   # oldest completed first
     assert set(buf.complete) == {1}
+
+
+def test_a_plan_without_batch_sizes_gets_the_workloads_in_both_worlds(tmp_path: Path) -> None:
+    from mixfleet.costmodel.workload import load_workload
+    from mixfleet.runner.orchestration.orchestrator import Orchestrator, RunConfig
+
+    plan = plan_from_dict({"name": "p", "model": "tiny", "workload": "tiny-cpu",
+                           "trainer": {"accelerator": "CPU-2core"},
+                           "groups": [{"name": "a", "accelerator": "CPU-2core", "precision": "bf16"}]})
+    wl = load_workload("tiny-cpu")
+    twin = plan.build_policies(wl)["batcher"].config                 # what twin/sim.py builds
+    runner = Orchestrator(plan, RunConfig(out_dir=tmp_path, init_checkpoint="unused")).prompts.batcher.config
+    assert (twin.prompts_per_update, twin.samples_per_prompt, twin.inflight_prompts) == (16, 8, 64)
+    assert (runner.prompts_per_update, runner.samples_per_prompt, runner.inflight_prompts) == (16, 8, 64)
