@@ -1,6 +1,8 @@
 """The vocabulary-parallel loss on 2 gloo processes (CPU, 127.0.0.1) equals the single-process loss:
 same loss and metrics on both ranks, and each rank's gradient is exactly its slice of the
 single-process gradient (not multiplied by the tensor-parallel size). Shards are uneven on purpose.
+The fused variant (output-layer weight sharded along the vocabulary) likewise: each rank's weight
+gradient is its rows of the single-process one, and both ranks get the full hidden-state gradient.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from mixfleet.runner.corrections import CorrectionConfig, policy_loss
-from mixfleet.runner.corrections.vocab_parallel import vocab_parallel_policy_loss
+from mixfleet.runner.corrections import CorrectionConfig, policy_loss, policy_loss_from_hidden
+from mixfleet.runner.corrections.vocab_parallel import (
+    vocab_parallel_policy_loss,
+    vocab_parallel_policy_loss_from_hidden,
+)
 from test_corrections_chunked import random_batch, without_kept
 
-T, VOCAB, SPLIT = 40, 37, 20  # rank 0 holds ids [0, 20), rank 1 ids [20, 37)
+T, VOCAB, SPLIT, HIDDEN = 40, 37, 20, 6  # rank 0 holds ids [0, 20), rank 1 ids [20, 37)
 CASES = {
     "sc_mis_topk": (CorrectionConfig(method="sc_mis", temperature=0.8, chunk_size=7), False),
     "sc_tis_replay": (CorrectionConfig(method="sc_tis", temperature=1.3, chunk_size=16, top_p_replay=True), True),
@@ -28,6 +33,12 @@ def inputs(replay: bool):
     logits = torch.randn(T, VOCAB, generator=torch.Generator().manual_seed(3), dtype=torch.float64) * 3
     batch = random_batch(T, VOCAB, k=5, kept=6, seed=4)
     return logits, (batch if replay else without_kept(batch))
+
+
+def hidden_inputs():
+    g = torch.Generator().manual_seed(5)
+    return (torch.randn(T, HIDDEN, generator=g, dtype=torch.float64),
+            torch.randn(VOCAB, HIDDEN, generator=g, dtype=torch.float64))
 
 
 def worker(rank: int, port: int, out_dir: str) -> None:
@@ -42,6 +53,12 @@ def worker(rank: int, port: int, out_dir: str) -> None:
             loss, metrics = vocab_parallel_policy_loss(shard, batch, cfg, group=None, vocab_start=lo)
             loss.backward()
             results[name] = (loss.detach(), shard.grad, metrics)
+            h, w = hidden_inputs()
+            h = h.requires_grad_(True)
+            w_shard = w[lo:hi].clone().requires_grad_(True)
+            loss, metrics = vocab_parallel_policy_loss_from_hidden(h, w_shard, batch, cfg, group=None, vocab_start=lo)
+            loss.backward()
+            results["fused_" + name] = (loss.detach(), (h.grad, w_shard.grad), metrics)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     finally:
         dist.destroy_process_group()
@@ -69,3 +86,15 @@ def test_two_rank_vocab_parallel_matches_single_process(tmp_path: Path) -> None:
             assert r_metrics.keys() == metrics.keys()
             for key in metrics:
                 assert abs(r_metrics[key] - metrics[key]) <= 1e-11 * max(1.0, abs(metrics[key])), (name, key)
+        h, w = (x.clone().requires_grad_(True) for x in hidden_inputs())
+        loss, metrics = policy_loss_from_hidden(h, w, batch, cfg)
+        loss.backward()
+        assert h.grad.abs().max() > 1e-3 and w.grad.abs().max() > 1e-3
+        for rank, (lo, hi) in enumerate([(0, SPLIT), (SPLIT, VOCAB)]):
+            r_loss, (r_grad_h, r_grad_w), r_metrics = ranks[rank]["fused_" + name]
+            torch.testing.assert_close(r_loss, loss.detach(), rtol=0, atol=1e-12)
+            torch.testing.assert_close(r_grad_h, h.grad, rtol=0, atol=1e-12)
+            torch.testing.assert_close(r_grad_w, w.grad[lo:hi], rtol=0, atol=1e-12)
+            assert r_metrics.keys() == metrics.keys()
+            for key in metrics:
+                assert abs(r_metrics[key] - metrics[key]) <= 1e-11 * max(1.0, abs(metrics[key])), ("fused", name, key)

@@ -53,6 +53,8 @@ weights (those are offered only for grpo / mis / tis).
 
 Memory: `implementation="chunked"` (default) never materializes [T, V] float32 (see
 `corrections_chunked`); `"naive"` is the plain reference used by the tests and the benchmark.
+`policy_loss_from_hidden(hidden, weight, batch, config)` fuses the output layer into that kernel,
+so not even the [T, V] logits or their gradient exist.
 """
 
 from __future__ import annotations
@@ -66,6 +68,7 @@ from mixfleet.costmodel.errors import SpecError
 from mixfleet.runner.corrections.chunked import (
     DEFAULT_CHUNK_ROWS,
     compute_dtype,
+    fused_gather_tempered_logits,
     gather_tempered_logits,
     gather_tempered_logits_naive,
 )
@@ -477,15 +480,56 @@ def policy_loss(
         raise SpecError("policy_loss", "logits", tuple(logits.shape), f"shape ({batch.num_tokens}, V)")
     if not logits.dtype.is_floating_point:
         raise SpecError("policy_loss", "logits", logits.dtype, "a floating-point tensor")
-    mask = batch.loss_mask.bool() if batch.loss_mask.dtype == torch.bool else batch.loss_mask > 0
-    _check_values(batch, mask, logits.shape[1], config)
-    labels = torch.where(mask, batch.labels.to(torch.int64), torch.zeros((), dtype=torch.int64, device=logits.device))
-    ids, k_head, _ = _gather_ids(batch, labels)
+    mask, ids, k_head = _prepare(batch, config, logits.shape[1], logits.device)
     if config.implementation == "naive":
         z_ids, lse, entropy = gather_tempered_logits_naive(logits, ids, config.temperature)
     else:
         z_ids, lse, entropy = gather_tempered_logits(logits, ids, config.temperature, config.chunk_size)
     return _loss_from_gathered(z_ids, lse, entropy, batch, config, mask, k_head)
+
+
+def policy_loss_from_hidden(
+    hidden: torch.Tensor, weight: torch.Tensor, batch: CorrectionBatch, config: CorrectionConfig
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """`policy_loss(hidden @ weight.T, batch, config)` with the output layer fused into the loss.
+
+    `hidden` [T, H]: the model's final hidden states (after its final norm) at the positions
+    predicting `batch.labels`; `weight` [V, H]: the output layer's weight (no bias), same float
+    dtype. With the default `implementation="chunked"` neither the [T, V] logits nor their gradient
+    ever exist: chunks of `config.chunk_size` rows go through the output layer, are reduced to the few
+    numbers the loss needs and dropped, and are recomputed in the backward pass, which returns the
+    gradients of `hidden` and `weight` (the weight's accumulated over the chunks in fp32, rounded
+    once). `"naive"` builds the logits and runs the naive `policy_loss` (the tests' reference).
+    Same loss and metrics as `policy_loss` (to the rounding of the matrix products).
+    """
+    _check_output_layer("policy_loss_from_hidden", hidden, weight, batch)
+    if config.implementation == "naive":
+        return policy_loss(hidden @ weight.T, batch, config)
+    mask, ids, k_head = _prepare(batch, config, weight.shape[0], hidden.device)
+    z_ids, lse, entropy = fused_gather_tempered_logits(hidden, weight, ids, config.temperature, config.chunk_size)
+    return _loss_from_gathered(z_ids, lse, entropy, batch, config, mask, k_head)
+
+
+def _check_output_layer(where: str, hidden: torch.Tensor, weight: torch.Tensor, batch: CorrectionBatch) -> None:
+    if hidden.dim() != 2 or hidden.shape[0] != batch.num_tokens:
+        raise SpecError(where, "hidden", tuple(hidden.shape), f"shape ({batch.num_tokens}, H)")
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[1]:
+        raise SpecError(where, "weight", tuple(weight.shape), f"shape (V, {hidden.shape[1]}), the output layer's")
+    if not hidden.dtype.is_floating_point or weight.dtype != hidden.dtype:
+        raise SpecError(where, "weight", weight.dtype, f"the floating-point dtype of hidden ({hidden.dtype})")
+    if weight.device != hidden.device:
+        raise SpecError(where, "weight", str(weight.device), f"the device of hidden ({hidden.device})")
+
+
+def _prepare(
+    batch: CorrectionBatch, config: CorrectionConfig, vocab_size: int, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The value checks, then (loss mask as bool, the [T, 1 + K + S] ids to gather, K)."""
+    mask = batch.loss_mask.bool() if batch.loss_mask.dtype == torch.bool else batch.loss_mask > 0
+    _check_values(batch, mask, vocab_size, config)
+    labels = torch.where(mask, batch.labels.to(torch.int64), torch.zeros((), dtype=torch.int64, device=device))
+    ids, k_head, _ = _gather_ids(batch, labels)
+    return mask, ids, k_head
 
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, config: CorrectionConfig) -> torch.Tensor:
@@ -512,5 +556,6 @@ __all__ = [
     "compute_dtype",
     "grpo_advantages",
     "policy_loss",
+    "policy_loss_from_hidden",
     "token_logprobs",
 ]
