@@ -78,6 +78,9 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
         from mixfleet.costmodel.errors import SpecError
         raise SpecError("simulate", "updates", updates, "an integer >= 1")
     seed = plan.seed if seed is None else seed
+    if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:   # numpy's generators take seeds >= 0
+        from mixfleet.costmodel.errors import SpecError
+        raise SpecError("simulate", "seed", seed, "an integer >= 0")
     setup = setup or build_setup(plan, price_table=price_table, overrides=overrides)
     folder = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="mixfleet-twin-"))
     wall0 = time.perf_counter()

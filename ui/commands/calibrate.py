@@ -77,9 +77,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Simulate PLAN as the run ran it (seed, updates, replicas, workload); predicted vs measured."""
         from mixfleet.costmodel.errors import SpecError
+        from mixfleet.costmodel.outdir import prepare_output_dir
         from mixfleet.twin.calibrated import fidelity
 
         try:
+            if keep is not None:
+                prepare_output_dir(keep, "twin_runlog", where="mixfleet fidelity", flag="--keep-twin-log")
             rep = fidelity(plan, runlog, calibration, keep_twin_log=keep)
         except (SpecError, FileNotFoundError, OSError) as e:
             _fail(e)

@@ -23,7 +23,9 @@ def register(app: typer.Typer) -> None:
     @app.command("init-model")
     def init_model_cmd(
         spec: str = typer.Argument(..., help="Model spec name (tiny, tiny-qwen3, tiny-qwen3-moe) or TOML path."),
-        out: str = typer.Option(..., "--out", "-o", help="Checkpoint folder to write (replaced if it exists)."),
+        out: str = typer.Option(..., "--out", "-o", help="Checkpoint folder to write (new or empty)."),
+        force: bool = typer.Option(False, "--force", help="Replace a checkpoint already in --out (never a folder "
+                                                          "mixfleet did not write)."),
         seed: int = typer.Option(0, "--seed", help="Seed of the random init."),
         logit_scale: float = typer.Option(4.0, "--logit-scale", help="Std of the initial logits (peakedness)."),
         weight_version: str = typer.Option("0", "--weight-version", help="Version written into config.json."),
@@ -31,10 +33,14 @@ def register(app: typer.Typer) -> None:
         """Write a seeded, randomly initialized checkpoint of a model spec, with its tokenizer."""
         from mixfleet.costmodel.errors import SpecError
         from mixfleet.costmodel.model import load_model_spec
+        from mixfleet.costmodel.outdir import prepare_output_dir
         from mixfleet.runner.checkpoint.init_model import init_model
 
         try:
-            path = init_model(load_model_spec(spec), out, seed=seed, logit_scale=logit_scale,
+            model_spec = load_model_spec(spec)
+            # clear=False: save_checkpoint replaces the old checkpoint by renames (a reader never sees half)
+            prepare_output_dir(out, "checkpoint", where="mixfleet init-model", force=force, clear=False)
+            path = init_model(model_spec, out, seed=seed, logit_scale=logit_scale,
                               weight_version=weight_version)
         except (SpecError, ValueError, FileNotFoundError, OSError) as e:
             _fail(e)

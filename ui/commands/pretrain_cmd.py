@@ -26,8 +26,9 @@ def register_pretrain(app: typer.Typer) -> None:
         model: str = typer.Option("tiny", "--model", "-m", help="Model spec name (data/models) or TOML path."),
         task: str = typer.Option("guess", "--task", "-t", help="Task to imitate: guess | calc."),
         steps: int = typer.Option(None, "--steps", help="Optimizer steps (default: the recipe's, 150)."),
-        out: str = typer.Option(None, "--out", "-o", help="Also copy the checkpoint folder here."),
-        force: bool = typer.Option(False, "--force", help="Retrain even if the cache has this base policy."),
+        out: str = typer.Option(None, "--out", "-o", help="Also copy the checkpoint folder here (new or empty)."),
+        force: bool = typer.Option(False, "--force", help="Retrain even if the cache has this base policy (and "
+                                                          "replace a checkpoint already in --out)."),
         demos: int = typer.Option(None, "--demos", help="Demonstration episodes (default 2000)."),
         noise: float = typer.Option(None, "--noise", help="Share of noisy demonstrator replies, 0..1 (default 0.25)."),
         seed: int = typer.Option(0, "--seed", help="Seed of the demonstrations, the init and the row order."),
@@ -44,6 +45,7 @@ def register_pretrain(app: typer.Typer) -> None:
 
         import torch
         from mixfleet.costmodel.errors import SpecError
+        from mixfleet.costmodel.outdir import prepare_output_dir
         from mixfleet.runner.orchestration.pretrain import PretrainConfig, measure_reward, pretrain
         from mixfleet.runner.rollout.demos import DemoConfig
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -67,6 +69,8 @@ def register_pretrain(app: typer.Typer) -> None:
                 kw["steps"] = steps
             cfg = PretrainConfig(**kw)
             cfg.spec()
+            if out is not None:  # the copy overwrites the checkpoint's own file names, after training
+                prepare_output_dir(out, "checkpoint", where="mixfleet pretrain", force=force, clear=False)
         except (SpecError, ValueError, FileNotFoundError) as e:
             _fail(e)
         columns = (TextColumn("pretrain {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),

@@ -110,17 +110,19 @@ def default_base_policy(progress: bool = True) -> str:
 
 def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, embedded: bool, address: str | None,
                 init: str | None, mode: str, attach: list[str], kill_at: list[str], eval_every: int | None,
-                task: str | None, quiet: bool, trainer_threads: int | None = None) -> None:
+                task: str | None, quiet: bool, trainer_threads: int | None = None, force: bool = False) -> None:
     """Body of `mixfleet run` (see its help)."""
     import torch
     from mixfleet.costmodel.catalog import load_catalog
     from mixfleet.costmodel.errors import SpecError
+    from mixfleet.costmodel.outdir import prepare_output_dir
     from mixfleet.policies.plan import load_plan
     from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
 
     torch.set_num_threads(1)
     try:
         plan = load_plan(plan_ref)
+        prepare_output_dir(out, "run", where="mixfleet run", resume=resume, force=force)
         attach_map = _parse_attach(attach)
         cat = load_catalog(plan.price_table or None)
         kinds = set()
@@ -187,6 +189,8 @@ def register_run(app: typer.Typer) -> None:
         out: Path = typer.Option(..., "--out", "-o", help="Run folder: run log, trainer state, weights."),
         updates: int = typer.Option(30, "--updates", "-n", min=1, help="Trainer updates to reach."),
         resume: bool = typer.Option(False, "--resume", help="Continue a killed run from its last checkpoint."),
+        force: bool = typer.Option(False, "--force", help="Replace what an earlier run or dry run wrote in --out "
+                                                          "(never a folder mixfleet did not write)."),
         embedded: bool = typer.Option(False, "--embedded", help="Rehearse any plan locally with embedded samplers."),
         address: str = typer.Option(None, "--address", help="Ray cluster address (default: a local Ray)."),
         init: str = typer.Option(None, "--init", help="Base policy checkpoint (default: the cached pretrain)."),
@@ -206,4 +210,4 @@ def register_run(app: typer.Typer) -> None:
             typer.secho(f"error: --mode {mode!r}; allowed: async, sync", fg=typer.colors.RED, err=True)
             raise typer.Exit(2)
         run_command(plan, out, updates, resume, embedded, address, init, mode, attach, kill_at, eval_every, task,
-                    quiet, trainer_threads)
+                    quiet, trainer_threads, force)

@@ -224,8 +224,10 @@ def register(app: typer.Typer) -> None:
     def simulate_cmd(
         plan: str = typer.Argument(..., help="Plan TOML path or shipped plan name (e.g. seed-mixed)."),
         updates: int = typer.Option(10, "--updates", "-n", help="Trainer updates to simulate."),
-        out: Path = typer.Option(None, "--out", "-o", help="Run-log folder (default: a temporary one)."),
-        seed: int = typer.Option(None, "--seed", help="Override the plan's seed."),
+        out: Path = typer.Option(None, "--out", "-o", help="Run-log folder, new or empty (default: a temporary one)."),
+        force: bool = typer.Option(False, "--force", help="Replace the dry run already in --out (never a folder "
+                                                          "mixfleet did not write)."),
+        seed: int = typer.Option(None, "--seed", min=0, help="Override the plan's seed (an integer >= 0)."),
         price_table: str = typer.Option(None, "--price-table", "-p", help="Override the plan's price table."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
         calibration: Path = typer.Option(None, "--calibration", "-c",
@@ -233,8 +235,11 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Dry-run a plan in the twin: run log + summary."""
         from mixfleet.costmodel.errors import SpecError
+        from mixfleet.costmodel.outdir import prepare_output_dir
 
         try:
+            if out is not None:
+                prepare_output_dir(out, "twin_runlog", where="mixfleet simulate", force=force)
             r = _simulate(plan, updates, seed, str(out) if out else None, price_table, "simulating", calibration)
         except (SpecError, FileNotFoundError) as e:
             _fail(e)
@@ -252,7 +257,7 @@ def register(app: typer.Typer) -> None:
         a: str = typer.Argument(..., help="First plan (TOML path or shipped name)."),
         b: str = typer.Argument(..., help="Second plan."),
         updates: int = typer.Option(6, "--updates", "-n", help="Trainer updates to simulate each."),
-        seed: int = typer.Option(None, "--seed", help="Override the plans' seed."),
+        seed: int = typer.Option(None, "--seed", min=0, help="Override the plans' seed (an integer >= 0)."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:
         """Dry-run two plans and put them side by side."""
