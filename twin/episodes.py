@@ -47,3 +47,61 @@ def draw_episodes(workload: WorkloadSpec, rng: np.random.Generator, n: int) -> l
         out.append(Episode(turns=t, prompt_tokens=p, reply_tokens=tuple(r.tolist()), tool_tokens=tuple(o.tolist()),
                            tool_s=tuple(s.tolist()), reward=float(rewards[i]), finish_reason=reason))
     return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkloadShape:
+    """What the planner's analytic screen needs from a workload's episodes, measured on a seeded draw of the
+    twin's own episodes (`draw_episodes`, the max_context cut included), so screen and twin see the same
+    episodes. A replica decodes every running request at the same rate, so a request holds its KV for a time
+    proportional to its reply: the running set is the turns weighted by their reply tokens (the long, late
+    turns of long episodes), not the mean turn."""
+    generated_per_episode: float     # reply tokens per episode
+    turns_per_episode: float
+    new_tokens_per_turn: float       # prefilled (not cached) tokens per turn: the prompt, then tool outputs
+    kv_per_request: float            # KV a running request reserves (context + reply), reply-weighted
+    decode_context: float            # the step time's context of a running request (context + reply / 2)
+    group_span: float                # r = E[longest of a prompt's samples] / E[one sample] (in turns)
+    stale_fraction: float            # f: a token's mean age at its group's completion / the group's lifetime
+
+
+def workload_shape(workload: WorkloadSpec, samples_per_prompt: int, groups: int = 1500,
+                   seed: int = 0) -> WorkloadShape:
+    """`WorkloadShape` of `groups` prompt-groups of `samples_per_prompt` episodes (seeded; cached per workload).
+
+    f: a sample of duration D (turns: the twin's turns take similar times) spreads its tokens evenly over
+    [start, start + D]; its group completes at start + max D. Token-weighted mean age at completion over the
+    group's lifetime E[max D]: f = E[sum_i D_i (max D - D_i / 2)] / (E[sum_i D_i] E[max D]) (1/2 for constant
+    episodes; larger when long episodes hold most tokens and set the group's end)."""
+    key = (repr(sorted(workload.to_dict().items())), int(samples_per_prompt), int(groups), int(seed))
+    hit = _SHAPES.get(key)
+    if hit is not None:
+        return hit
+    rng = np.random.default_rng(seed)
+    spp = int(samples_per_prompt)
+    turns = np.empty((groups, spp))
+    gen, new, w_sum, kv_w, ctx_w = 0.0, 0.0, 0.0, 0.0, 0.0
+    for g in range(groups):
+        for i, ep in enumerate(draw_episodes(workload, rng, spp)):
+            r = np.asarray(ep.reply_tokens, dtype=np.float64)
+            o = np.asarray(ep.tool_tokens, dtype=np.float64)
+            before = ep.prompt_tokens + np.concatenate(([0.0], np.cumsum(r[:-1] + o)))  # context before each reply
+            turns[g, i] = ep.turns
+            gen += r.sum()
+            new += ep.prompt_tokens + o.sum()
+            w_sum += r.sum()
+            kv_w += (r * (before + r)).sum()
+            ctx_w += (r * (before + r / 2)).sum()
+    n_ep = groups * spp
+    d, longest = turns, turns.max(axis=1, keepdims=True)
+    shape = WorkloadShape(
+        generated_per_episode=float(gen / n_ep), turns_per_episode=float(turns.mean()),
+        new_tokens_per_turn=float(new / turns.sum()), kv_per_request=float(kv_w / w_sum),
+        decode_context=float(ctx_w / w_sum),
+        group_span=float(longest.mean() / d.mean()),
+        stale_fraction=float((d * (longest - d / 2)).sum() / d.sum() / longest.mean()))
+    _SHAPES[key] = shape
+    return shape
+
+
+_SHAPES: dict[tuple, WorkloadShape] = {}

@@ -1,24 +1,33 @@
 """The mix planner: which (accelerator, precision) groups, how many replicas, how many prompts in flight.
 
 1. Candidate group types: every accelerator in the pool x every precision it runs natively (x KV dtypes),
-   that fits the model (cost model: TP, KV capacity, tokens/s at the workload's mean context, price).
+   that fits the model (cost model: TP, KV capacity, price), with its busy throughput (`serving_point`): the
+   batch its KV holds of the running set and the step time at that set's context. The running set is the
+   workload's turns weighted by their reply tokens (a replica decodes all running requests at one rate, so
+   a request holds KV for a time proportional to its reply): long, late turns of long episodes, about 1.3x
+   the mean turn's context on the seed workload (`twin.episodes.workload_shape`, measured on the twin's own
+   episode draws, the max_context cut included). Prefill (serial, stalls decoding) is added per reply token.
    Per accelerator, `PlannerConfig.precisions` narrows the precisions (or names emulated ones, with
    `emulated`) and `PlannerConfig.prices` overrides the price table; the written plan carries those prices.
 2. Screen (analytic, vectorized over thousands of candidates): for a mix n (replicas per type) and K prompts
-   in flight, fleet throughput T = sum n_i tps_i (prefill included), capped by the sessions in flight
-   (K x samples, each alternating decode and tool calls); sampler time per update G / T for G generated
-   tokens per update; time per update = max(sampler time, train step + weight push) (fully async);
-   staleness by Little's law: a prompt-group lives K / B update periods, its samples' tokens are on average
-   (1 - s / 2r) of that old when it completes (r: longest of a group's samples over the mean, s: E[D^2]/E[D]^2,
-   from the workload's turns), minus half an update (B prompts per update; unbounded when the trainer is the
-   bottleneck); only K x samples / r sessions are active (finished samples wait for their siblings);
-   cost per update = (fleet + trainer USD/h) x time per update. Cost per
+   in flight, fleet throughput T = sum n_i tps_i, capped by the active sessions (K x samples / r, r = E[longest
+   of a group's samples] / E[one]: finished samples wait for their siblings; each alternating decode and tool
+   calls); sampler time per update G / T for G generated tokens per update; time per update = max(sampler
+   time, train step + weight push) (fully async); staleness by Little's law: a prompt-group lives K / B update
+   periods, its tokens are on average f of that old when it completes (f = E[sum D_i (max D - D_i / 2)] /
+   (E[sum D_i] E[max D]) over a group's episode lengths D, 1/2 for constant ones), and the update that trains
+   it publishes (train + push) / time per update later: K / B x f + (train + push) / time per update
+   (unbounded when the trainer is the bottleneck); cost per update = (fleet + trainer USD/h) x time per
+   update. Cost per
    *effective* update divides by the share of tokens the correction keeps, 1 - sum_i share_i m_i, with
    m_i the group's prior extreme-ratio share (what MIS masks), so a cheap but mismatched group pays for
    the tokens it wastes. Candidates come from integer programs (`scipy.optimize.milp`: cheapest fleet
    reaching each of a sweep of throughput targets under the GPU caps and budget), their +-1 neighbours
    and single-type fleets, each with several K.
-3. Verify the best few in the DES (`simulate`), and report the Pareto set (cost/update, time/update, staleness).
+3. Verify the best few (default 3) in the twin's steady state (`simulate`, then costmodel's steady-state
+   analysis: the pipeline fill and the MSER-5 warm-up left out, 95% batch-means intervals) and re-rank them by
+   it (those meeting the constraints in the twin first, then the objective); the chosen plan's figures are
+   the twin's, the analytic ones beside them. Report the Pareto set (cost/update, time/update, staleness).
 """
 
 from __future__ import annotations
@@ -33,10 +42,10 @@ from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.roofline import replica_model, trainer_step_s, weight_sync_s
-from mixfleet.costmodel.workload import WorkloadSpec, load_workload
+from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, replica_model, trainer_step_s, weight_sync_s
+from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import GroupPlan, Plan, PoliciesPlan, PolicyRef, TrainerPlan
-from mixfleet.twin.rates import nominal_point
+from mixfleet.twin.episodes import WorkloadShape, workload_shape
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 OBJECTIVES = ("cost_per_update", "cost_per_effective_update")
@@ -59,8 +68,8 @@ class PlannerConfig:
     max_time_per_update_s: float | None = None
     max_usd_per_hour: float | None = None       # fleet + trainer
     objective: str = "cost_per_update"
-    verify: int = 1                             # candidates to verify in the DES (0 = none)
-    verify_updates: int = 2
+    verify: int = 3                             # best candidates the twin verifies in steady state and re-ranks
+    verify_updates: int = 0                     # updates per verification (0: 10 + 2 K / B, `verify_updates`)
     seed: int = 0
     prices: dict[str, float] = field(default_factory=dict)  # accelerator -> USD per GPU-hour, over the price table
     precisions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # accelerator -> allowed weight precisions
@@ -75,8 +84,8 @@ class PlannerConfig:
             v = getattr(self, f)
             if v is not None and not v > 0:
                 raise SpecError("plan", f, v, "a positive number (or none)")
-        if self.verify < 0 or self.verify_updates < 1:
-            raise SpecError("plan", "verify", self.verify, "verify >= 0 and verify_updates >= 1")
+        if self.verify < 0 or self.verify_updates < 0:
+            raise SpecError("plan", "verify", self.verify, "verify >= 0 and verify_updates >= 0 (0: automatic)")
         if self.prices or self.precisions:
             self._check_overrides()
 
@@ -151,7 +160,7 @@ class Candidate:
     cost_per_effective_update_usd: float
     kept_share: float                # 1 - masked share of the mix's tokens
     trainer_bound: bool
-    verified: dict[str, float] = field(default_factory=dict)  # DES: time/update, cost/update, staleness
+    verified: dict[str, Any] = field(default_factory=dict)  # the twin's steady state (`verify_candidate`)
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -167,6 +176,7 @@ class PlanResult:
     feasible: int
     types: list[GroupType]
     note: str = ""
+    verified: list[Candidate] = field(default_factory=list)  # the twin-verified candidates, in the twin's order
 
 
 def calibrated_group(cal: Any, accelerator: str, precision: str, kv_dtype: str) -> Any:
@@ -186,8 +196,8 @@ def group_types(cfg: PlannerConfig, only: list[tuple[str, str, str, bool, int]] 
     model = load_model_spec(cfg.model)
     wl = load_workload(cfg.workload)
     trainer_acc = cat.accelerator(cfg.trainer_accelerator)
-    ctx = wl.mean_decode_context
-    new_per_turn = wl.mean_prefill_tokens_per_episode / max(wl.turns.mean, 1.0)
+    shape = workload_shape(wl, wl.samples_per_prompt)
+    reply_per_turn = shape.generated_per_episode / max(shape.turns_per_episode, 1.0)
     explicit = only is not None
     if only is None:
         only = []
@@ -209,9 +219,8 @@ def group_types(cfg: PlannerConfig, only: list[tuple[str, str, str, bool, int]] 
         gc = calibrated_group(cfg.calibration, a, p, kv)
         if gc is not None:
             rm = gc.apply(rm)
-        tps, _ = nominal_point(rm, ctx)
-        b = max(1, int(rm.max_batch(ctx)))
-        prefill_per_token_s = float(rm.prefill_s(new_per_turn)) / wl.reply_tokens.mean
+        tps, b = serving_point(rm, shape)
+        prefill_per_token_s = float(rm.prefill_s(shape.new_tokens_per_turn)) / reply_per_turn
         eff_tps = 1.0 / (1.0 / tps + prefill_per_token_s)
         prior = mismatch_prior(a, p, kv)
         suffix = p.upper() + ("" if kv == "fp8_e4m3" or p == "bf16" and kv == "bf16" else f"-KV{kv.upper()}")
@@ -222,6 +231,14 @@ def group_types(cfg: PlannerConfig, only: list[tuple[str, str, str, bool, int]] 
                              masked_share=gc.extreme_share.value if gc else prior.extreme_share,
                              kl_k3=gc.kl_k3.value if gc else prior.kl_k3, emulated=emulated))
     return out
+
+
+def serving_point(rm: Any, shape: WorkloadShape, max_running: int = DEFAULT_MAX_BATCH) -> tuple[float, float]:
+    """A busy replica's decode throughput and batch: (tokens/s, running requests). The batch is what its KV
+    holds of the running set (`shape.kv_per_request` each: the reply-weighted context + reply, not the mean
+    turn's), capped at the engine's running limit; the step time at the running set's context."""
+    b = float(np.clip(rm.kv_capacity_tokens / shape.kv_per_request, 1.0, max_running))
+    return float(rm.tokens_per_s(b, shape.decode_context)), b
 
 
 def _milp_candidates(types: list[GroupType], cfg: PlannerConfig, trainer_usd_h: float, effective: bool) -> np.ndarray:
@@ -278,7 +295,8 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
     trainer_acc = cat.accelerator(cfg.trainer_accelerator)
     trainer_usd_h = cfg.trainer_gpus * trainer_acc.price_usd_per_gpu_hour
     ppu, spp = update_shape or (wl.prompts_per_update, wl.samples_per_prompt)
-    gen_tokens = ppu * spp * wl.mean_generated_tokens_per_episode
+    shape = workload_shape(wl, spp)
+    gen_tokens = ppu * spp * shape.generated_per_episode
     cal = cfg.calibration
     if cal is not None and cal.trainer_accelerator == trainer_acc.name:
         train_s = float(cal.trainer_step_s(model, cat, cfg.trainer_gpus, gen_tokens))
@@ -292,29 +310,23 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
     sync = np.array([t.sync_s for t in types])
     cap_tps = n @ tps
     seq_rate = (n * tps) @ seq / np.maximum(cap_tps, 1e-12)              # capacity-weighted per-session speed
-    reply, tool = wl.reply_tokens.mean, wl.tool_latency_s.mean
+    reply, tool = shape.generated_per_episode / max(shape.turns_per_episode, 1.0), wl.tool_latency_s.mean
     session_tps = reply / (reply / seq_rate + tool)
-    r_wait, s_len = _group_shape(wl, spp)
-    thr = np.minimum(cap_tps, k * spp / r_wait * session_tps)  # finished samples wait for their siblings
+    thr = np.minimum(cap_tps, k * spp / shape.group_span * session_tps)  # finished samples wait for siblings
     t_sampler = gen_tokens / thr
     t_trainer = train_s + np.max(np.where(n > 0, sync[None, :], 0.0), axis=1)
     trainer_bound = t_trainer > t_sampler
     t_update = np.maximum(t_sampler, t_trainer)
-    staleness = np.where(trainer_bound, np.inf, np.maximum(k / ppu * (1.0 - s_len / (2.0 * r_wait)) - 0.5, 0.0))
+    # Little's law: a prompt-group lives K / B update periods; its tokens are on average f of that old when it
+    # completes; it is trained in the update that forms next, which publishes its version train + sync later
+    # (a token's staleness counts the versions published between its sampling and its update's start)
+    staleness = np.where(trainer_bound, np.inf, k / ppu * shape.stale_fraction + t_trainer / t_update)
     usd_h = n @ price + trainer_usd_h
     cost = usd_h * t_update / 3600.0
     kept = 1.0 - (n * tps) @ masked / np.maximum(cap_tps, 1e-12)
     return {"throughput": thr, "time_per_update_s": t_update, "staleness": staleness, "usd_per_hour": usd_h,
             "cost_per_update": cost, "cost_per_effective_update": cost / kept, "kept_share": kept,
             "trainer_bound": trainer_bound}
-
-
-def _group_shape(wl: WorkloadSpec, spp: int, groups: int = 20_000) -> tuple[float, float]:
-    """From the workload's turns distribution (episode length ~ turns; seeded Monte Carlo): r = E[longest of a
-    prompt's samples] / E[one sample], how long a prompt-group lives relative to an episode, and
-    s = E[D^2] / E[D]^2, the token-weighted mean episode length relative to the mean (both 1 when constant)."""
-    d = np.maximum(wl.turns.sample(np.random.default_rng(0), groups * spp), 1.0).reshape(groups, spp)
-    return float(d.max(1).mean() / d.mean()), float((d * d).mean() / d.mean() ** 2)
 
 
 def evaluate_plan(plan: Plan, cfg: PlannerConfig | None = None) -> Candidate:
@@ -402,23 +414,57 @@ def plan_mix(cfg: PlannerConfig, progress: Callable[[str], None] | None = None) 
     par = par[np.argsort(m["cost_per_update"][par])]
     pareto = [_candidate(types, n[i], k[i], m, i) for i in par]
     top = [_candidate(types, n[i], k[i], m, i) for i in order[:max(cfg.verify, 1)]]
+    verified: list[Candidate] = []
     if cfg.verify:
-        from mixfleet.twin.sim import simulate
-        verified = []
         for j, c in enumerate(top[:cfg.verify]):
-            say(f"verifying candidate {j + 1}/{min(cfg.verify, len(top))} in the DES")
-            cand = candidate_plan(c, types, cfg)
-            setup = None
-            if cfg.calibration is not None:
-                from mixfleet.twin.calibrated import calibrated_setup
-
-                setup = calibrated_setup(cand, cfg.calibration)[0]
-            r = simulate(cand, updates=cfg.verify_updates, seed=cfg.seed, setup=setup)
-            s = r.summary
-            verified.append(Candidate(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, "verified": {
-                "time_per_update_s": s.time_per_update_mean_s, "cost_per_update_usd": s.cost_per_update_usd,
-                "staleness": s.staleness_mean, "updates": cfg.verify_updates}}))
+            say(f"verifying candidate {j + 1}/{min(cfg.verify, len(top))} in the twin's steady state")
+            verified.append(verify_candidate(c, types, cfg))
+        verified.sort(key=lambda c: _twin_rank(c, cfg))  # the twin's steady state decides among them
         top = verified + top[cfg.verify:]
     best = top[0]
     return PlanResult(best=best, plan=candidate_plan(best, types, cfg), pareto=pareto, screened=len(n),
-                      feasible=int(ok.sum()), types=types)
+                      feasible=int(ok.sum()), types=types, verified=verified)
+
+
+def verify_updates(c: Candidate, cfg: PlannerConfig, prompts_per_update: int) -> int:
+    """Updates of a verification run: `cfg.verify_updates`, or (0) 10 + 2 K / B: the pipeline fill and the
+    warm-up last about one prompt-group lifetime (K / B updates), then about 10 steady updates."""
+    if cfg.verify_updates:
+        return cfg.verify_updates
+    return int(10 + math.ceil(2 * c.inflight_prompts / prompts_per_update))
+
+
+def verify_candidate(c: Candidate, types: list[GroupType], cfg: PlannerConfig) -> Candidate:
+    """The candidate with `verified` filled from a twin run's steady state (means and 95% half-widths, `_ci`)."""
+    from mixfleet.twin.sim import simulate
+
+    plan = candidate_plan(c, types, cfg)
+    setup = None
+    if cfg.calibration is not None:
+        from mixfleet.twin.calibrated import calibrated_setup
+
+        setup = calibrated_setup(plan, cfg.calibration)[0]
+    updates = verify_updates(c, cfg, load_workload(cfg.workload).prompts_per_update)
+    s = simulate(plan, updates=updates, seed=cfg.seed, setup=setup).summary
+    kept = 1.0 - s.extreme_share if math.isfinite(s.extreme_share) else c.kept_share
+    v = {"time_per_update_s": s.steady_time_per_update_s, "time_per_update_ci_s": s.steady_time_per_update_ci_s,
+         "cost_per_update_usd": s.steady_cost_per_update_usd, "cost_per_update_ci_usd": s.steady_cost_per_update_ci_usd,
+         "cost_sampler_per_update_usd": s.steady_cost_sampler_per_update_usd,
+         "cost_sampler_per_update_ci_usd": s.steady_cost_sampler_per_update_ci_usd,
+         "cost_per_effective_update_usd": s.steady_cost_per_update_usd / kept,
+         "staleness": s.steady_staleness_mean, "staleness_ci": s.steady_staleness_ci,
+         "tokens_per_s": s.steady_tokens_per_s, "fill_s": s.first_update_s, "updates": updates,
+         "warmup_updates": s.warmup_updates, "steady_updates": s.steady_updates}
+    v["feasible"] = bool(_feasible({"cost_per_update": np.array([v["cost_per_update_usd"]]),
+                                    "staleness": np.array([v["staleness"]]),
+                                    "time_per_update_s": np.array([v["time_per_update_s"]]),
+                                    "usd_per_hour": np.array([c.usd_per_hour])}, cfg)[0])
+    return Candidate(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, "verified": v})
+
+
+def _twin_rank(c: Candidate, cfg: PlannerConfig) -> tuple[bool, float, float]:
+    """Verified candidates by the twin: those meeting the constraints in the twin first, then the objective."""
+    v = c.verified
+    key = "cost_per_update_usd" if cfg.objective == "cost_per_update" else "cost_per_effective_update_usd"
+    obj = v[key] if math.isfinite(v[key]) else math.inf
+    return (not v["feasible"], obj, v["time_per_update_s"])

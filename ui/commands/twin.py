@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from pathlib import Path
 from typing import Any
 
@@ -131,8 +132,10 @@ def register(app: typer.Typer) -> None:
         budget: float = typer.Option(None, "--budget", help="Max USD per hour (fleet + trainer)."),
         objective: str = typer.Option("cost_per_update", "--objective",
                                       help="cost_per_update | cost_per_effective_update."),
-        verify: int = typer.Option(1, "--verify", help="Best candidates to verify in the DES (0: none)."),
-        verify_updates: int = typer.Option(2, "--verify-updates", help="Updates per DES verification."),
+        verify: int = typer.Option(3, "--verify", help="Best candidates the twin verifies in steady state and "
+                                   "re-ranks (0: none)."),
+        verify_updates: int = typer.Option(0, "--verify-updates", help="Updates per twin verification "
+                                           "(0: 10 + 2 x prompts in flight / prompts per update)."),
         out: Path = typer.Option(None, "--out", "-o", help="Write the chosen plan here (TOML)."),
         pareto_n: int = typer.Option(12, "--pareto", help="Pareto rows to print."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
@@ -142,6 +145,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Find the fleet mix with the lowest cost per (effective) update under the constraints."""
         from mixfleet.costmodel.errors import SpecError
+        from mixfleet.costmodel.runsummary import json_safe
         from mixfleet.policies.plan import save_plan
         from mixfleet.twin.planner import PlannerConfig, plan_mix
         from rich.console import Console
@@ -162,8 +166,10 @@ def register(app: typer.Typer) -> None:
                                 max_time_per_update_s=max_time, max_usd_per_hour=budget, objective=objective,
                                 verify=verify, verify_updates=verify_updates, prices=_prices(price),
                                 precisions=_precisions(precisions), emulated=emulated)
+            wall0 = time.perf_counter()
             with console.status("planning") as status:
                 result = plan_mix(cfg, progress=lambda m: status.update(f"planning: {m}"))
+            wall_s = time.perf_counter() - wall0
         except (SpecError, FileNotFoundError) as e:
             _fail(e)
         if cal is not None:
@@ -180,9 +186,10 @@ def register(app: typer.Typer) -> None:
         if out is not None:
             save_plan(result.plan, out)
         if as_json:
-            typer.echo(json.dumps({"best": result.best.to_dict(), "pareto": [c.to_dict() for c in result.pareto],
-                                   "screened": result.screened, "feasible": result.feasible,
-                                   "plan_file": str(out) if out else None}, indent=2))
+            typer.echo(json.dumps(json_safe({
+                "best": result.best.to_dict(), "pareto": [c.to_dict() for c in result.pareto],
+                "verified": [c.to_dict() for c in result.verified], "screened": result.screened,
+                "feasible": result.feasible, "plan_file": str(out) if out else None, "wall_s": wall_s}), indent=2))
             return
         b = result.best
         t = Table(title=f"Chosen mix ({cfg.objective}; {result.screened} candidates screened, {result.feasible} "
@@ -195,21 +202,46 @@ def register(app: typer.Typer) -> None:
             t.add_row(g, str(n), str(n * x.tp), _num(n * x.tokens_per_s, ",.0f"), _num(n * x.usd_per_hour),
                       _num(x.masked_share, ".3%"))
         Console().print(t)
-        lines = [f"prompts in flight {b.inflight_prompts}; throughput {_num(b.throughput_tokens_per_s, ',.0f')} tok/s; "
-                 f"time/update {_num(b.time_per_update_s, ',.0f')} s; staleness {_num(b.staleness, '.2f')}; "
-                 f"USD/h {_num(b.usd_per_hour)}; cost/update {_num(b.cost_per_update_usd)}; "
-                 f"cost/effective update {_num(b.cost_per_effective_update_usd)}"
-                 + ("; trainer-bound" if b.trainer_bound else "")]
+        lines = []
         if b.verified:
             v = b.verified
-            lines.append(f"DES ({v['updates']} updates): time/update {_num(v['time_per_update_s'], ',.0f')} s, "
-                         f"cost/update {_num(v['cost_per_update_usd'])}, staleness {_num(v['staleness'], '.2f')} "
-                         "(includes filling the pipeline)")
+            lines.append(f"twin steady state (chosen plan, {v['updates']} updates: pipeline fill "
+                         f"{_num(v['fill_s'], ',.0f')} s, warm-up {v['warmup_updates']}, {v['steady_updates']} "
+                         "steady; ± 95% interval): "
+                         f"time/update {_pm(v['time_per_update_s'], v['time_per_update_ci_s'], ',.0f')} s; "
+                         f"cost/update {_pm(v['cost_per_update_usd'], v['cost_per_update_ci_usd'], ',.2f')} USD "
+                         "(samplers "
+                         f"{_pm(v['cost_sampler_per_update_usd'], v['cost_sampler_per_update_ci_usd'], ',.2f')})"
+                         f"; staleness {_pm(v['staleness'], v['staleness_ci'], '.2f')}; "
+                         f"throughput {_num(v['tokens_per_s'], ',.0f')} tok/s"
+                         + ("" if v["feasible"] else "; MISSES a constraint in the twin"))
+        lines.append(f"analytic screen: prompts in flight {b.inflight_prompts}; throughput "
+                     f"{_num(b.throughput_tokens_per_s, ',.0f')} tok/s; "
+                     f"time/update {_num(b.time_per_update_s, ',.0f')} s; "
+                     f"staleness {_num(b.staleness, '.2f')}; USD/h {_num(b.usd_per_hour)}; cost/update "
+                     f"{_num(b.cost_per_update_usd)}; cost/effective update {_num(b.cost_per_effective_update_usd)}"
+                     + ("; trainer-bound" if b.trainer_bound else ""))
         if cfg.prices:
             lines.append("prices over the table (USD per GPU-hour): "
                          + ", ".join(f"{a} {usd:.2f}" for a, usd in cfg.prices.items()))
         for line in lines:
             typer.echo(line)
+        if result.verified:
+            vt = Table(title=f"Verified in the twin's steady state and re-ranked ({len(result.verified)} best by the "
+                             "analytic screen; ± 95% interval)")
+            for col in ("rank", "cost/update USD (twin)", "time/update s (twin)", "staleness (twin)",
+                        "analytic cost / time / staleness", "in flight", "mix"):
+                vt.add_column(col, justify="left" if col == "mix" else "right")
+            for i, c in enumerate(result.verified):
+                v = c.verified
+                vt.add_row(str(i + 1) + ("" if v["feasible"] else " (misses a constraint)"),
+                           _pm(v["cost_per_update_usd"], v["cost_per_update_ci_usd"], ",.2f"),
+                           _pm(v["time_per_update_s"], v["time_per_update_ci_s"], ",.0f"),
+                           _pm(v["staleness"], v["staleness_ci"], ".2f"),
+                           f"{_num(c.cost_per_update_usd)} / {_num(c.time_per_update_s, ',.0f')} / "
+                           f"{_num(c.staleness, '.2f')}", str(c.inflight_prompts),
+                           ", ".join(f"{g} x{n}" for g, n in c.replicas.items()))
+            Console().print(vt)
         p = Table(title="Pareto set (cost/update vs time/update vs staleness)")
         for col in ("cost/update USD", "time/update s", "staleness", "in flight", "mix"):
             p.add_column(col, justify="right" if col != "mix" else "left")
@@ -217,6 +249,8 @@ def register(app: typer.Typer) -> None:
             p.add_row(_num(c.cost_per_update_usd), _num(c.time_per_update_s, ",.0f"), _num(c.staleness, ".2f"),
                       str(c.inflight_prompts), ", ".join(f"{g} x{n}" for g, n in c.replicas.items()))
         Console().print(p)
+        typer.echo(f"planned in {wall_s:,.1f} s wall ({result.screened} candidates screened, "
+                   f"{len(result.verified)} verified in the twin)")
         if out is not None:
             typer.echo(f"plan written to {out}")
 
