@@ -41,7 +41,8 @@ def test_screen_arithmetic_for_one_candidate() -> None:
     assert m["kept_share"][i] == pytest.approx(1 - share @ masked)
     assert m["cost_per_effective_update"][i] == pytest.approx(m["cost_per_update"][i] / m["kept_share"][i])
     assert m["usd_per_hour"][i] == pytest.approx(n[i] @ price + 3.95)       # + the trainer: 1 H100 (modal)
-    gen = wl.prompts_per_update * wl.samples_per_prompt * workload_shape(wl, wl.samples_per_prompt).generated_per_episode
+    shape = workload_shape(wl, wl.samples_per_prompt)
+    gen = wl.prompts_per_update * wl.samples_per_prompt * shape.generated_per_episode
     assert m["time_per_update_s"][i] >= gen / (n[i] @ tps) - 1e-9           # never faster than the fleet
     assert m["cost_per_update"][i] == pytest.approx(m["usd_per_hour"][i] * m["time_per_update_s"][i] / 3600)
     assert (n @ np.array([t.tp if t.accelerator == "H100" else 0 for t in types]) <= 4).all()   # GPU caps
