@@ -242,9 +242,9 @@ def test_interrupted_save_leaves_the_previous_state(spec, tmp_path: Path, monkey
 
 
 def test_clear_errors(spec, trainer: Trainer, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="position_embedding"):
-        Trainer(dataclasses.replace(spec, position_embedding="rope"), TrainerConfig(build=BuildOptions(device="cpu")))
-    with pytest.raises(ValueError, match="kind = 'moe'"):
+    with pytest.raises(ValueError, match="qk_norm = true with position_embedding = 'learned_absolute'"):
+        Trainer(dataclasses.replace(spec, qk_norm=True), TrainerConfig(build=BuildOptions(device="cpu")))
+    with pytest.raises(ValueError, match="B parameters on CPU"):      # the 35B MoE: refused before allocating
         Trainer(load_model_spec("qwen3.6-35b-a3b"), TrainerConfig(build=BuildOptions(device="cpu")))
     with pytest.raises(ValueError, match="max_context"):
         trainer.forward_logits(torch.zeros(1, spec.max_context + 1, dtype=torch.long))

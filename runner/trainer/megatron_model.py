@@ -7,16 +7,25 @@ a CPU-only machine (this project's CI) and on GPUs (production). It owns three t
   (gloo on CPU, NCCL on CUDA; world size 1 on 127.0.0.1 with a free port when nothing initialized
   it) and of Megatron's global parallel state (TP = PP = 1). Safe to call any number of times.
 - `build_gpt_model(spec, options)`: the `GPTModel` of the spec: RMSNorm, SwiGLU (`gated_linear_unit`
-  + silu), GQA (`num_query_groups`), no biases, zero dropouts, learned absolute positions (RoPE on
-  CUDA only: Megatron's rotary code calls `torch.cuda`), untied head unless the spec ties it, the
-  vocabulary padded up to a multiple of `make_vocab_size_divisible_by` (Megatron's convention; the
-  padding is stripped by the trainer's logits and by the Hugging Face export).
-  CPU path: `use_cpu_initialization`, the local layer spec with `SDPACoreAttention` as core attention.
-  GPU path: Transformer Engine's layer spec when `transformer_engine` imports, else the local spec
-  with the same SDPA module; bf16 autocast over fp32 master weights. The GPU path is written to the
-  same contract but has not been run on this project's machines (no GPU here).
-- MoE specs build only on CUDA with Transformer Engine (Megatron's MoE router calls CUDA); the
-  Hugging Face export (dense layout) refuses them.
+  + silu), GQA (`num_query_groups`), no biases, zero dropouts, learned absolute positions or RoPE
+  (`rotary_base` = the spec's `rope_theta`, rotate-half as HF's Qwen3), per-head QK RMSNorm when
+  `qk_norm` (Megatron's `qk_layernorm`, applied before RoPE as in Qwen3), untied head unless the spec
+  ties it, the vocabulary padded up to a multiple of `make_vocab_size_divisible_by` (Megatron's
+  convention; the padding is stripped by the trainer's logits and by the Hugging Face export).
+  MoE (kind = 'moe'): Megatron's `MoELayer` in every layer, `TopKRouter` with softmax scores, top-k, the
+  top-k probabilities renormalized when `norm_topk_prob` (Megatron: top-k of the logits, then softmax
+  over the k, which is the same number; `moe_router_pre_softmax` when not renormalized), router in
+  fp32, no auxiliary loss (the RL loss is the policy loss alone), no shared experts in the export
+  layouts, no token dropping. Router replay (`PartialRouterReplay`) is attached to every router: it
+  records the trainer's own experts per token and can replay the sampler's (`routing.py`).
+  CPU path: `use_cpu_initialization`, the local layer spec with `SDPACoreAttention` as core attention,
+  experts as Megatron's `SequentialMLP`, the all-gather token dispatcher (world size 1: a no-op
+  gather; the all-to-all dispatcher creates a `torch.cuda.Stream` in its constructor), and the two
+  CPU-safe subclasses of `cpu_safe.py` (rotary embedding, router gating).
+  GPU path: Transformer Engine's layer spec when `transformer_engine` imports (MoE: TE grouped GEMM
+  experts, all-to-all dispatcher), else the local spec with the same SDPA module; bf16 autocast over
+  fp32 master weights. The GPU path is written to the same contract but has not been run on this
+  project's machines (no GPU here).
 """
 
 from __future__ import annotations
@@ -147,18 +156,21 @@ class BuiltModel:
     autocast_dtype: torch.dtype | None        # bf16 on CUDA, None (pure fp32) on CPU
 
 
+CPU_MAX_PARAMS = 2_000_000_000   # a CPU build above this would allocate > 8 GiB of fp32 weights (+ AdamW x3)
+
+
 def _check_spec(spec: ModelSpec, device: str, use_te: bool) -> None:
     where = f"model '{spec.name}'"
-    if spec.kind == "moe" and not (device == "cuda" and use_te):
-        raise ValueError(f"{where}: kind = 'moe' needs CUDA and Transformer Engine (Megatron's MoE router "
-                         f"calls torch.cuda); allowed here (device {device}): kind = 'dense'")
     if spec.norm != "rmsnorm":
         raise ValueError(f"{where}: norm = {spec.norm!r}; allowed: rmsnorm")
     if spec.activation != "swiglu":
         raise ValueError(f"{where}: activation = {spec.activation!r}; allowed: swiglu")
-    if device == "cpu" and spec.position_embedding != "learned_absolute":
-        raise ValueError(f"{where}: position_embedding = {spec.position_embedding!r} on CPU; allowed on CPU: "
-                         "learned_absolute (Megatron-core's rotary embedding calls torch.cuda)")
+    if spec.qk_norm and spec.position_embedding != "rope":
+        raise ValueError(f"{where}: qk_norm = true with position_embedding = {spec.position_embedding!r}; "
+                         "allowed: qk_norm with rope (the Qwen3 layouts)")
+    if device == "cpu" and spec.total_params > CPU_MAX_PARAMS:
+        raise ValueError(f"{where}: {spec.total_params / 1e9:.1f}B parameters on CPU; allowed on CPU: <= "
+                         f"{CPU_MAX_PARAMS / 1e9:.0f}B (fp32 weights + AdamW state); use device = 'cuda'")
 
 
 def transformer_config(spec: ModelSpec, device: str, options: BuildOptions) -> Any:
@@ -170,7 +182,7 @@ def transformer_config(spec: ModelSpec, device: str, options: BuildOptions) -> A
         num_layers=spec.num_layers, hidden_size=spec.hidden_size, num_attention_heads=spec.num_attention_heads,
         num_query_groups=spec.num_kv_heads, kv_channels=spec.head_dim,
         ffn_hidden_size=spec.ffn_hidden_size if spec.ffn_hidden_size > 0 else None,
-        normalization="RMSNorm", layernorm_epsilon=spec.norm_eps,
+        normalization="RMSNorm", layernorm_epsilon=spec.norm_eps, qk_layernorm=spec.qk_norm,
         gated_linear_unit=True, activation_func=torch.nn.functional.silu, add_bias_linear=False,
         add_qkv_bias=False, hidden_dropout=0.0, attention_dropout=0.0, init_method_std=options.init_method_std,
         use_cpu_initialization=on_cpu, params_dtype=torch.float32,
@@ -179,8 +191,10 @@ def transformer_config(spec: ModelSpec, device: str, options: BuildOptions) -> A
     )
     if spec.moe is not None:
         kw.update(num_moe_experts=spec.moe.num_experts, moe_router_topk=spec.moe.active_experts,
-                  moe_ffn_hidden_size=spec.moe.expert_ffn_hidden_size, moe_grouped_gemm=True,
-                  moe_token_dispatcher_type="alltoall")
+                  moe_ffn_hidden_size=spec.moe.expert_ffn_hidden_size, moe_grouped_gemm=not on_cpu,
+                  moe_router_score_function="softmax", moe_router_pre_softmax=not spec.moe.norm_topk_prob,
+                  moe_router_dtype="fp32", moe_router_load_balancing_type="none", moe_aux_loss_coeff=0.0,
+                  moe_token_dispatcher_type="allgather" if on_cpu else "alltoall")
         if spec.moe.shared_experts:
             kw["moe_shared_expert_intermediate_size"] = spec.moe.shared_experts * spec.moe.expert_ffn_hidden_size
         if spec.ffn_hidden_size <= 0:
@@ -197,13 +211,24 @@ def layer_spec(spec: ModelSpec, use_te: bool) -> Any:
 
     num_experts = spec.moe.num_experts if spec.moe is not None else None
     if use_te:
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts,
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=spec.qk_norm,
                                                           moe_grouped_gemm=num_experts is not None)
+    from mixfleet.runner.trainer.cpu_safe import CPUTopKRouter
     from mixfleet.runner.trainer.sdpa_attention import SDPACoreAttention
 
-    ls = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm")
+    ls = get_gpt_layer_local_spec(num_experts=num_experts, normalization="RMSNorm", qk_layernorm=spec.qk_norm)
     ls.submodules.self_attention.submodules.core_attention = SDPACoreAttention
+    if num_experts is not None:
+        # Megatron's Router.gating calls torch.cuda.current_device() and a TE-only GEMM: see cpu_safe.py.
+        ls.submodules.mlp.submodules.router = CPUTopKRouter
     return ls
+
+
+def moe_routers(model: torch.nn.Module) -> list[Any]:
+    """The MoE routers of a built GPTModel, in layer order (empty for a dense model)."""
+    from megatron.core.transformer.moe.router import Router
+
+    return [m for m in model.modules() if isinstance(m, Router)]
 
 
 def build_gpt_model(spec: ModelSpec, options: BuildOptions | None = None) -> BuiltModel:
@@ -229,8 +254,23 @@ def build_gpt_model(spec: ModelSpec, options: BuildOptions | None = None) -> Bui
         config=transformer_config(spec, device, options), transformer_layer_spec=layer_spec(spec, use_te),
         vocab_size=vocab, max_sequence_length=spec.max_context, pre_process=True, post_process=True,
         parallel_output=False, share_embeddings_and_output_weights=spec.tie_embeddings,
-        position_embedding_type=spec.position_embedding, rotary_base=10000,
+        position_embedding_type=spec.position_embedding, rotary_base=spec.rope_theta,
     )
+    if spec.position_embedding == "rope" and device == "cpu":
+        # RotaryEmbedding.get_emb moves inv_freq to torch.cuda.current_device() (see cpu_safe.py); GPTModel
+        # builds it directly (no spec hook), so the same module without that move replaces it here.
+        from mixfleet.runner.trainer.cpu_safe import CPURotaryEmbedding
+
+        old = model.rotary_pos_emb
+        model.rotary_pos_emb = CPURotaryEmbedding(
+            kv_channels=spec.head_dim, rotary_percent=1.0, rotary_interleaved=old.rotary_interleaved,
+            seq_len_interpolation_factor=old.seq_len_interpolation_factor, rotary_base=spec.rope_theta,
+            use_cpu_initialization=True, cp_group=old.cp_group)
+    from mixfleet.runner.trainer.cpu_safe import PartialRouterReplay
+
+    for router in moe_routers(model):
+        # Megatron's topk_routing_with_score_function consults router.router_replay (its replay hook).
+        router.router_replay = PartialRouterReplay()
     if device == "cuda":
         model = model.cuda()
     return BuiltModel(model=model, spec=spec, device=device, padded_vocab_size=vocab,

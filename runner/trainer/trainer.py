@@ -47,8 +47,16 @@ from mixfleet.runner.checkpoint.hf_checkpoint import (
     save_checkpoint,
 )
 from mixfleet.runner.checkpoint.tokenizer import TOKENIZER_FILE, ByteTokenizer
-from mixfleet.runner.trainer.hf_export import hf_to_megatron, load_into_model, megatron_to_hf, uses_fused_norms
-from mixfleet.runner.trainer.megatron_model import BuildOptions, BuiltModel, build_gpt_model
+from mixfleet.runner.trainer import routing
+from mixfleet.runner.trainer.hf_export import (
+    hf_to_megatron,
+    load_into_model,
+    megatron_to_hf,
+    uses_fused_norms,
+    uses_grouped_experts,
+)
+from mixfleet.runner.trainer.megatron_model import BuildOptions, BuiltModel, build_gpt_model, moe_routers
+from mixfleet.runner.trainer.routing import check_routing_mode
 
 LossFn = Callable[[torch.Tensor, Mapping[str, Any]], tuple[torch.Tensor, Mapping[str, Any]]]
 
@@ -99,10 +107,12 @@ class TrainerConfig:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     build: BuildOptions = field(default_factory=BuildOptions)
     export_dtype: str = "float32"            # float32 | bfloat16 (samplers re-quantize from it)
+    routing: str = "free"                    # MoE: free (own router) | replay (the sampler's experts; routing.py)
 
     def __post_init__(self) -> None:
         if self.export_dtype not in EXPORT_DTYPES:
             raise ValueError(f"TrainerConfig.export_dtype = {self.export_dtype!r}; allowed: {', '.join(EXPORT_DTYPES)}")
+        check_routing_mode(self.routing, "TrainerConfig.routing")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -113,7 +123,7 @@ class TrainerConfig:
         if "betas" in opt:
             opt["betas"] = tuple(opt["betas"])
         return cls(optimizer=OptimizerConfig(**opt), build=BuildOptions(**d.get("build", {})),
-                   export_dtype=d.get("export_dtype", "float32"))
+                   export_dtype=d.get("export_dtype", "float32"), routing=d.get("routing", "free"))
 
 
 def policy_loss_fn(config: Any) -> LossFn:
@@ -134,19 +144,14 @@ def policy_loss_fn(config: Any) -> LossFn:
 
 
 def spec_from_hf_config(cfg: HFConfig, name: str = "checkpoint") -> ModelSpec:
-    """The ModelSpec a Hugging Face layout config describes (dense, RMSNorm, SwiGLU)."""
-    return ModelSpec(name=name, kind="dense", num_layers=cfg.num_hidden_layers, hidden_size=cfg.hidden_size,
-                     num_attention_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
-                     head_dim=cfg.head_dim, ffn_hidden_size=cfg.intermediate_size, vocab_size=cfg.vocab_size,
-                     max_context=cfg.max_position_embeddings, position_embedding=cfg.position_embedding_type,
-                     norm_eps=cfg.rms_norm_eps, tie_embeddings=cfg.tie_word_embeddings,
-                     source="read from a Hugging Face layout config.json")
+    """The ModelSpec a Hugging Face layout config describes (any of the layouts of hf_checkpoint)."""
+    return cfg.to_spec(name)
 
 
 def _same_architecture(a: ModelSpec, b: ModelSpec) -> bool:
     keys = ("kind", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim",
             "ffn_hidden_size", "vocab_size", "max_context", "position_embedding", "norm", "norm_eps",
-            "activation", "tie_embeddings", "moe")
+            "activation", "tie_embeddings", "rope_theta", "qk_norm", "moe")
     return all(getattr(a, k) == getattr(b, k) for k in keys)
 
 
@@ -184,6 +189,8 @@ class Trainer:
         self.spec = spec
         self._built: BuiltModel = build_gpt_model(spec, self.config.build)
         self.model = self._built.model
+        self._routers = moe_routers(self.model)
+        self.last_routing: torch.Tensor | None = None   # MoE: the trainer's experts [B, S, L, k] of the last forward
         self.device = self._built.device
         self.padded_vocab_size = self._built.padded_vocab_size
         self.version = 0
@@ -221,7 +228,7 @@ class Trainer:
 
     # ---- forward ---------------------------------------------------------------------------
     def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                 segment_ids: torch.Tensor | None) -> torch.Tensor:
+                 segment_ids: torch.Tensor | None, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
         b, s = input_ids.shape
@@ -242,19 +249,31 @@ class Trainer:
         if position_ids is None:
             position_ids = torch.arange(s, device=dev).expand(b, s)
         position_ids = position_ids.to(dev, torch.long)
-        if self._built.autocast_dtype is not None:
-            with torch.autocast(device_type=self.device, dtype=self._built.autocast_dtype):
+        if self._routers:
+            if routed_experts is not None:
+                routed_experts = routed_experts.reshape(b, s, *routed_experts.shape[-2:])
+            routing.arm(self._routers, self.config.routing, routed_experts)
+        try:
+            if self._built.autocast_dtype is not None:
+                with torch.autocast(device_type=self.device, dtype=self._built.autocast_dtype):
+                    logits = self.model(input_ids, position_ids, mask)
+            else:
                 logits = self.model(input_ids, position_ids, mask)
-        else:
-            logits = self.model(input_ids, position_ids, mask)
+            self.last_routing = routing.recorded(self._routers, b, s)
+        finally:
+            routing.disarm(self._routers)
         return logits[..., : self.spec.vocab_size].float()
 
     def forward_logits(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
-                       segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [B, S, vocab_size] (float32, no grad) of the current weights."""
+                       segment_ids: torch.Tensor | None = None,
+                       routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, S, vocab_size] (float32, no grad) of the current weights.
+
+        MoE: `routed_experts` [B, S, L, k] (-1 = none) is replayed when `config.routing` is 'replay';
+        the trainer's own experts of this forward are left in `last_routing`."""
         self.model.eval()
         with torch.no_grad():
-            return self._forward(input_ids, position_ids, segment_ids)
+            return self._forward(input_ids, position_ids, segment_ids, routed_experts)
 
     def token_logprobs(self, input_ids: torch.Tensor, *, temperature: float = 1.0,
                        position_ids: torch.Tensor | None = None,
@@ -272,13 +291,18 @@ class Trainer:
 
         Metrics: loss, grad_norm (before clipping), lr, version (after the step), skipped (1 if the
         gradient was not finite), step_s, tokens, plus every metric loss_fn returned (as floats).
+        MoE with the sampler's experts in the batch (`routed_experts` [B * S, L, k], aligned with the loss
+        positions; replayed when `config.routing` is 'replay'): the routing disagreement of routing.py over
+        the loss-mask tokens, overall and per `group_ids` ('group/<id>/routing_token_share', ...).
         """
         if "input_ids" not in batch:
             raise ValueError(f"batch has no 'input_ids' (keys: {sorted(batch)})")
         t0 = time.perf_counter()
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        logits = self._forward(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"))
+        sampler_experts = batch.get("routed_experts") if self._routers else None
+        logits = self._forward(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"),
+                               sampler_experts)
         loss, loss_metrics = loss_fn(logits, batch)
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             raise ValueError("loss_fn must return (scalar loss tensor, metrics mapping)")
@@ -300,6 +324,11 @@ class Trainer:
         metrics: dict[str, float] = {"loss": float(loss.detach()), "grad_norm": grad_norm_f, "lr": lr,
                                      "version": float(self.version), "skipped": float(skipped),
                                      "tokens": float(batch["input_ids"].numel())}
+        if sampler_experts is not None and self.last_routing is not None and "loss_mask" in batch:
+            n_layers, k_top = self.last_routing.shape[-2:]
+            metrics.update(routing.disagreement(
+                self.last_routing.reshape(-1, n_layers, k_top), sampler_experts.reshape(-1, n_layers, k_top),
+                batch["loss_mask"].reshape(-1), batch.get("group_ids")))
         for k, v in dict(loss_metrics).items():
             if k not in metrics:
                 metrics[k] = float(v.detach()) if isinstance(v, torch.Tensor) and v.numel() == 1 else v
@@ -326,8 +355,9 @@ class Trainer:
         theirs = spec_from_hf_config(cfg, name=self.spec.name)
         if not _same_architecture(theirs, self.spec):
             raise ValueError(f"{directory}: checkpoint architecture {theirs} does not match model '{self.spec.name}'")
+        keys = self.model.state_dict().keys()
         state = hf_to_megatron(tensors, cfg, padded_vocab_size=self.padded_vocab_size,
-                               fused_norms=uses_fused_norms(self.model.state_dict().keys()))
+                               fused_norms=uses_fused_norms(keys), grouped_experts=uses_grouped_experts(keys))
         dev = torch.device(self.device)
         load_into_model(self.model, {k: v.to(dev, torch.float32) for k, v in state.items()})
         self.version = int(cfg.weight_version) if cfg.weight_version.isdigit() else 0
