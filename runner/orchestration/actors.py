@@ -161,7 +161,11 @@ class TrainerWorker:
 
 def init_ray(*, address: str | None = None, num_cpus: int | None = None,
              resources: Mapping[str, float] | None = None) -> None:
-    """Connect to a Ray cluster (`address`) or start a local one declaring `resources` (idempotent)."""
+    """Connect to a Ray cluster (`address`) or start a local one declaring `resources` (idempotent).
+
+    A local Ray listens on 127.0.0.1 only and is recorded, so that a later start or `mixfleet cleanup`
+    stops it if this driver dies without shutting it down (runner/orchestration/local_ray.py); leftovers of
+    earlier killed drivers are stopped first."""
     import ray
 
     if ray.is_initialized():
@@ -171,16 +175,29 @@ def init_ray(*, address: str | None = None, num_cpus: int | None = None,
     if address:
         ray.init(address=address, runtime_env=env, log_to_driver=False)
         return
+    from mixfleet.runner.orchestration import local_ray
+
+    local_ray.stop_leftover_rays()
+    local_ray.loopback_only()
+    token = local_ray.mark_next_ray()
+    local_ray.record_local_ray(token)
     for attempt in range(RAY_START_ATTEMPTS):
         try:
-            ray.init(num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 2), include_dashboard=False,
-                     resources={k: float(v) for k, v in (resources or {}).items()}, runtime_env=env,
-                     log_to_driver=False, configure_logging=True, logging_level="ERROR")
-            return
+            ctx = ray.init(num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 2),
+                           include_dashboard=False, _node_ip_address=local_ray.LOOPBACK,
+                           resources={k: float(v) for k, v in (resources or {}).items()}, runtime_env=env,
+                           log_to_driver=False, configure_logging=True, logging_level="ERROR")
+            break
         except Exception as e:  # noqa: BLE001 - Ray's own "node timed out during startup" on a busy machine
             if attempt == RAY_START_ATTEMPTS - 1 or "timed out during startup" not in str(e):
                 raise
             ray.shutdown()
+    local_ray.record_local_ray(token, started=True)
+    node_ip = ctx.address_info.get("node_ip_address")
+    if node_ip != local_ray.LOOPBACK:
+        ray.shutdown()
+        raise RuntimeError(f"the local Ray took node address {node_ip!r}, not {local_ray.LOOPBACK}: it would listen "
+                           "on the network; refusing to run (see runner/orchestration/local_ray.py)")
 
 
 def remote_sampler(*, accelerator: str, amount: float = 1.0) -> Any:

@@ -1,4 +1,4 @@
-"""`mixfleet` commands: run, pretrain: real runs."""
+"""`mixfleet` commands: run, pretrain, cleanup: real runs."""
 
 from __future__ import annotations
 
@@ -11,3 +11,16 @@ def register(app: typer.Typer) -> None:
     """Add this module's commands to the `mixfleet` app."""
     register_run(app)
     register_pretrain(app)
+
+    @app.command("cleanup")
+    def cleanup_cmd() -> None:
+        """Stop what killed runs left behind: the local Ray (agents, workers) of every run whose driver is gone.
+
+        Runs still going keep their Ray; nothing that a mixfleet run did not start is touched (the next
+        `mixfleet run` does the same before it starts)."""
+        from mixfleet.runner.orchestration.local_ray import records_dir, stop_leftover_rays
+
+        stopped = stop_leftover_rays()
+        for s in stopped:
+            typer.echo(f"stopped {s.name} (pid {s.pid}) of the dead driver {s.driver_pid}")
+        typer.echo(f"{len(stopped)} leftover Ray process(es) stopped (records: {records_dir()})")
