@@ -54,6 +54,9 @@ QUANT = {"bf16": (("bfloat16",), ("bfloat16",)),
          "fp8": (("fp8_block", "fp8"), ("fp8_block", "fp8")),
          "nvfp4": (("nvfp4",), ("nvfp4",)),
          "mxfp4": (("bfloat16",), ("w4a8_mxfp4_mxfp8", "w4a16_mxfp4"))}
+# emulated formats the engines run as weight-only kernels (dequantized into the BF16 MMA): our "emulated" means
+# exactly that, so these stay measured; every other emulated format is the roofline's
+QUANT_EMULATED = {"mxfp4": (("bfloat16",), ("w4a16_mxfp4",))}
 KV_QUANT = {"bf16": "bfloat16", "fp8_e4m3": "fp8"}
 
 # the tabulation grid: replica batch x context for decode, new tokens x cached context for prefill
@@ -235,8 +238,10 @@ def coverage(model: ModelSpec, accelerator: Accelerator, precision: Precision, k
         raise SpecError(where, "engine", engine, ENGINES)
     if installed_version() is None:
         raise NotCovered(where, "aiconfigurator", None, f"`pip install {PACKAGE}=={PINNED_VERSION}`")
-    if emulated:
-        raise NotCovered(where, "emulated", True, "a native precision (emulated formats stay on the roofline)")
+    table = QUANT_EMULATED if emulated else QUANT
+    if emulated and precision.name not in table or (emulated and model.moe is None):
+        raise NotCovered(where, "emulated", True, "a native precision (emulated formats stay on the roofline, "
+                         "except MXFP4 MoE experts, which engines run weight-only)")
     system = SYSTEMS.get(accelerator.name)
     if system is None:
         raise NotCovered(where, "accelerator", accelerator.name, sorted(SYSTEMS))
@@ -244,15 +249,15 @@ def coverage(model: ModelSpec, accelerator: Accelerator, precision: Precision, k
     if path is None:
         raise NotCovered(where, "model", model.hf_id or model.name,
                          "a spec whose hf_id is a model aiconfigurator profiled (data/models/*.toml with hf_id)")
-    if precision.name not in QUANT:
-        raise NotCovered(where, "precision", precision.name, sorted(QUANT))
+    if precision.name not in table:
+        raise NotCovered(where, "precision", precision.name, sorted(table))
     if precision.name == "mxfp4" and model.moe is None:
         raise NotCovered(where, "precision", "mxfp4", "bf16/fp8/nvfp4 for a dense model (mxfp4 maps to MoE kernels)")
     if kv_dtype.name not in KV_QUANT:
         raise NotCovered(where, "kv_dtype", kv_dtype.name, sorted(KV_QUANT))
     if model.moe is None and (layout.ep > 1 or layout.dp_attention > 1):
         raise NotCovered(where, "layout", layout.label, "TP only for a dense model")
-    gemm, moe = QUANT[precision.name]
+    gemm, moe = table[precision.name]
     return Coverage(model_path=path, system=system, engine=engine, engine_version=_engine_version(system, engine),
                     gemm=gemm, moe=moe if model.moe is not None else None, kv=KV_QUANT[kv_dtype.name], layout=layout)
 

@@ -28,14 +28,23 @@ def register(app: typer.Typer) -> None:
 
     @app.command("calibrate")
     def calibrate_cmd(
-        runlogs: list[Path] = typer.Argument(..., help="Run-log folders (real or twin) of one model and trainer."),
+        runlogs: list[Path] = typer.Argument(None, help="Run-log folders (real or twin) of one model and trainer."),
+        measurements: Path = typer.Option(None, "--measurements", help="Instead of run logs: fit the roofline's "
+                                          "efficiency factors to published GPU measurements (a folder or file, e.g. "
+                                          "data/measurements/), judged leave-one-source-out."),
         out: Path = typer.Option(None, "--out", "-o", help="Write the calibration here (TOML)."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:
-        """Fit the cost model's free parameters to run logs: each value with its uncertainty and the residuals."""
+        """Fit the cost model's free parameters to run logs: each value with its uncertainty and the residuals
+        (or, with --measurements, the roofline's factors to published figures)."""
         from mixfleet.costmodel.calibration import calibrate, calibration_dict
         from mixfleet.costmodel.errors import SpecError
 
+        if measurements is not None:
+            _fit_measurements(measurements, out, as_json)
+            return
+        if not runlogs:
+            _fail(SpecError("command line", "RUNLOGS", None, "one or more run-log folders, or --measurements DIR"))
         try:
             cal = calibrate(runlogs)
         except (SpecError, FileNotFoundError, OSError) as e:
@@ -109,3 +118,48 @@ def register(app: typer.Typer) -> None:
                    f"{g['staleness_within_half_update']}")
         for n in rep.notes:
             typer.echo(f"note: {n}")
+
+
+def _fit_measurements(path: Path, out: Path | None, as_json: bool) -> None:
+    from mixfleet.costmodel.errors import SpecError
+    from mixfleet.costmodel.measurement_fit import fit_measurements
+    from mixfleet.costmodel.measurements import load_measurements
+
+    try:
+        fit = fit_measurements(load_measurements(path))
+    except (SpecError, FileNotFoundError, OSError) as e:
+        _fail(e)
+    if out is not None:
+        fit.save(out)
+    if as_json:
+        typer.echo(json.dumps(json_safe({**fit.to_dict(), "written_to": str(out) if out else None}), indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="Roofline factors fitted to published measurements per (GPU arch, model kind, precision)")
+    for col in ("arch", "kind", "precision", "rows", "parameter", "fitted", "± 1σ", "prior"):
+        t.add_column(col, justify="left" if col in ("arch", "kind", "precision", "parameter") else "right")
+    for g in fit.groups.values():
+        for i, (k, v) in enumerate(g.values.items()):
+            t.add_row(g.arch if i == 0 else "", g.kind if i == 0 else "", g.precision if i == 0 else "",
+                      str(g.n_rows) if i == 0 else "", k, _fmt(v) if g.fitted else "(not fitted)",
+                      _fmt(g.stderr[k]) if g.fitted else "", _fmt(g.priors[k]))
+    Console().print(t)
+
+    def line(name: str, s: dict) -> str:
+        return (f"{name}: {s['n']} rows, median factor {_fmt(s['median_factor'], '.3g')}, worst "
+                f"{_fmt(s['worst_factor'], '.3g')}")
+
+    typer.echo(line("in sample (fitted)", fit.in_sample))
+    typer.echo(line("out of sample (leave one source out, fitted)", fit.out_of_sample))
+    typer.echo(line("priors on the same rows", fit.priors_same_rows))
+    for src, d in fit.per_source.items():
+        held, pri = d["fitted_held_out"], d["priors"]
+        typer.echo(f"  held out {src}: fitted {_fmt(held['median_factor'], '.3g')} / "
+                   f"{_fmt(held['worst_factor'], '.3g')}, priors {_fmt(pri['median_factor'], '.3g')}"
+                   f" / {_fmt(pri['worst_factor'], '.3g')} (median / worst factor)")
+    typer.echo("ships: " + ("yes, the fitted factors beat the priors out of sample" if fit.ships else
+                            "no, the fitted factors do not beat the priors out of sample on both median and worst"))
+    if out is not None:
+        typer.echo(f"fit written to {out} (compare: mixfleet validate-costmodel --calibration {out})")

@@ -1,0 +1,82 @@
+"""Published measurements as data (data/measurements/), their loader, the per-row prediction and the CLI.
+
+Fast: loading and the roofline only (the measured backend is exercised in test_costmodel_measured.py); the
+full comparison is benchmarks/costmodel_vs_published.py.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.measurements import load_measurements, predict, predict_with, row_replica, summarize
+from mixfleet.ui.cli import app
+from typer.testing import CliRunner
+
+
+def test_shipped_measurements_cover_three_sources_and_the_seed_gpus() -> None:
+    rows = load_measurements()
+    assert len(rows) >= 40 and len({m.source for m in rows}) >= 3
+    assert {m.gpu for m in rows} >= {"H100", "H200", "B200", "RTX-PRO-6000"}
+    for m in rows:
+        assert m.date and m.url and m.section and m.value > 0
+    keys = [m.key for m in rows]
+    assert len(keys) == len(set(keys))
+
+
+def test_measurement_files_ship_with_the_package() -> None:
+    import tomllib
+
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[1] / "pyproject.toml").read_text())
+    globs = pyproject["tool"]["setuptools"]["package-data"]["mixfleet.data"]
+    assert "*/*.toml" in globs  # data/measurements/*.toml and data/models/*.toml are covered
+
+
+def test_a_bad_row_names_file_field_and_allowed(tmp_path: Path) -> None:
+    src = Path(__file__).resolve().parents[1] / "data" / "measurements" / "sglang-b200-sweep.toml"
+    bad = tmp_path / "bad.toml"
+    bad.write_text(src.read_text().replace('metric = "tpot_ms"', 'metric = "tokens"', 1))
+    with pytest.raises(SpecError, match="metric.*tpot_ms"):
+        load_measurements(bad)
+    bad.write_text(src.read_text().replace('gpu = "B200"', 'gpu = "TPU"', 1))
+    with pytest.raises(SpecError, match="B200"):
+        load_measurements(bad)
+
+
+def test_prediction_charges_prefill_to_the_same_gpus_and_uses_the_row_layout() -> None:
+    rows = {m.key: m for m in load_measurements()}
+    m = rows["trtllm-perf-overview#50"]  # Qwen3-235B H200 DEP4 FP8, 1000/1000, offline
+    rm = row_replica(m, "roofline")
+    assert (rm.tp, rm.dp_attention, rm.ep, rm.n_gpus) == (1, 4, 4, 4)
+    v, c, _ = predict_with(m, rm)
+    cycle = (c / 4) * float(rm.prefill_s(1000, 0)) + 1000 * float(rm.decode_step_s(c, 1500))
+    assert v == pytest.approx(c * 1000 / cycle / 4)
+    no_spec = predict(rows["trtllm-perf-overview#0"], "roofline")  # DeepSeek-R1: MLA, no spec
+    assert no_spec.value is None and "spec" in no_spec.reason
+    s = summarize([2.0, 0.5, 1.0])
+    assert s["median_factor"] == 2.0 and s["worst_factor"] == 2.0 and s["median_ratio"] == pytest.approx(1.0)
+
+
+def test_validate_costmodel_json_and_bad_backend() -> None:
+    run = CliRunner()
+    one = Path(__file__).resolve().parents[1] / "data" / "measurements" / "sglang-b200-sweep.toml"
+    res = run.invoke(app, ["validate-costmodel", "--measurements", str(one), "--backends", "roofline", "--json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["n_rows"] == 3 and rep["summary"]["roofline"]["all"]["n"] == 2
+    res = run.invoke(app, ["validate-costmodel", "--backends", "magic"])
+    assert res.exit_code == 2 and "aiconfigurator" in res.output
+
+
+def test_calibrate_measurements_reports_leave_one_source_out() -> None:
+    res = CliRunner().invoke(app, ["calibrate", "--measurements", str(Path(__file__).resolve().parents[1] / "data"
+                                                                       / "measurements"), "--json"])
+    assert res.exit_code == 0, res.output
+    fit = json.loads(res.stdout)
+    assert set(fit["per_source"]) == {"inferencemax", "sglang-b200-sweep-gist", "trtllm-perf-overview"}
+    assert fit["out_of_sample"]["n"] == fit["priors_same_rows"]["n"] > 40
+    fitted = [g for g in fit["groups"] if g["fitted"]]
+    assert fitted and all(0 < g["eff_flops"] <= 1 and g["eff_flops_stderr"] >= 0 for g in fitted)
+    assert isinstance(fit["ships"], bool)
