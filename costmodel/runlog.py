@@ -206,10 +206,14 @@ class GroupRecord:
     masked_share: float = _NAN
     staleness_mean: float = _NAN     # per-token staleness of its samples in the batch, versions
     tokens_trained: int = 0          # generated tokens of its samples in the batch
+    # MoE routing disagreement over its trained tokens (sampler's recorded top-k experts vs the trainer's):
+    routing_token_share: float = _NAN   # share of tokens whose expert set differs in >= 1 layer, 0..1
+    routing_layer_share: float = _NAN   # mean share of layers whose expert set differs, 0..1
 
     def __post_init__(self) -> None:
         where = "GroupRecord"
-        _nan_if_none(self, ("kl_k3", "extreme_share", "kl_k1", "masked_share", "staleness_mean"))
+        _nan_if_none(self, ("kl_k3", "extreme_share", "kl_k1", "masked_share", "staleness_mean",
+                            "routing_token_share", "routing_layer_share"))
         _check_nonneg(where, self, ("version", "replicas_up", "utilization", "tokens_generated", "samples",
                                     "share_of_samples", "cost_usd", "tokens_trained"))
 

@@ -10,7 +10,7 @@ this happens; `with_overrides(plan, {"groups.H100-FP8.replicas": 4})` uses it to
 Schema (every field optional unless marked):
     name* description seed model workload price_table
     [prices]   ACCELERATOR = USD per GPU-hour, overriding the price table (e.g. H100 = 3.0)
-    [trainer]  accelerator gpus precision loss top_p top_p_replay
+    [trainer]  accelerator gpus precision loss top_p top_p_replay routing
     [[groups]] name* accelerator* precision* kv_dtype kernel replicas min_replicas max_replicas tp emulated
     [policies.router|autoscaler|batcher|weight_sync]  name + that policy's settings
     [faults]   preemptions_per_replica_hour on_loss
@@ -27,11 +27,13 @@ from typing import Any
 
 import tomli_w
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.paths import data_path
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies import registry
 
 LOSSES = ("grpo", "mis", "sc", "sc_mis")
+ROUTING_MODES = ("free", "replay")   # MoE trainer: its own router | rollout routing replay (the samplers' experts)
 ON_LOSS = ("resume", "restart")
 DEFAULT_POLICIES = {"router": "capacity_proportional", "autoscaler": "fixed", "batcher": "fifo",
                     "weight_sync": "in_flight"}
@@ -86,10 +88,12 @@ class TrainerPlan:
     loss: str = "sc_mis"             # "grpo" | "mis" | "sc" | "sc_mis" (CORRECTIONS.md)
     top_p: float = 1.0               # the samplers' top-p (1.0 = full sampling)
     top_p_replay: bool = False       # the trainer replays the samplers' top-p mask
+    routing: str = "free"            # MoE: "free" (the trainer's router) | "replay" (the samplers' recorded experts)
 
     def __post_init__(self) -> None:
         w = "plan trainer"
         _need(w, "gpus", _pos_int(self.gpus), self.gpus, "an integer >= 1")
+        _need(w, "routing", self.routing in ROUTING_MODES, self.routing, "one of " + ", ".join(ROUTING_MODES))
         _need(w, "loss", self.loss in LOSSES, self.loss, "one of " + ", ".join(LOSSES))
         _need(w, "top_p", isinstance(self.top_p, int | float) and 0 < self.top_p <= 1, self.top_p, "in (0, 1]")
 
@@ -181,6 +185,10 @@ class Plan:
         for acc, usd in self.prices.items():
             _need(w, f"prices.{acc}", isinstance(usd, int | float) and not isinstance(usd, bool) and 0 < usd < 1e9,
                   usd, "USD per GPU-hour, a number > 0")
+        if self.trainer.routing == "replay":
+            kind = load_model_spec(self.model).kind
+            _need(w, "trainer.routing", kind == "moe", self.trainer.routing,
+                  f"'free' for model '{self.model}' (kind = '{kind}': routing replay needs a MoE model)")
 
     def group(self, name: str) -> GroupPlan:
         for g in self.groups:

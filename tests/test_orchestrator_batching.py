@@ -169,3 +169,36 @@ def test_response_to_result_and_run_config_validation() -> None:
         RunConfig(out_dir="x")
     with pytest.raises(ValueError, match="updates"):
         RunConfig(out_dir="x", init_checkpoint="c", updates=0)
+
+
+def test_routed_experts_from_turns_to_the_batch() -> None:
+    """Each response's record covers positions [P - n, P), P = tokens - 1; the first record of a position wins;
+    the batch puts input token t's experts at (b, t) (the forward whose output trains row (b, t))."""
+    import numpy as np
+    from mixfleet.runner.rollout.agent import _Recorder
+
+    rec = _Recorder()
+    rec.add_context([1, 2, 3])                                     # prompt: positions 0..2
+    rec.tokens += [4, 5]                                           # two sampled tokens (bookkeeping only here)
+    first = np.arange(4 * 2 * 1).reshape(4, 2, 1)                  # positions 0..3 (4 = the last, never forwarded)
+    rec.add_routing(first)
+    rec.tokens += [6, 7, 8]                                        # tool output, then one more reply
+    second = 100 + np.arange(7 * 2 * 1).reshape(7, 2, 1)            # positions 0..6: 0..3 already recorded
+    rec.add_routing(second)
+    out = rec.routed_experts()
+    assert out.shape == (8, 2, 1)
+    assert out[:4].tolist() == first.tolist() and out[4:7].tolist() == second[4:7].tolist()
+    assert (out[7] == -1).all()                                    # the last token: no record
+    with pytest.raises(ValueError, match="expected"):
+        rec.add_routing(np.zeros((9, 2, 1)))                        # more rows than forwarded positions
+
+    a, b, _ = _items()
+    a.episode.routed_experts = np.arange(6 * 2 * 2, dtype=np.int32).reshape(6, 2, 2) % 8
+    batch = build_batch([a, b], trained_version=3, group_names=("A", "B"))
+    rex = batch.tensors["routed_experts"]
+    assert rex.shape == (2 * 6, 2, 2) and rex.dtype == torch.int64
+    assert rex[:6].tolist() == a.episode.routed_experts.tolist() and (rex[6:] == -1).all()
+    b.episode.routed_experts = np.zeros((3, 2, 2), dtype=np.int32)  # 3 positions for a 4-token episode
+    with pytest.raises(ValueError, match="3 positions"):
+        build_batch([a, b], trained_version=3, group_names=("A", "B"))
+    b.episode.routed_experts = None

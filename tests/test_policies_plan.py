@@ -32,6 +32,15 @@ def test_tiny_cpu_plan_has_three_cpu_precisions() -> None:
     assert p.policies.batcher.settings["prompts_per_update"] == 16 and p.embedded is not None
 
 
+def test_tiny_moe_cpu_plans_are_the_tiny_cpu_fleet_on_the_moe() -> None:
+    free, replay, dense = load_plan("tiny-moe-cpu"), load_plan("tiny-moe-cpu-replay"), load_plan("tiny-cpu")
+    assert free.model == replay.model == "tiny-qwen3-moe"
+    assert free.groups == dense.groups and free.policies == dense.policies and free.embedded == dense.embedded
+    assert (free.trainer.routing, replay.trainer.routing, dense.trainer.routing) == ("free", "replay", "free")
+    with pytest.raises(SpecError, match="routing replay needs a MoE model"):
+        with_overrides(dense, {"trainer.routing": "replay"})
+
+
 def test_a_plan_round_trips_through_toml(tmp_path: Path) -> None:
     p = with_overrides(load_plan("tiny-cpu"), {"faults.preemptions_per_replica_hour": 2.5})
     again = load_plan(save_plan(p, tmp_path / "p.toml"))
@@ -56,6 +65,7 @@ def test_overrides_and_base_files_merge_groups_by_name(tmp_path: Path) -> None:
     ({"groups": []}, "groups"),
     ({"colour": 1}, "colour"),
     ({"trainer": {"loss": "ppo"}}, "grpo"),
+    ({"trainer": {"routing": "sticky"}}, "routing.*free, replay"),
     ({"policies": {"router": {"name": "random"}}}, "capacity_proportional"),
     ({"policies": {"scheduler": {}}}, "weight_sync"),
     ({"groups": [{"name": "a", "accelerator": "H100", "precision": "fp8", "replicas": 2, "max_replicas": 1}]},

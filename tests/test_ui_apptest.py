@@ -83,7 +83,8 @@ def _runner_log(folder: Path, plan: dict, updates: int = 3, status_running: bool
         for i, g in enumerate(groups):
             w.append(GroupRecord(version=v, group=g, replicas_up=1.0, utilization=0.9, tokens_generated=500 + i,
                                  samples=16, share_of_samples=1 / len(groups), kl_k3=0.001 * (i + 1),
-                                 extreme_share=0.0005 * (i + 1), cost_usd=0.05, tokens_trained=120))
+                                 extreme_share=0.0005 * (i + 1), cost_usd=0.05, tokens_trained=120,
+                                 routing_token_share=0.1 * (i + 1), routing_layer_share=0.03 * (i + 1)))
     w.flush()
     if status_running:
         return  # left open: the header says "running"
@@ -169,6 +170,7 @@ def test_runs_page_charts_a_twin_run_log(env: Path, twin_run: tuple[Path, dict],
         assert t in titles
     text = _texts(at)
     assert "grad norm: not recorded" in text and "entropy: not recorded" in text  # the twin does not train
+    assert not [t for t in titles if t.startswith("Routing disagreement")]        # no routing prior: NaN, no chart
     assert not [t for t in at.toggle if t.value]  # a finished run: no auto-refresh
 
 
@@ -188,6 +190,7 @@ def test_runs_page_overlays_the_twin_on_a_runner_log(env: Path, twin_run: tuple[
     assert "Predicted vs measured" in [s.value for s in at.subheader]
     titles = _plotly_titles(at)
     assert "Grad norm" in titles and "Entropy" in titles
+    assert len([t for t in titles if t.startswith("Routing disagreement by group")]) == 2   # MoE columns recorded
     assert [t for t in at.toggle if t.value]  # a running run refreshes itself
     table = at.dataframe[0].value
     row = table[table["metric"] == "mean staleness (versions)"].iloc[0]

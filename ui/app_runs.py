@@ -107,6 +107,16 @@ def _charts(run: RunData, twin: RunData | None) -> None:
         _chart(has(g, "extreme_share"), lambda: charts.group_series(
             g, "extreme_share", title="Share outside [0.2, 5] by group", y="% of tokens", percent=True, overlay=og),
             "share outside [0.2, 5] by group")
+    if has(g, "routing_token_share"):      # MoE runs: the samplers' recorded experts vs the trainer's
+        left, right = st.columns(2)
+        with left:
+            _chart(True, lambda: charts.group_series(
+                g, "routing_token_share", title="Routing disagreement by group: tokens (expert set differs in "
+                ">= 1 layer)", y="% of trained tokens", percent=True, overlay=og), "routing disagreement (tokens)")
+        with right:
+            _chart(True, lambda: charts.group_series(
+                g, "routing_layer_share", title="Routing disagreement by group: mean share of layers that differ",
+                y="% of layers", percent=True, overlay=og), "routing disagreement (layers)")
 
 
 def _prediction_table(run: RunData, twin: RunData) -> None:

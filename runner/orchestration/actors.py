@@ -104,7 +104,7 @@ class TrainerWorker:
 
     def __init__(self, *, init_from: str, state_dir: str | None, correction: Mapping[str, Any],
                  optimizer: Mapping[str, Any] | None = None, threads: int = 1, resume: bool = False,
-                 export_dtype: str = "float32") -> None:
+                 export_dtype: str = "float32", routing: str = "free") -> None:
         _set_threads(threads)
         from mixfleet.runner.corrections import CorrectionConfig
         from mixfleet.runner.trainer import Trainer
@@ -119,7 +119,7 @@ class TrainerWorker:
             opt = dict(optimizer or {})
             if "betas" in opt:
                 opt["betas"] = tuple(opt["betas"])
-            cfg = TrainerConfig(optimizer=OptimizerConfig(**opt), export_dtype=export_dtype)
+            cfg = TrainerConfig(optimizer=OptimizerConfig(**opt), export_dtype=export_dtype, routing=routing)
             self.trainer = Trainer.from_checkpoint(init_from, cfg)
             self.trainer.version = 0
         self.build_s = time.perf_counter() - t0

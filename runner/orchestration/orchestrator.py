@@ -340,7 +340,7 @@ class Orchestrator:
         self.trainer = trainer_cls.remote(
             init_from=self.config.init_checkpoint, state_dir=str(state_dir), correction=self.correction,
             optimizer={"lr": self.config.lr, "grad_clip_norm": self.config.grad_clip_norm},
-            threads=self.config.trainer_threads, resume=resuming)
+            threads=self.config.trainer_threads, resume=resuming, routing=self.plan.trainer.routing)
 
         def starts() -> list[Any]:
             return [self._start_replica(g, cold=False) for g in self.fleet.groups for _ in range(g.replicas)]
@@ -750,7 +750,9 @@ class Orchestrator:
                 extreme_share=gm.get("out_diag_low_share", math.nan) + gm.get("out_diag_high_share", math.nan),
                 cost_usd=cost, kl_k1=gm.get("k1", math.nan), masked_share=gm.get("out_band_share", math.nan),
                 staleness_mean=batch.staleness_by_group.get(g.name, math.nan),
-                tokens_trained=batch.tokens_by_group.get(g.name, 0)))
+                tokens_trained=batch.tokens_by_group.get(g.name, 0),
+                routing_token_share=gm.get("routing_token_share", math.nan),
+                routing_layer_share=gm.get("routing_layer_share", math.nan)))
             self._group_marks[g.name] = (busy, gen, now)
         self.cost_sampler_usd += window_cost
         st = batch.staleness_stats()

@@ -46,6 +46,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import numpy as np
 from mixfleet.runner.checkpoint.tokenizer import BYTE_OFFSET, SPECIAL_TOKENS
 from mixfleet.runner.rollout.tasks.base import Task, ToolCall
 from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplerEngine, SamplingParams
@@ -140,6 +141,9 @@ class Episode:
     error: str | None = None
     start_s: float = 0.0
     end_s: float = 0.0
+    # MoE: the sampler's experts of each input position, int32 [len(tokens), layers, top_k], -1 where no
+    # record (None when no sampler sent one); row t = the experts token t was routed to when first forwarded
+    routed_experts: np.ndarray | None = None
 
     @property
     def num_turns(self) -> int:
@@ -248,6 +252,37 @@ class _Recorder:
         self.top_logprobs: list[list[tuple[float, int]] | None] = []
         self.mask_ids: list[list[int] | None] = []
         self.mask_logprobs: list[list[float] | None] = []
+        self.routed: np.ndarray | None = None       # [capacity, layers, top_k] int32, -1 = none
+        self.routed_upto = 0                        # positions [0, routed_upto) have their first record
+
+    def add_routing(self, rows: Any) -> None:
+        """A response's routed experts: rows [n, layers, top_k] of the positions [P - n, P), P = len(tokens) - 1
+        (SGLang's record ends before the last sampled token, which is never forwarded). The first record of a
+        position wins: later turns re-send their prompt's positions (prefix reuse keeps the first routing)."""
+        arr = np.asarray(rows.cpu() if hasattr(rows, "cpu") else rows, dtype=np.int32)
+        end = len(self.tokens) - 1
+        if arr.ndim != 3 or arr.shape[0] > max(end, 0):
+            raise ValueError(f"routed experts of shape {arr.shape}; expected [n <= {max(end, 0)}, layers, top_k]")
+        if self.routed is None or self.routed.shape[1:] != arr.shape[1:]:
+            if self.routed is not None:
+                raise ValueError(f"routed experts [.., {arr.shape[1]}, {arr.shape[2]}] differ from this episode's "
+                                 f"[.., {self.routed.shape[1]}, {self.routed.shape[2]}]")
+            self.routed = np.full((0, *arr.shape[1:]), -1, dtype=np.int32)
+        if self.routed.shape[0] < end:
+            grow = np.full((end - self.routed.shape[0], *arr.shape[1:]), -1, dtype=np.int32)
+            self.routed = np.concatenate([self.routed, grow])
+        start = end - arr.shape[0]
+        lo = max(start, self.routed_upto)
+        if lo < end:
+            self.routed[lo:end] = arr[lo - start:]
+            self.routed_upto = end
+
+    def routed_experts(self) -> np.ndarray | None:
+        if self.routed is None:
+            return None
+        out = np.full((len(self.tokens), *self.routed.shape[1:]), -1, dtype=np.int32)
+        out[: self.routed.shape[0]] = self.routed
+        return out
 
     def add_context(self, ids: list[int]) -> None:
         n = len(ids)
@@ -276,6 +311,9 @@ class _Recorder:
             self.top_logprobs.append(list(t.top_logprobs) if t.top_logprobs else None)
             self.mask_ids.append(list(t.mask_ids) if t.mask_ids is not None else None)
             self.mask_logprobs.append(list(t.mask_logprobs) if t.mask_logprobs is not None else None)
+        routed = getattr(result, "routed_experts", None)
+        if routed is not None:
+            self.add_routing(routed)
         return ids
 
 
@@ -372,7 +410,8 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
                    loss_mask=rec.loss_mask, logprobs=rec.logprobs, weight_versions=rec.weight_versions,
                    group_ids=rec.group_ids, top_logprobs=rec.top_logprobs, mask_ids=rec.mask_ids,
                    mask_logprobs=rec.mask_logprobs, turns=turns, reward=reward, finish_reason=finish,
-                   truncated_by_context=by_context, error=error, start_s=start, end_s=clock())
+                   truncated_by_context=by_context, error=error, start_s=start, end_s=clock(),
+                   routed_experts=rec.routed_experts())
 
 
 def engine_generate(engine: SamplerEngine, *, return_logprob: bool = True, top_logprobs_num: int = 0,

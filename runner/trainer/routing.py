@@ -26,8 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-
-ROUTING_MODES = ("free", "replay")
+from mixfleet.policies.plan import ROUTING_MODES
 
 
 def check_routing_mode(mode: str, where: str = "trainer.routing") -> str:

@@ -99,13 +99,13 @@ def _parse_attach(items: list[str]) -> dict[str, list[str]]:
     return out
 
 
-def default_base_policy(progress: bool = True) -> str:
-    """The cached `mixfleet pretrain` checkpoint (trained now if missing: a few minutes on a CPU)."""
-    from mixfleet.runner.orchestration.pretrain import pretrain
+def default_base_policy(progress: bool = True, model: str = "tiny") -> str:
+    """The cached `mixfleet pretrain --model MODEL` checkpoint (trained now if missing: minutes on a CPU)."""
+    from mixfleet.runner.orchestration.pretrain import PretrainConfig, pretrain
 
     if progress:
-        typer.echo("base policy: the cached `mixfleet pretrain` checkpoint (training it if missing)...")
-    return str(pretrain().path)
+        typer.echo(f"base policy: the cached `mixfleet pretrain --model {model}` checkpoint (trained if missing)...")
+    return str(pretrain(PretrainConfig(model=model)).path)
 
 
 def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, embedded: bool, address: str | None,
@@ -148,7 +148,7 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
             g, u = k.rsplit("@", 1)
             plan.group(g)
             kills.setdefault(int(u), []).append(g)
-        init_path = init or default_base_policy(progress=not quiet)
+        init_path = init or default_base_policy(progress=not quiet, model=plan.model)
         emb = plan.embedded
         cfg = RunConfig.for_plan(plan, out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
                                  fleet_mode=fleet_mode, attach=attach_map, address=address, resume=resume,
