@@ -9,7 +9,7 @@ trainer-bound (staleness unbounded: no steady state); plus data/plans/seed-mixed
 Each twin run is 12 + 3 K / B updates (the warm-up lasts about one prompt-group lifetime, K / B updates).
 Prints a table and writes benchmarks/results/planner_vs_twin.json (rows, median and worst errors).
 
-    python benchmarks/planner_vs_twin.py [--mixes 20] [--seed 0]
+    python benchmarks/planner_vs_twin.py [--mixes 20] [--seed 0] [--resume]
 """
 
 from __future__ import annotations
@@ -68,6 +68,7 @@ def main() -> None:
     ap.add_argument("--mixes", type=int, default=20)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--resume", action="store_true", help="keep the rows already in --out (same mixes), run the rest")
     args = ap.parse_args()
     cfg = PlannerConfig()
     wl = load_workload(cfg.workload)
@@ -78,7 +79,13 @@ def main() -> None:
         plan = load_plan(name)
         jobs.append((name, plan, evaluate_plan(plan)))
     rows, c0 = [], time.process_time()
+    done = {}
+    if args.resume and args.out.exists():
+        done = {r["mix"]: r for r in json.loads(args.out.read_text()).get("rows", [])}
     for name, plan, est in jobs:
+        if name in done and done[name]["replicas"] == est.replicas:
+            rows.append(done[name])
+            continue
         kb = est.inflight_prompts / wl.prompts_per_update
         updates = int(12 + 3 * kb)
         t0 = time.process_time()
@@ -93,6 +100,8 @@ def main() -> None:
         print(f"{name:17s} K/B {kb:.0f} {updates:3d} upd (warm-up {s.warmup_updates:2d}) "
               + "  ".join(f"{k[:4]} {row[k]['analytic']:8.2f} vs {row[k]['twin']:8.2f} ± {row[k]['twin_ci']:6.2f} "
                           f"({row[k]['rel_error']:+.1%})" for k, _, _ in METRICS), flush=True)
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(json_safe({"rows": rows, "partial": True}), indent=2))  # resumable
     summary = {}
     for a_key, _, _ in METRICS:
         err = np.array([abs(r[a_key]["rel_error"]) for r in rows])
