@@ -2,7 +2,8 @@
 
 `World` holds the state and the event handlers; `run_loop` (bottom) is the algorithm a run follows.
 Hot paths (tool calls ending, replica wake-ups) are bare entries in SimPy's queue with plain callbacks
-(see `_Call`; a session is its own entry and its own replica request), so a turn costs about two events
+(`twin.engine`, the one place that touches SimPy's internals; a session is its own entry and its own replica
+request), so a turn costs about two events
 and allocates nothing; the trainer, autoscaler and fault injection are SimPy processes. Policies
 (router, autoscaler, batcher, weight sync) are the plan's objects from mixfleet.policies, fed read-only views.
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from heapq import heappush
 from typing import Any, ClassVar
 
 import numpy as np
@@ -22,29 +22,9 @@ from mixfleet.costmodel.runlog import EventRecord, GroupRecord, TrajectoryRecord
 from mixfleet.costmodel.workload import WorkloadSpec
 from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
 from mixfleet.policies.views import FleetView, GroupView, ReplicaView
+from mixfleet.twin.engine import Entry, TwinEnvironment
 from mixfleet.twin.episodes import Episode, draw_episodes
 from mixfleet.twin.replica import Replica, ReplicaRates
-from simpy.events import NORMAL
-
-
-class CountingEnvironment(simpy.Environment):
-    """A SimPy environment that says how many events it has scheduled (for events/s)."""
-
-    @property
-    def scheduled(self) -> int:
-        """Events scheduled so far (SimPy numbers every scheduled event; peeking costs one number)."""
-        return next(self._eid)
-
-
-class _Call:
-    """A bare entry in SimPy's event queue for the hot paths (a tool call ends, a replica wakes up): SimPy's
-    `step` pops it at its time, in the same (time, priority, id) order as a Timeout, and calls its callbacks
-    with it; it skips Timeout's construction and checks, and shares one callbacks list per kind."""
-    __slots__ = ("callbacks", "value", "gen")
-    _ok = True
-
-    def __init__(self, callbacks: list, value: Any, gen: int = 0) -> None:
-        self.callbacks, self.value, self.gen = callbacks, value, gen
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -131,7 +111,7 @@ class World:
                  policies: dict[str, Any], seed: int, writer: Any, run_id: str,
                  preemptions_per_replica_hour: float = 0.0, on_loss: str = "resume",
                  progress: Callable[[int], None] | None = None) -> None:
-        self.env = CountingEnvironment()
+        self.env = TwinEnvironment()
         self.groups = {g.name: Group(setup=g) for g in groups}
         self.trainer = trainer
         self.workload = workload
@@ -208,19 +188,15 @@ class World:
             return  # the pending wake-up comes first; it reschedules if nothing is due by then
         rep.gen += 1
         rep.wake_at = t
-        env = self.env
-        now = env._now
-        delay = t - now
-        if delay < 0.0:
-            delay = 0.0
-        heappush(env._queue, (now + delay, NORMAL, next(env._eid), _Call(self._wake_cbs, rep, rep.gen)))
+        delay = t - self.env.now
+        self.env.push(delay if delay > 0.0 else 0.0, Entry(self._wake_cbs, rep, rep.gen))
 
-    def _wake(self, event: _Call) -> None:
+    def _wake(self, event: Entry) -> None:
         rep = event.value
         if event.gen != rep.gen or not rep.up:
             return
         rep.wake_at = math.inf
-        now = self.env._now
+        now = self.env.now
         rep.advance_to(now)
         for req in rep.complete_due(now):
             self._turn_done(req, True)
@@ -310,7 +286,7 @@ class World:
         ctx = s.context + s.pending_new
         s.new_tokens = s.pending_new if s.cached_on is rep else ctx
         s.reply_tokens, s.context_tokens, s.generated = s.remaining_reply, ctx, 0
-        now = self.env._now
+        now = self.env.now
         rep.advance_to(now)
         rep.submit(s, now)  # the session is the request: the replica adds its tokens to s.tokens_by_version
         self.poke(rep)
@@ -342,9 +318,8 @@ class World:
         ep, turn = s.ep, s.turn
         s.pending_new, s.remaining_reply = ep.tool_tokens[turn - 1], ep.reply_tokens[turn]
         s.prompt_total += s.pending_new
-        env = self.env  # a SimPy timeout of the tool's latency: the session is the queue entry; SimPy calls _turn(s)
-        s.callbacks = self._tool_cbs
-        heappush(env._queue, (env._now + ep.tool_s[turn - 1], NORMAL, next(env._eid), s))
+        s.callbacks = self._tool_cbs  # a timeout of the tool's latency: the session is the entry; SimPy calls _turn(s)
+        self.env.push(ep.tool_s[turn - 1], s)
 
     def _finish(self, s: Session) -> None:
         s.end_s = self.env.now
