@@ -30,7 +30,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from mixfleet.costmodel.runsummary import json_safe
+from mixfleet.costmodel.jsonsafe import json_safe
 
 ROOT = Path(__file__).resolve().parents[1]
 PLAN_A = ROOT / "data" / "plans" / "tiny-cpu.toml"

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import numpy as np
-from mixfleet.costmodel.runsummary import json_safe
+from mixfleet.costmodel.jsonsafe import json_safe
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import load_plan
 from mixfleet.twin.planner import (

@@ -51,17 +51,6 @@ from mixfleet.costmodel.runlog import FINISH_REASONS, RunLog
 _NAN = float("nan")
 
 
-
-def json_safe(x: Any) -> Any:
-    """Dicts / lists / tuples with every non-finite float replaced by None, so `json.dumps` writes valid JSON."""
-    if isinstance(x, dict):
-        return {k: json_safe(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [json_safe(v) for v in x]
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return x
-
 @dataclass(frozen=True, kw_only=True)
 class RunSummary:
     run_id: str

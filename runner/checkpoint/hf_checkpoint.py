@@ -281,6 +281,22 @@ def check_layout(cfg: HFConfig, tensors: Mapping[str, torch.Tensor], where: str,
             raise ValueError(f"{where}: tensor {name} has shape {tuple(tensors[name].shape)}, expected {shape}")
 
 
+class NonFiniteWeightsError(ValueError):
+    """A tensor set holds NaN or Inf (a diverged trainer step, a corrupt file): never written nor loaded."""
+
+
+def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
+    """NonFiniteWeightsError naming `where` and the first tensors holding NaN / Inf, with their counts."""
+    bad = []
+    for name, t in tensors.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad.append(f"{name} ({int(torch.isnan(t).sum())} NaN, {int(torch.isinf(t).sum())} Inf)")
+    if bad:
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        raise NonFiniteWeightsError(f"{where}: non-finite weights in {len(bad)} tensor(s): "
+                                    f"{', '.join(bad[:3])}{more}")
+
+
 def replace_dir_atomically(tmp: Path, directory: Path) -> None:
     """Put the finished folder `tmp` at `directory`, replacing any old one by renames (a reader sees the old
     folder or the new one, never a mix); `tmp` must be beside `directory` (same filesystem)."""
@@ -301,6 +317,7 @@ def save_checkpoint(directory: str | Path, cfg: HFConfig, tensors: Mapping[str, 
     """
     directory = Path(directory)
     check_layout(cfg, tensors, "checkpoint tensors", allow_extra=False)
+    check_finite(tensors, "checkpoint tensors")
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
@@ -324,11 +341,12 @@ def load_config(directory: str | Path) -> HFConfig:
 
 
 def load_checkpoint(directory: str | Path) -> tuple[HFConfig, dict[str, torch.Tensor]]:
-    """Read and check a checkpoint folder; errors say which tensor is missing or misshapen."""
+    """Read and check a checkpoint folder; errors say which tensor is missing, misshapen or not finite."""
     cfg = load_config(directory)
     path = Path(directory) / WEIGHTS_FILE
     if not path.exists():
         raise FileNotFoundError(f"{directory}: no {WEIGHTS_FILE}")
     tensors = load_file(str(path))
     check_layout(cfg, tensors, str(directory))
+    check_finite(tensors, str(directory))
     return cfg, tensors

@@ -20,6 +20,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import math
 import threading
 import time
 import uuid
@@ -31,6 +32,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from mixfleet.costmodel.jsonsafe import json_safe
 from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
 from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplerEngine, SamplingParams, TokenOutput
 from mixfleet.runner.sampler.protocol import (
@@ -91,8 +93,15 @@ class ServerArgs:
             raise ValueError(f"ServerArgs.log_level = {self.log_level!r}: allowed {', '.join(levels)}")
 
 
+class FiniteJSONResponse(JSONResponse):
+    """JSON with NaN / Inf as null: Starlette refuses to render them (a 500) and json.dumps writes invalid JSON."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(json_safe(content), ensure_ascii=False, allow_nan=False, separators=(",", ":")).encode()
+
+
 def _error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message}}, status_code=status)
+    return FiniteJSONResponse({"error": {"message": message}}, status_code=status)
 
 
 class _Pending:
@@ -284,7 +293,7 @@ async def _json_object(request: Request, max_bytes: int, allowed: dict[str, tupl
 
 
 def _sse(obj: Any) -> bytes:
-    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+    return b"data: " + json.dumps(json_safe(obj), allow_nan=False).encode() + b"\n\n"
 
 
 def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
@@ -301,12 +310,13 @@ def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
         finally:
             state.stop()
 
-    app = FastAPI(title="mixfleet embedded sampler", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app = FastAPI(title="mixfleet embedded sampler", lifespan=lifespan, docs_url=None, redoc_url=None,
+                  default_response_class=FiniteJSONResponse)
     app.state.sampler = state
 
     @app.exception_handler(ProtocolError)
     async def _protocol_error(_request: Request, exc: ProtocolError) -> JSONResponse:
-        return JSONResponse(exc.to_json(), status_code=400)
+        return FiniteJSONResponse(exc.to_json(), status_code=400)
 
     # ---- generation -------------------------------------------------------------------------
     @app.api_route("/generate", methods=["POST", "PUT"])
@@ -332,7 +342,7 @@ def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
             out = [state.respond(p, p.future.result()) for p in pendings]
         finally:
             state.release(pendings, abort=not finished)
-        return JSONResponse(out if call.is_batch else out[0])
+        return FiniteJSONResponse(out if call.is_batch else out[0])
 
     async def _stream(call: GenerateCall, pendings: list[_Pending]) -> AsyncIterator[bytes]:
         finished = False
@@ -394,10 +404,12 @@ def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
 
         engine.add_request(req, on_finish=done)
         try:
-            await asyncio.wait_for(fut, HEALTH_GENERATE_TIMEOUT_S)
+            result = await asyncio.wait_for(fut, HEALTH_GENERATE_TIMEOUT_S)
         except TimeoutError:
             engine.abort(req.rid)
             return Response(status_code=503)
+        if any(not math.isfinite(t.logprob) for t in result.tokens):   # NaN logits sample token 0 "fine"
+            return PlainTextResponse("the model's log-probs are not finite", status_code=503)
         return Response(status_code=200)
 
     for path in ("/model_info", "/get_model_info"):
@@ -468,7 +480,7 @@ def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
             ok, message = await asyncio.to_thread(engine.update_weights_from_disk, obj["model_path"],
                                                   obj.get("weight_version"))
         body = {"success": bool(ok), "message": message, "num_paused_requests": 0}
-        return JSONResponse(body, status_code=200 if ok else 400)
+        return FiniteJSONResponse(body, status_code=200 if ok else 400)
 
     @app.post("/update_weight_version")
     async def update_weight_version(request: Request) -> dict:
@@ -485,7 +497,7 @@ def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
         return {"success": True, "new_version": obj["new_version"], "message": "Weight version updated."}
 
     async def _not_supported() -> JSONResponse:
-        return JSONResponse({"success": False, "message": NOT_SUPPORTED}, status_code=400)
+        return FiniteJSONResponse({"success": False, "message": NOT_SUPPORTED}, status_code=400)
 
     for path in ("/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
                  "/update_weights_from_tensor"):

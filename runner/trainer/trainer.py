@@ -41,6 +41,7 @@ import torch
 from mixfleet.costmodel.model import ModelSpec, model_spec_from_dict
 from mixfleet.runner.checkpoint.hf_checkpoint import (
     HFConfig,
+    NonFiniteWeightsError,
     load_checkpoint,
     load_config,
     replace_dir_atomically,
@@ -347,7 +348,13 @@ class Trainer:
 
     def export_hf(self, directory: str | Path, version: int | str | None = None) -> Path:
         """Write the weights (+ tokenizer) in the HF layout, atomically; weight version = `version` or self.version."""
-        return save_checkpoint(directory, self.hf_config(version), self.hf_state(), tokenizer=self.tokenizer)
+        try:
+            return save_checkpoint(directory, self.hf_config(version), self.hf_state(), tokenizer=self.tokenizer)
+        except NonFiniteWeightsError as e:   # a diverged step: never hand it to the samplers
+            v = self.version if version is None else version
+            raise NonFiniteWeightsError(f"trainer: the weights of version {v} are not finite, not exported ({e}); "
+                                        "the last saved trainer state is untouched: resume from it (a lower "
+                                        "learning rate or grad_clip_norm may help)") from None
 
     def load_hf(self, directory: str | Path) -> None:
         """Replace the weights by an HF layout checkpoint of the same architecture (optimizer state untouched)."""

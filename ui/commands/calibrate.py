@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import typer
-from mixfleet.costmodel.runsummary import json_safe
+from mixfleet.costmodel.jsonsafe import json_safe
 
 
 def _fail(e: Exception) -> None:

@@ -117,6 +117,7 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
     from mixfleet.costmodel.errors import SpecError
     from mixfleet.costmodel.outdir import prepare_output_dir
     from mixfleet.policies.plan import load_plan
+    from mixfleet.runner.checkpoint.hf_checkpoint import NonFiniteWeightsError
     from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
 
     torch.set_num_threads(1)
@@ -174,7 +175,12 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
         try:
             res = run_plan(plan, cfg, on_update=on_update, on_event=view.on_event)
         except (SpecError, ValueError) as e:
-            typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+            cause = getattr(e, "cause", None) or e      # an actor's error arrives wrapped by Ray (with its traceback)
+            if isinstance(cause, NonFiniteWeightsError):   # a diverged update: the run stopped, resumable
+                typer.secho(f"error: the run stopped: {cause}; run log: {out} (resume with --resume)",
+                            fg=typer.colors.RED, err=True)
+                raise typer.Exit(1) from None
+            typer.secho(f"error: {cause}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from None
     typer.echo(f"done: version {res['version']} in {res['elapsed_s']:.0f} s, trainer idle "
                f"{res['trainer_idle_share']:.0%}, restarts {res['restarts']}; run log: {res['out']}")

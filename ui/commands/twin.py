@@ -145,7 +145,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Find the fleet mix with the lowest cost per (effective) update under the constraints."""
         from mixfleet.costmodel.errors import SpecError
-        from mixfleet.costmodel.runsummary import json_safe
+        from mixfleet.costmodel.jsonsafe import json_safe
         from mixfleet.policies.plan import save_plan
         from mixfleet.twin.planner import PlannerConfig, plan_mix
         from rich.console import Console
