@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import numpy as np
+from mixfleet.runner.sampler.protocol import decode_routed_experts
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 # failures where the request never reached the server: always safe to retry
@@ -100,6 +102,20 @@ def _message(resp: httpx.Response) -> str:
     return resp.text.strip()
 
 
+def routed_experts(response: Mapping[str, Any], *, num_layers: int, top_k: int,
+                   routed_experts_start_len: int = 0) -> np.ndarray | None:
+    """The experts of a /generate response (embedded or real SGLang, same encoding): int32 array
+    [prompt + completion - 1 - routed_experts_start_len, num_layers, top_k], row i the experts of position
+    routed_experts_start_len + i; None when the response carries no `meta_info.routed_experts`. ValueError
+    if the payload's size disagrees with the response's token counts."""
+    meta = response.get("meta_info") or {}
+    payload = meta.get("routed_experts")
+    if payload is None:
+        return None
+    rows = int(meta["prompt_tokens"]) + int(meta["completion_tokens"]) - 1 - routed_experts_start_len
+    return decode_routed_experts(payload, num_layers=num_layers, top_k=top_k, rows=max(rows, 0))
+
+
 class SamplerClient:
     """Talks to one sampler over HTTP. Use as `async with SamplerClient(url) as c: ...`."""
 
@@ -169,8 +185,10 @@ class SamplerClient:
     async def generate_ids(self, input_ids: list[int], sampling_params: Mapping[str, Any] | None = None, *,
                            rid: str | None = None, return_logprob: bool = True, top_logprobs_num: int = 0,
                            return_sampling_mask: bool = False, sampling_logprobs_mode: str | None = None,
-                           routing_key: str | None = None) -> dict:
-        """Token-in, token-out generation of one prompt (the agent loop's call)."""
+                           routing_key: str | None = None, return_routed_experts: bool = False,
+                           routed_experts_start_len: int = 0) -> dict:
+        """Token-in, token-out generation of one prompt (the agent loop's call); with return_routed_experts
+        (a MoE server started with --enable-return-routed-experts) read the record with `routed_experts`."""
         body: dict[str, Any] = {"input_ids": list(input_ids), "sampling_params": dict(sampling_params or {}),
                                 "return_logprob": return_logprob}
         if rid is not None:
@@ -181,6 +199,10 @@ class SamplerClient:
             body["return_sampling_mask"] = True
         if sampling_logprobs_mode is not None:
             body["sampling_logprobs_mode"] = sampling_logprobs_mode
+        if return_routed_experts:
+            body["return_routed_experts"] = True
+            if routed_experts_start_len:
+                body["routed_experts_start_len"] = routed_experts_start_len
         return await self.generate(body, routing_key=routing_key)
 
     async def stream(self, payload: Mapping[str, Any], *, routing_key: str | None = None) -> AsyncIterator[dict]:

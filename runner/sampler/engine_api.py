@@ -15,7 +15,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4", "mxfp4")   # weight formats the embedded engine serves
 KV_CACHE_DTYPES = ("bf16", "fp8_e4m3", "fp32")
@@ -44,6 +44,8 @@ class EngineRequest:
     top_logprobs_num: int = 0             # K for the top-K record (0: none)
     return_sampling_mask: bool = False    # record the kept set with log-probs renormalized over it
     session_id: str | None = None         # routing key; the engine may reuse this session's prefix
+    return_routed_experts: bool = False   # MoE: return the experts of every forwarded token (SGLang's field)
+    routed_experts_start_len: int = 0     # first position of that record, in [0, prompt length]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -69,6 +71,8 @@ class RequestResult:
     cached_tokens: int                    # prompt tokens served from the prefix cache
     weight_version: str                   # version of the last generated token (or current, if none)
     e2e_latency: float                    # seconds from add_request to finish
+    routed_experts: Any = None            # return_routed_experts: int32 tensor [rows, layers, top_k], the experts
+                                          # of positions [routed_experts_start_len, prompt + output - 1)
 
 
 class SamplerEngine(Protocol):

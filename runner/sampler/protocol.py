@@ -11,10 +11,18 @@ Keys: every key SGLang's `GenerateReqInput` / `SamplingParams` accepts is accept
 embedded engine implements take any valid value; keys it does not implement are accepted only
 at their neutral value (e.g. `frequency_penalty: 0.0`, `regex: null`) and refused with a message
 saying so otherwise. A key SGLang does not know is refused.
+
+Routed experts (MoE): with the server started with `--enable-return-routed-experts`, a request's
+`return_routed_experts: true` adds `meta_info.routed_experts` to its final response in SGLang's encoding:
+base64 of the little-endian int32 C-order array [rows, num_hidden_layers, num_experts_per_tok] of the
+experts each forwarded position was routed to, positions [routed_experts_start_len, prompt + completion - 1)
+(the last sampled token is never forwarded). `encode_routed_experts` / `decode_routed_experts` are the
+two directions; the client reads real SGLang's answers with the same decoder.
 """
 
 from __future__ import annotations
 
+import base64
 import json
 import math
 import uuid
@@ -22,6 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplingParams, TokenOutput
 
 DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024      # request bodies above this are refused (400)
@@ -51,6 +60,7 @@ class ProtocolLimits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     sampling_mask_max_tokens: int = DEFAULT_SAMPLING_MASK_MAX_TOKENS  # largest kept set returned per token
     max_batch_size: int = DEFAULT_MAX_BATCH_SIZE  # prompts per call
+    enable_return_routed_experts: bool = False    # the server records MoE routing (SGLang's launch flag)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context_length", "max_body_bytes", "sampling_mask_max_tokens", "max_batch_size"):
@@ -74,6 +84,7 @@ class GenerateItem:
     no_stop_trim: bool = False
     stop_strs: Mapping[int, str] = field(default_factory=dict)  # stop token id -> the `stop` string it came from
     stream_interval: int = 1                       # tokens between two stream chunks
+    return_routed_experts: bool = False            # add meta_info.routed_experts to the final response
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -106,7 +117,7 @@ _NEUTRAL_SAMPLING: dict[str, tuple[Any, ...]] = {
 # top-level keys the embedded server implements
 _IMPLEMENTED_TOP = ("text", "input_ids", "sampling_params", "rid", "return_logprob", "logprob_start_len",
                     "top_logprobs_num", "return_sampling_mask", "sampling_logprobs_mode", "return_text_in_logprobs",
-                    "stream", "session_id", "routing_key")
+                    "stream", "session_id", "routing_key", "return_routed_experts", "routed_experts_start_len")
 # top-level keys that only label or log a request: any value of the right shape is fine
 _INERT_TOP = ("log_metrics", "no_logs", "custom_labels", "conversation_id", "external_trace_header",
               "received_time", "http_worker_ipc")
@@ -116,7 +127,7 @@ _NEUTRAL_TOP: dict[str, tuple[Any, ...]] = {
     "mm_hashes": (None,), "mm_content_hashes": (None,), "use_audio_in_video": (False,), "video_config": (None,),
     "token_ids_logprob": (None, ()), "return_flat_raw_top_logprobs": (False,),
     "return_flat_raw_top_logprobs_b64": (False,), "return_flat_raw_output_top_logprobs": (False,),
-    "return_hidden_states": (False,), "return_routed_experts": (False,), "routed_experts_start_len": (0,),
+    "return_hidden_states": (False,),
     "return_indexer_topk": (False,), "modalities": (None,), "session_params": (None,), "lora_path": (None,),
     "lora_id": (None,), "custom_logit_processor": (None,), "positional_embed_overrides": (None,),
     "bootstrap_host": (None,), "bootstrap_port": (None,), "bootstrap_room": (None,), "bootstrap_pair_key": (None,),
@@ -387,7 +398,8 @@ def parse_generate(obj: Any, limits: ProtocolLimits, tokenizer: _Tokenizer, *,
     else:
         sps = [sps] * n_prompts
     columns = {k: _per_item(obj, k, n_prompts, is_batch) for k in
-               ("return_logprob", "top_logprobs_num", "logprob_start_len", "return_sampling_mask")}
+               ("return_logprob", "top_logprobs_num", "logprob_start_len", "return_sampling_mask",
+                "return_routed_experts", "routed_experts_start_len")}
 
     parsed = []
     for b in range(n_prompts):
@@ -408,7 +420,13 @@ def parse_generate(obj: Any, limits: ProtocolLimits, tokenizer: _Tokenizer, *,
                 raise ProtocolError(f"return_sampling_mask: the kept set could hold {bound} tokens, more than the "
                                     f"server's sampling_mask_max_tokens = {limits.sampling_mask_max_tokens}; "
                                     f"set sampling_params.top_k in [1, {limits.sampling_mask_max_tokens}]")
-        parsed.append((b, params, opts, return_logprob, top_k_num, mask))
+        routed = _get_bool(row["return_routed_experts"], "return_routed_experts", False, "")
+        if routed and not limits.enable_return_routed_experts:
+            raise ProtocolError("return_routed_experts = true: the server was not started with "
+                                "--enable-return-routed-experts (a MoE model's routing is recorded only then)")
+        routed_start = _get_int(row["routed_experts_start_len"], "routed_experts_start_len", 0, "", lo=0,
+                                hi=len(prompts[b]), allowed=f"[0, prompt length {len(prompts[b])}]")
+        parsed.append((b, params, opts, return_logprob, top_k_num, mask, routed, routed_start))
 
     # `n` expands the batch prompt-major per copy, as SGLang does: [p0, p1, p0, p1, ...]
     n = parsed[0][2]["n"]
@@ -423,18 +441,19 @@ def parse_generate(obj: Any, limits: ProtocolLimits, tokenizer: _Tokenizer, *,
 
     items = []
     for copy in range(n):
-        for b, params, opts, return_logprob, top_k_num, mask in parsed:
+        for b, params, opts, return_logprob, top_k_num, mask, routed, routed_start in parsed:
             rid = rids[copy * n_prompts + b]
             req = EngineRequest(rid=rid, input_ids=list(prompts[b]), params=params, return_logprob=return_logprob,
                                 top_logprobs_num=top_k_num, return_sampling_mask=mask or mode == "support",
-                                session_id=session)
+                                session_id=session, return_routed_experts=routed,
+                                routed_experts_start_len=routed_start)
             items.append(GenerateItem(request=req, return_logprob=return_logprob, top_logprobs_num=top_k_num,
                                       return_sampling_mask=mask, sampling_logprobs_mode=mode,
                                       return_text_in_logprobs=return_text_in_logprobs,
                                       skip_special_tokens=opts["skip_special_tokens"],
                                       spaces_between_special_tokens=opts["spaces_between_special_tokens"],
                                       no_stop_trim=opts["no_stop_trim"], stop_strs=opts["stop_strs"],
-                                      stream_interval=opts["stream_interval"]))
+                                      stream_interval=opts["stream_interval"], return_routed_experts=routed))
     return GenerateCall(items=items, is_batch=is_batch, stream=stream)
 
 
@@ -471,8 +490,9 @@ def _triple(lp: float, tid: int, item: GenerateItem, tokenizer: _Tokenizer) -> l
 
 def response_dict(item: GenerateItem, *, output_ids: Sequence[int], tokens: Sequence[TokenOutput],
                   finish_reason: Mapping | None, prompt_tokens: int, cached_tokens: int, weight_version: str,
-                  e2e_latency: float, tokenizer: _Tokenizer) -> dict:
-    """SGLang's /generate response for one item (also each streamed chunk, with finish_reason None)."""
+                  e2e_latency: float, tokenizer: _Tokenizer, routed_experts: Any = None) -> dict:
+    """SGLang's /generate response for one item (also each streamed chunk, with finish_reason None; the
+    routed experts, like SGLang's, come with the final response only)."""
     fr = dict(finish_reason) if finish_reason is not None else None
     if fr is not None and fr.get("type") == "stop" and fr.get("matched") in item.stop_strs:
         fr["matched"] = item.stop_strs[fr["matched"]]          # SGLang reports a matched stop string as the string
@@ -497,6 +517,8 @@ def response_dict(item: GenerateItem, *, output_ids: Sequence[int], tokens: Sequ
         else:   # "selected" (SGLang's default): the sampled token's log-prob renormalized over its kept set
             meta["output_token_sampling_logprobs"] = [_selected_logprob(t) for t in tokens]
     meta["output_token_weight_versions"] = [t.weight_version for t in tokens]
+    if item.return_routed_experts and routed_experts is not None and fr is not None:
+        meta["routed_experts"] = encode_routed_experts(routed_experts)
     return {"text": render_text(item, output_ids, fr, tokenizer), "output_ids": list(output_ids), "meta_info": meta}
 
 
@@ -512,4 +534,30 @@ def build_response(item: GenerateItem, result: RequestResult, tokenizer: _Tokeni
     """The final response of one finished (or aborted) request."""
     return response_dict(item, output_ids=result.output_ids, tokens=result.tokens, finish_reason=result.finish_reason,
                          prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
-                         weight_version=result.weight_version, e2e_latency=result.e2e_latency, tokenizer=tokenizer)
+                         weight_version=result.weight_version, e2e_latency=result.e2e_latency, tokenizer=tokenizer,
+                         routed_experts=result.routed_experts)
+
+
+def encode_routed_experts(experts: Any) -> str:
+    """[rows, layers, top_k] expert ids (a torch tensor or array) -> SGLang's `meta_info.routed_experts`:
+    base64 of the little-endian int32 C-order bytes."""
+    arr = np.ascontiguousarray(np.asarray(experts.cpu() if hasattr(experts, "cpu") else experts), dtype="<i4")
+    return base64.b64encode(arr.tobytes()).decode("ascii")
+
+
+def decode_routed_experts(payload: str, *, num_layers: int, top_k: int, rows: int | None = None) -> np.ndarray:
+    """SGLang's `meta_info.routed_experts` -> int32 array [rows, num_layers, top_k]. ValueError when the
+    payload is not base64, or its size is not a whole number of rows (or not `rows` rows when given)."""
+    try:
+        raw = base64.b64decode(payload.encode("ascii"), validate=True)
+    except (ValueError, UnicodeEncodeError, AttributeError) as e:
+        raise ValueError(f"routed_experts: not a base64 string ({e})") from None
+    per_row = 4 * num_layers * top_k
+    if per_row <= 0 or len(raw) % per_row:
+        raise ValueError(f"routed_experts: {len(raw)} bytes is not a whole number of rows of {num_layers} layers x "
+                         f"{top_k} experts (int32)")
+    arr = np.frombuffer(raw, dtype="<i4").reshape(-1, num_layers, top_k)
+    if rows is not None and arr.shape[0] != rows:
+        raise ValueError(f"routed_experts: {arr.shape[0]} rows, expected {rows} (prompt + completion - 1 - "
+                         f"routed_experts_start_len)")
+    return arr

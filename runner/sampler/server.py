@@ -144,7 +144,9 @@ class EmbeddedSampler:
         self.limits = ProtocolLimits(vocab_size=engine.vocab_size, context_length=engine.context_length,
                                      max_body_bytes=args.max_body_bytes,
                                      sampling_mask_max_tokens=args.sampling_mask_max_tokens,
-                                     max_batch_size=args.max_batch_size)
+                                     max_batch_size=args.max_batch_size,
+                                     enable_return_routed_experts=bool(getattr(getattr(engine, "config", None),
+                                                                               "enable_return_routed_experts", False)))
         self.pending: dict[str, _Pending] = {}
         self.paused = False
         self._stop = threading.Event()
@@ -233,7 +235,7 @@ class EmbeddedSampler:
         return {"model_path": str(e.model_path), "tokenizer_path": str(e.model_path), "is_generation": True,
                 "preferred_sampling_params": None, "weight_version": str(e.weight_version),
                 "has_image_understanding": False, "has_audio_understanding": False,
-                "model_type": "mixfleet", "architectures": ["MixfleetForCausalLM"],
+                **_model_type(e),
                 "vocab_size": e.vocab_size, "context_length": e.context_length}
 
     def server_info(self) -> dict:
@@ -252,6 +254,14 @@ class EmbeddedSampler:
                              "kernel": self.args.kernel or getattr(e, "kernel", None),
                              "server_args": asdict(self.args)}}
         return info
+
+
+def _model_type(engine: SamplerEngine) -> dict:
+    """model_type / architectures of the served checkpoint's config.json (as SGLang's /get_model_info)."""
+    cfg = getattr(getattr(engine, "weights", None), "cfg", None)
+    if cfg is None:
+        return {"model_type": "mixfleet", "architectures": ["MixfleetForCausalLM"]}
+    return {"model_type": cfg.model_type, "architectures": cfg.to_json()["architectures"]}
 
 
 def _tokenizer_for(engine: SamplerEngine) -> ByteTokenizer:

@@ -44,6 +44,7 @@ class SGLangLaunchSpec:
     kv_cache_dtype: str = "bf16"                 # bf16 (SGLang's auto) | fp8_e4m3
     sampling_mask_max_tokens: int | None = None  # set when the trainer replays top-p masks (e.g. 512)
     weight_version: str | None = None            # --weight-version: the version the server reports at start
+    enable_return_routed_experts: bool = False   # MoE: record routing so requests may ask (routing replay)
     python: str = "python"                       # interpreter on the GPU node
     extra_args: tuple[str, ...] = field(default_factory=tuple)  # appended verbatim (site-specific flags)
 
@@ -78,6 +79,8 @@ def launch_argv(spec: SGLangLaunchSpec) -> list[str]:
         argv += ["--sampling-mask-max-tokens", str(spec.sampling_mask_max_tokens)]
     if spec.weight_version is not None:
         argv += ["--weight-version", spec.weight_version]
+    if spec.enable_return_routed_experts:
+        argv += ["--enable-return-routed-experts"]
     return argv + list(spec.extra_args)
 
 

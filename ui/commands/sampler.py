@@ -35,6 +35,9 @@ def serve(
     weight_version: str | None = typer.Option(None, "--weight-version",
                                               help="version to report (default: the checkpoint's)"),
     seed: int = typer.Option(0, help="seed of requests that bring no sampling_seed"),
+    enable_return_routed_experts: bool = typer.Option(
+        False, "--enable-return-routed-experts",
+        help="MoE models: record each token's experts so requests may ask for them (return_routed_experts)"),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level"),
     print_sglang: bool = typer.Option(False, "--print-sglang",
                                       help="print the equivalent `python -m sglang.launch_server` command and exit"),
@@ -60,7 +63,8 @@ def serve(
         try:
             spec = SGLangLaunchSpec(model_path=str(model), port=port, host=host, precision=precision,
                                     kv_cache_dtype=kv_cache_dtype, sampling_mask_max_tokens=sampling_mask_max_tokens,
-                                    weight_version=weight_version)
+                                    weight_version=weight_version,
+                                    enable_return_routed_experts=enable_return_routed_experts)
         except ValueError as e:
             _fail(str(e))
         typer.echo(describe(launch_argv(spec)))
@@ -78,7 +82,8 @@ def serve(
                           max_running_requests=max_running_requests, kernel=kernel, log_level=log_level)
         engine = Engine(model, precision=precision, kv_cache_dtype=kv_cache_dtype, kernel=kernel,
                         max_total_tokens=max_total_tokens, max_running_requests=max_running_requests,
-                        sampling_mask_max_tokens=sampling_mask_max_tokens, seed=seed, weight_version=weight_version)
+                        sampling_mask_max_tokens=sampling_mask_max_tokens, seed=seed, weight_version=weight_version,
+                        enable_return_routed_experts=enable_return_routed_experts)
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
     typer.echo(f"mixfleet serve: {model} ({precision}, KV {kv_cache_dtype}, weight version {engine.weight_version}) "

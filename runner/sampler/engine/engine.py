@@ -67,6 +67,8 @@ class EngineConfig:
                                              # together at most max_total_tokens)
     weight_noise: float = 0.0                # emulated kernel error, relative std (0 = off; model.py's doc):
                                              # the ablation study's mismatch knob, seeded by `seed`
+    enable_return_routed_experts: bool = False  # MoE: record every token's experts (SGLang's server flag), so
+                                             # requests may ask for them (return_routed_experts)
 
     def __post_init__(self) -> None:
         def bad(name: str, allowed: object) -> ValueError:
@@ -101,6 +103,8 @@ class EngineConfig:
             raise bad("max_cached_sessions", "an integer >= 0")
         if self.fp8_scaled_mm and self.precision != "fp8":
             raise bad("fp8_scaled_mm", "True only with precision 'fp8'")
+        if not isinstance(self.enable_return_routed_experts, bool):
+            raise bad("enable_return_routed_experts", "true or false")
 
     @property
     def kernel_dtype(self) -> str:
@@ -120,6 +124,7 @@ class _Running:
     tokens: list[TokenOutput] = field(default_factory=list)
     cached_tokens: int = 0
     kv_len: int = 0                          # tokens whose KV is in the slot
+    routing: list[torch.Tensor] = field(default_factory=list)   # experts of those tokens, [n, layers, k] chunks
 
     @property
     def reserved_tokens(self) -> int:
@@ -137,9 +142,10 @@ class Engine:
                  kernel: str | None = None, max_total_tokens: int = 65536, max_running_requests: int = 64,
                  sampling_mask_max_tokens: int = 512, fp8_scaling: str = "block", fp8_scaled_mm: bool = False,
                  device: str = "cpu", seed: int = 0, max_cached_sessions: int = 256,
-                 weight_version: str | None = None, weight_noise: float = 0.0) -> None:
+                 weight_version: str | None = None, weight_noise: float = 0.0,
+                 enable_return_routed_experts: bool = False) -> None:
         self.config = EngineConfig(precision=precision, kv_cache_dtype=kv_cache_dtype, kernel=kernel,
-                                   weight_noise=weight_noise,
+                                   weight_noise=weight_noise, enable_return_routed_experts=enable_return_routed_experts,
                                    max_total_tokens=max_total_tokens, max_running_requests=max_running_requests,
                                    sampling_mask_max_tokens=sampling_mask_max_tokens, fp8_scaling=fp8_scaling,
                                    fp8_scaled_mm=fp8_scaled_mm, device=device, seed=seed,
@@ -147,6 +153,10 @@ class Engine:
         self.model_path = str(model_path)
         self._weights: Weights = self._load(model_path, weight_version)
         cfg = self._weights.cfg
+        if enable_return_routed_experts and not cfg.is_moe:
+            raise ValueError(f"enable_return_routed_experts: the model at {model_path} has no experts (model_type "
+                             f"{cfg.model_type!r}); allowed only for model_type 'qwen3_moe'")
+        self._record_routing = enable_return_routed_experts
         try:
             self.tokenizer = ByteTokenizer.load(model_path)
         except FileNotFoundError:
@@ -232,6 +242,13 @@ class Engine:
                 raise ValueError(f"sampling_params.stop_token_ids: {t!r} outside the vocabulary [0, {v})")
         if not is_int(req.top_logprobs_num) or req.top_logprobs_num < 0:
             raise ValueError(f"top_logprobs_num = {req.top_logprobs_num!r}; allowed: an integer >= 0")
+        if req.return_routed_experts and not self._record_routing:
+            raise ValueError("return_routed_experts = true needs the engine started with enable_return_routed_experts "
+                             "(`mixfleet serve --enable-return-routed-experts`, a MoE model)")
+        start = req.routed_experts_start_len
+        if not is_int(start) or not 0 <= start <= len(ids):
+            raise ValueError(f"routed_experts_start_len = {start!r}; allowed: an integer in [0, prompt length "
+                             f"{len(ids)}]")
         total = len(ids) + p.max_new_tokens
         if total > self.context_length:
             raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({p.max_new_tokens}) = {total} "
@@ -275,14 +292,25 @@ class Engine:
     def _finish(self, r: _Running, reason: dict) -> None:
         with self._inbox_lock:
             self._live.discard(r.req.rid)
+        routed = None
+        if r.req.return_routed_experts:
+            rows = self._routing_rows(r)
+            routed = rows[min(r.req.routed_experts_start_len, rows.shape[0]):]
         res = RequestResult(rid=r.req.rid, output_ids=list(r.output), tokens=list(r.tokens), finish_reason=reason,
                             prompt_tokens=len(r.req.input_ids), cached_tokens=r.cached_tokens,
                             weight_version=r.tokens[-1].weight_version if r.tokens else self.weight_version,
-                            e2e_latency=time.monotonic() - r.t0_s)
+                            e2e_latency=time.monotonic() - r.t0_s, routed_experts=routed)
         try:
             r.on_finish(res)
         except Exception:  # a caller's callback must not take the engine down
             log.exception("on_finish callback of %s failed", r.req.rid)
+
+    def _routing_rows(self, r: _Running) -> torch.Tensor:
+        """The experts of the request's forwarded tokens (prompt + output - 1 after a finish), [n, layers, k]."""
+        if r.routing:
+            return torch.cat(r.routing) if len(r.routing) > 1 else r.routing[0]
+        cfg = self._weights.cfg
+        return torch.zeros(0, cfg.num_hidden_layers, cfg.num_experts_per_tok, dtype=torch.int32)
 
     def _remove_running(self, indices: list[int]) -> None:
         """Drop running requests at these slots; the last slot moves into each hole (KV copied)."""
@@ -299,6 +327,10 @@ class Engine:
             return
         tokens = (list(r.req.input_ids) + r.output)[: r.kv_len]
         self._sessions[sid] = self._kv.export(slot, tokens, version)
+        if self._record_routing:
+            rows = self._routing_rows(r)
+            r.routing = [rows]
+            self._sessions[sid].routed_experts = rows[: r.kv_len]
         self._sessions.move_to_end(sid)
         cap_tokens = self.config.max_total_tokens      # cached KV is bounded like the running KV
         while (len(self._sessions) > self.config.max_cached_sessions
@@ -343,6 +375,7 @@ class Engine:
                 self._running.clear()
                 for r in reversed(back):
                     r.kv_len = 0
+                    r.routing = []
                     self._waiting.appendleft(r)
 
     def resume(self) -> None:
@@ -398,6 +431,7 @@ class Engine:
                 "max_running_requests": c.max_running_requests, "sampling_mask_max_tokens": c.sampling_mask_max_tokens,
                 "context_length": self.context_length, "vocab_size": self.vocab_size, "device": c.device,
                 "fp8_scaling": c.fp8_scaling, "fp8_scaled_mm": c.fp8_scaled_mm, "weight_noise": c.weight_noise,
+                "enable_return_routed_experts": c.enable_return_routed_experts,
                 "tp_size": 1,
                 "weight_version": self.weight_version}
 
@@ -461,11 +495,17 @@ class Engine:
                 if start > 0:
                     self._kv.import_(slot, sess, start)
                     r.cached_tokens = start
+                    if self._record_routing and sess.routed_experts is not None:
+                        r.routing = [sess.routed_experts[:start]]
             items.append((slot, ids[start:], start))
             r.kv_len = len(ids)
             admitted.append(r)
         if admitted:
-            logits = prefill_many(w, self._kv, items)
+            routing: list[torch.Tensor] | None = [] if self._record_routing else None
+            logits = prefill_many(w, self._kv, items, routing=routing)
+            if routing:
+                for r, chunk in zip(admitted, routing[0].split([len(ids) for _, ids, _ in items]), strict=True):
+                    r.routing.append(chunk)
             self._sample_and_emit(w, admitted, logits)
         return len(admitted)
 
@@ -476,9 +516,12 @@ class Engine:
         batch = list(self._running)
         ids = [r.output[-1] for r in batch]
         positions = [r.kv_len for r in batch]
-        logits = decode(w, self._kv, ids, positions)
-        for r in batch:
+        routing: list[torch.Tensor] | None = [] if self._record_routing else None
+        logits = decode(w, self._kv, ids, positions, routing=routing)
+        for i, r in enumerate(batch):
             r.kv_len += 1
+            if routing:
+                r.routing.append(routing[0][i:i + 1])
         self._sample_and_emit(w, batch, logits)
         return len(batch)
 

@@ -50,6 +50,7 @@ class SessionKV:
     k_scale: torch.Tensor | None     # [layers, kv_heads, n] (fp8 only)
     v_scale: torch.Tensor | None
     weight_version: str
+    routed_experts: torch.Tensor | None = None   # MoE, when recorded: experts of those tokens [n, layers, k]
 
 
 class KVPool:

@@ -1,22 +1,26 @@
 """The engine's transformer: loads a Hugging Face layout checkpoint in one precision and runs the forward.
 
-The forward is the one `runner/checkpoint/hf_checkpoint.py` defines (the trainer implements the same):
-embeddings (+ learned positions), per layer RMSNorm -> causal GQA attention (RoPE when configured)
--> residual, RMSNorm -> SwiGLU -> residual; final RMSNorm; lm_head. Two entry points share it:
-`prefill_many` (new requests, several tokens each, causal) and `decode` (one token for each of a batch of
-requests of different lengths, padded and masked), both reading and writing a `KVPool`.
+The forward is the one `runner/checkpoint/hf_checkpoint.py` defines for its three layouts (mixfleet, qwen3,
+qwen3_moe; the trainer implements the same, HF transformers' Qwen3 classes are the independent reference):
+embeddings (+ learned positions), per layer RMSNorm -> q/k/v (+ per-head QK RMSNorm) -> RoPE -> causal GQA
+attention -> residual, RMSNorm -> SwiGLU MLP or top-k routed MoE -> residual; final RMSNorm; lm_head. Two
+entry points share it: `prefill_many` (new requests, several tokens each, causal) and `decode` (one token for
+each of a batch of requests of different lengths, padded and masked), both reading and writing a `KVPool`.
+Both can also hand back the experts each token was routed to in each layer (`routing=`), the record SGLang
+returns as `meta_info.routed_experts`.
 
-Numerics: the seven linear weights of each layer are quantized to the precision (quant.py) and
-stored *dequantized* in the kernel dtype (fp32 or bf16); embeddings, norms and lm_head are kept
-in bf16 (fp32 for the fp32 reference), as serving stacks do. Activations run in the kernel dtype;
-RMSNorm statistics, softmax and the logits are fp32. `Weights` is immutable: a weight update builds
-a new one and the engine swaps the reference between steps.
+Numerics: the linear weights of each layer (attention, dense MLP, and every expert's gate / up / down, each
+expert's matrix quantized on its own) are quantized to the precision (quant.py) and stored *dequantized* in
+the kernel dtype (fp32 or bf16); embeddings, norms, the MoE router and lm_head are kept in bf16 (fp32 for the
+fp32 reference), as serving stacks do. Activations run in the kernel dtype; RMSNorm statistics, softmax (the
+router's too: top-k is taken on fp32 probabilities) and the logits are fp32. `Weights` is immutable: a weight
+update builds a new one and the engine swaps the reference between steps.
 
 Emulated kernel error (`weight_noise`, default 0 = off): the mismatch knob of the ablation study
-(docs/ablation/). Each linear weight and lm_head, after quantization, is multiplied by (1 + s * e),
-e ~ N(0, 1) drawn from a generator seeded by (`noise_seed`, the tensor's name): a fixed pattern,
-the same at every weight load, so, like a quantization error, it biases the sampler the same way
-at every version. It makes a tiny model's sampler-trainer mismatch as large as a study needs.
+(docs/ablation/). Each linear weight (router and experts included) and lm_head, after quantization, is
+multiplied by (1 + s * e), e ~ N(0, 1) drawn from a generator seeded by (`noise_seed`, the tensor's name): a
+fixed pattern, the same at every weight load, so, like a quantization error, it biases the sampler the same
+way at every version. It makes a tiny model's sampler-trainer mismatch as large as a study needs.
 """
 
 from __future__ import annotations
@@ -33,11 +37,14 @@ from mixfleet.runner.sampler.engine.kvcache import KVPool
 from mixfleet.runner.sampler.engine.quant import FP8_SCALINGS, WEIGHT_PRECISIONS, Fp8Weight, fake_quantize, quantize_fp8
 
 KERNEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
-_ARCH_FIELDS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+_ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
+_MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+_LINEARS = _ATTN + _MLP
+_EXPERT = ("gate_proj", "up_proj", "down_proj")
+_ARCH_FIELDS = ("model_type", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                 "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
-                "position_embedding_type", "tie_word_embeddings")
+                "position_embedding_type", "tie_word_embeddings", "rope_theta", "rms_norm_eps", "num_experts",
+                "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
 
 
 @dataclass(frozen=True)
@@ -46,9 +53,15 @@ class LayerWeights:
     ln2: torch.Tensor
     wqkv: torch.Tensor               # [(heads + 2 kv_heads) * head_dim, hidden] kernel dtype, dequantized
     wo: torch.Tensor                 # [hidden, heads * head_dim]
-    w_gate_up: torch.Tensor          # [2 ffn, hidden]
-    w_down: torch.Tensor             # [hidden, ffn]
+    w_gate_up: torch.Tensor | None   # [2 ffn, hidden] (dense MLP)
+    w_down: torch.Tensor | None      # [hidden, ffn]
+    q_norm: torch.Tensor | None = None        # [head_dim] fp32 (QK-norm layouts)
+    k_norm: torch.Tensor | None = None
+    router: torch.Tensor | None = None        # [experts, hidden] kernel dtype, bf16 values (MoE)
+    experts_gate_up: torch.Tensor | None = None  # [experts, 2 moe_ffn, hidden] kernel dtype, dequantized
+    experts_down: torch.Tensor | None = None     # [experts, hidden, moe_ffn]
     fp8: dict[str, Fp8Weight] | None = None   # real FP8 operands (only with fp8_scaled_mm)
+    fp8_experts: tuple[tuple[Fp8Weight, Fp8Weight], ...] | None = None   # per expert (gate_up, down)
 
 
 @dataclass(frozen=True)
@@ -113,28 +126,48 @@ def build_weights(cfg: HFConfig, tensors: dict[str, torch.Tensor], *, precision:
     def plain(name: str) -> torch.Tensor:
         return tensors[name].to(torch.float32).to(store).to(torch.float32).to(device)
 
+    def quant(name: str) -> torch.Tensor:
+        return perturb(fake_quantize(tensors[name].to(torch.float32), precision, fp8_scaling=fp8_scaling),
+                       weight_noise, noise_seed, name)
+
+    linears = _ATTN if cfg.is_moe else _LINEARS
     layers = []
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
-        fp8 = None
+        fp8 = fp8_experts = None
         if fp8_scaled_mm:        # per-channel FP8 operands; the dequantized copies hold the same values
-            fp8 = {n: quantize_fp8(tensors[p + n + ".weight"].to(torch.float32), "channel") for n in _LINEARS}
+            fp8 = {n: quantize_fp8(tensors[p + n + ".weight"].to(torch.float32), "channel") for n in linears}
             q = {n: w.dequantize() for n, w in fp8.items()}
             fp8 = {n: Fp8Weight(w.data.to(device), w.scale.to(device), w.scaling) for n, w in fp8.items()}
-            fp8["qkv"] = Fp8Weight(torch.cat([fp8[n].data for n in _LINEARS[:3]]),
-                                   torch.cat([fp8[n].scale for n in _LINEARS[:3]]), "channel")
-            fp8["gate_up"] = Fp8Weight(torch.cat([fp8[n].data for n in _LINEARS[4:6]]),
-                                       torch.cat([fp8[n].scale for n in _LINEARS[4:6]]), "channel")
+            fp8["qkv"] = _cat_fp8([fp8[n] for n in _ATTN[:3]])
+            if not cfg.is_moe:
+                fp8["gate_up"] = _cat_fp8([fp8[n] for n in _MLP[:2]])
         else:
-            q = {n: perturb(fake_quantize(tensors[p + n + ".weight"].to(torch.float32), precision,
-                                          fp8_scaling=fp8_scaling), weight_noise, noise_seed, p + n)
-                 for n in _LINEARS}
+            q = {n: quant(p + n + ".weight") for n in linears}
+        moe: dict[str, torch.Tensor | None] = {"router": None, "experts_gate_up": None, "experts_down": None}
+        if cfg.is_moe:
+            e_names = [{n: f"{p}mlp.experts.{e}.{n}.weight" for n in _EXPERT} for e in range(cfg.num_experts)]
+            if fp8_scaled_mm:
+                per = [{n: quantize_fp8(tensors[x[n]].to(torch.float32), "channel") for n in _EXPERT} for x in e_names]
+                per = [{n: Fp8Weight(w.data.to(device), w.scale.to(device), w.scaling) for n, w in x.items()}
+                       for x in per]
+                fp8_experts = tuple((_cat_fp8([x["gate_proj"], x["up_proj"]]), x["down_proj"]) for x in per)
+                deq = [{n: w.dequantize() for n, w in x.items()} for x in per]
+            else:
+                deq = [{n: quant(x[n]) for n in _EXPERT} for x in e_names]
+            gate_up = [torch.cat([x["gate_proj"], x["up_proj"]]) for x in deq]
+            moe["experts_gate_up"] = torch.stack(gate_up).to(device, kdt)
+            moe["experts_down"] = torch.stack([x["down_proj"] for x in deq]).to(device, kdt)
+            moe["router"] = perturb(plain(p + "mlp.gate.weight"), weight_noise, noise_seed, p + "mlp.gate").to(kdt)
         layers.append(LayerWeights(
             ln1=plain(p + "input_layernorm.weight"), ln2=plain(p + "post_attention_layernorm.weight"),
             wqkv=torch.cat([q["self_attn.q_proj"], q["self_attn.k_proj"], q["self_attn.v_proj"]]).to(device, kdt),
             wo=q["self_attn.o_proj"].to(device, kdt),
-            w_gate_up=torch.cat([q["mlp.gate_proj"], q["mlp.up_proj"]]).to(device, kdt),
-            w_down=q["mlp.down_proj"].to(device, kdt), fp8=fp8))
+            w_gate_up=None if cfg.is_moe else torch.cat([q["mlp.gate_proj"], q["mlp.up_proj"]]).to(device, kdt),
+            w_down=None if cfg.is_moe else q["mlp.down_proj"].to(device, kdt),
+            q_norm=plain(p + "self_attn.q_norm.weight") if cfg.qk_norm else None,
+            k_norm=plain(p + "self_attn.k_norm.weight") if cfg.qk_norm else None,
+            fp8=fp8, fp8_experts=fp8_experts, **moe))
     head_name = "model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight"
     cos = sin = None
     if cfg.position_embedding_type == "rope":
@@ -150,6 +183,11 @@ def build_weights(cfg: HFConfig, tensors: dict[str, torch.Tensor], *, precision:
         layers=tuple(layers), norm=plain("model.norm.weight"),
         lm_head=perturb(plain(head_name), weight_noise, noise_seed, head_name).to(kdt),
         rope_cos=cos, rope_sin=sin, fp8_scaled_mm=fp8_scaled_mm)
+
+
+def _cat_fp8(parts: list[Fp8Weight]) -> Fp8Weight:
+    """Per-channel FP8 weights stacked along the output dim (one GEMM for q|k|v or gate|up)."""
+    return Fp8Weight(torch.cat([w.data for w in parts]), torch.cat([w.scale for w in parts]), "channel")
 
 
 def load_weights(path: str | Path, *, precision: str, kernel: str, version: str | None = None,
@@ -210,19 +248,51 @@ def _qkv(w: Weights, lw: LayerWeights, x: torch.Tensor, positions: torch.Tensor)
     qkv = _linear(n, lw.wqkv, lw.fp8["qkv"] if lw.fp8 else None)
     q, k, v = qkv.split([h * d, kvh * d, kvh * d], dim=-1)
     q, k, v = q.reshape(-1, h, d), k.reshape(-1, kvh, d), v.reshape(-1, kvh, d)
+    if lw.q_norm is not None:            # Qwen3: RMSNorm over head_dim of every head, before RoPE
+        q, k = rms_norm(q, lw.q_norm, cfg.rms_norm_eps), rms_norm(k, lw.k_norm, cfg.rms_norm_eps)
     if w.rope_cos is not None:
         cos, sin = w.rope_cos[positions], w.rope_sin[positions]
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
     return q, k, v
 
 
-def _mlp_and_out(w: Weights, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+def _moe(w: Weights, lw: LayerWeights, n: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k routed SwiGLU experts over tokens n [t, hidden]: (output [t, hidden], experts [t, k] int32).
+    Router probabilities are fp32 softmax; top-k by torch.topk; weights renormalized when norm_topk_prob;
+    expert outputs summed in fp32 in ascending expert order."""
+    cfg = w.cfg
+    probs = torch.softmax(F.linear(n, lw.router).to(torch.float32), dim=-1)
+    top_w, top_i = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    if cfg.norm_topk_prob:
+        top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+    out = torch.zeros(n.shape[0], cfg.hidden_size, dtype=torch.float32, device=n.device)
+    for e in torch.unique(top_i).tolist():
+        tok, slot = torch.nonzero(top_i == e, as_tuple=True)
+        fp8 = lw.fp8_experts[e] if lw.fp8_experts is not None else (None, None)
+        g, u = _linear(n[tok], lw.experts_gate_up[e], fp8[0]).chunk(2, dim=-1)
+        y = _linear(F.silu(g) * u, lw.experts_down[e], fp8[1])
+        out.index_add_(0, tok, y.to(torch.float32) * top_w[tok, slot, None])
+    return out.to(n.dtype), top_i.to(torch.int32)
+
+
+def _mlp_and_out(w: Weights, lw: LayerWeights, x: torch.Tensor, attn: torch.Tensor,
+                 routing: list[torch.Tensor] | None) -> torch.Tensor:
     cfg = w.cfg
     hdn = x + _linear(attn, lw.wo, lw.fp8["self_attn.o_proj"] if lw.fp8 else None)
     n = rms_norm(hdn, lw.ln2, cfg.rms_norm_eps)
+    if lw.router is not None:
+        y, experts = _moe(w, lw, n)
+        if routing is not None:
+            routing.append(experts)
+        return hdn + y
     gu = _linear(n, lw.w_gate_up, lw.fp8["gate_up"] if lw.fp8 else None)
     g, u = gu.chunk(2, dim=-1)
     return hdn + _linear(F.silu(g) * u, lw.w_down, lw.fp8["mlp.down_proj"] if lw.fp8 else None)
+
+
+def _stack_routing(per_layer: list[torch.Tensor], out: list[torch.Tensor] | None) -> None:
+    if out is not None and per_layer:
+        out.append(torch.stack(per_layer, dim=1))        # [tokens, layers, k]
 
 
 def _logits(w: Weights, x: torch.Tensor) -> torch.Tensor:
@@ -233,11 +303,13 @@ def _logits(w: Weights, x: torch.Tensor) -> torch.Tensor:
 # ---- entry points ------------------------------------------------------------------------------
 @torch.inference_mode()
 def prefill_many(w: Weights, kv: KVPool, items: list[tuple[int, list[int], int]], *,
-                 all_logits: bool = False) -> torch.Tensor:
+                 all_logits: bool = False, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Prefill several requests at once: items are (slot, ids, start), the tokens `ids` at positions
     start.. of the request in `slot` (positions < start are already cached). The linears run once over
     all the new tokens; attention runs per request over its own slot. Writes the KV. Returns the fp32
-    logits of each item's last token [items, vocab] (of every new token [tokens, vocab] with all_logits)."""
+    logits of each item's last token [items, vocab] (of every new token [tokens, vocab] with all_logits).
+    MoE models with `routing` given: appends the experts of every new token, [tokens, layers, k] int32, in
+    item order."""
     cfg = w.cfg
     dev = kv.device
     ids_all: list[int] = []
@@ -253,6 +325,7 @@ def prefill_many(w: Weights, kv: KVPool, items: list[tuple[int, list[int], int]]
     pos_all, slots_all = torch.cat(pos_parts), torch.cat(slot_parts)
     x = _embed(w, torch.tensor(ids_all, device=dev), pos_all)
     scale = 1.0 / math.sqrt(cfg.head_dim)
+    per_layer: list[torch.Tensor] = []
     for li, lw in enumerate(w.layers):
         q, k, v = _qkv(w, lw, x, pos_all)
         kv.write(li, slots_all, pos_all, k, v)
@@ -262,22 +335,25 @@ def prefill_many(w: Weights, kv: KVPool, items: list[tuple[int, list[int], int]]
             o = F.scaled_dot_product_attention(q[off:off + n].transpose(0, 1)[None], kk, vv, attn_mask=mask,
                                                scale=scale, enable_gqa=True)    # [1, h, n, d]
             outs.append(o[0].transpose(0, 1).reshape(n, -1))
-        x = _mlp_and_out(w, lw, x, torch.cat(outs) if len(outs) > 1 else outs[0])
+        x = _mlp_and_out(w, lw, x, torch.cat(outs) if len(outs) > 1 else outs[0], per_layer)
+    _stack_routing(per_layer, routing)
     if not all_logits:
         x = x[torch.tensor([off + n - 1 for off, n, _ in spans], device=dev)]
     return _logits(w, x)
 
 
-def prefill(w: Weights, kv: KVPool, slot: int, ids: list[int], start: int, *, all_logits: bool = False) -> torch.Tensor:
+def prefill(w: Weights, kv: KVPool, slot: int, ids: list[int], start: int, *, all_logits: bool = False,
+            routing: list[torch.Tensor] | None = None) -> torch.Tensor:
     """One request's prefill (see prefill_many): logits of its last token [vocab], or [n, vocab]."""
-    out = prefill_many(w, kv, [(slot, ids, start)], all_logits=all_logits)
+    out = prefill_many(w, kv, [(slot, ids, start)], all_logits=all_logits, routing=routing)
     return out if all_logits else out[0]
 
 
 @torch.inference_mode()
-def decode(w: Weights, kv: KVPool, ids: list[int], positions: list[int]) -> torch.Tensor:
+def decode(w: Weights, kv: KVPool, ids: list[int], positions: list[int], *,
+           routing: list[torch.Tensor] | None = None) -> torch.Tensor:
     """One token for each running request; request b sits in slot b and its token at positions[b].
-    Returns fp32 logits [batch, vocab]."""
+    Returns fp32 logits [batch, vocab] (MoE with `routing`: appends the experts [batch, layers, k])."""
     cfg = w.cfg
     dev = kv.device
     b = len(ids)
@@ -287,21 +363,25 @@ def decode(w: Weights, kv: KVPool, ids: list[int], positions: list[int]) -> torc
     slots = torch.arange(b, device=dev)
     mask = (torch.arange(length, device=dev)[None, :] <= pos[:, None])[:, None, None, :]   # [b, 1, 1, L]
     scale = 1.0 / math.sqrt(cfg.head_dim)
+    per_layer: list[torch.Tensor] = []
     for li, lw in enumerate(w.layers):
         q, k, v = _qkv(w, lw, x, pos)
         kv.write(li, slots, pos, k, v)
         kk, vv = kv.read(li, b, length, w.dtype)                                 # [b, kvh, L, d]
         o = F.scaled_dot_product_attention(q[:, :, None, :], kk, vv, attn_mask=mask, scale=scale,
                                            enable_gqa=True)                     # [b, h, 1, d]
-        x = _mlp_and_out(w, lw, x, o.reshape(b, -1))
+        x = _mlp_and_out(w, lw, x, o.reshape(b, -1), per_layer)
+    _stack_routing(per_layer, routing)
     return _logits(w, x)
 
 
 @torch.inference_mode()
-def forward_full(w: Weights, ids: list[int], kv_dtype: str = "fp32") -> torch.Tensor:
-    """Logits [len(ids), vocab] of a whole sequence (teacher forcing), through a scratch KV cache."""
+def forward_full(w: Weights, ids: list[int], kv_dtype: str = "fp32", *,
+                 routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+    """Logits [len(ids), vocab] of a whole sequence (teacher forcing), through a scratch KV cache
+    (MoE with `routing`: appends the experts of every position, [len(ids), layers, k] int32)."""
     cfg = w.cfg
     kv = KVPool(num_layers=cfg.num_hidden_layers, kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim,
                 max_context=cfg.max_position_embeddings, kv_dtype=kv_dtype, device=w.embed.device)
     kv.ensure(1, len(ids))
-    return prefill(w, kv, 0, list(ids), 0, all_logits=True)
+    return prefill(w, kv, 0, list(ids), 0, all_logits=True, routing=routing)
