@@ -92,3 +92,23 @@ def test_mismatch_with_emulated_kernel_error_grows(ckpt: Path) -> None:
     assert noisy.kl_exact > 10 * clean.kl_exact
     with pytest.raises(ValueError, match="kernel 'fp16'"):
         MismatchConfig(kernel="fp16")
+
+
+def test_mismatch_on_the_moe_reports_routing_disagreement(ckpt: Path, tmp_path: Path) -> None:
+    """The MoE's rows carry the routing disagreement (tokens / layers whose top-k expert set differs from the
+    fp32 reference's); the 4-bit format moves more tokens to other experts than bf16 does."""
+    moe = tmp_path / "moe"
+    assert RUNNER.invoke(app, ["init-model", "tiny-qwen3-moe", "-o", str(moe)]).exit_code == 0
+    res = RUNNER.invoke(app, ["mismatch", "--model", str(moe), "--precisions", "fp32,bf16,nvfp4", "--kv", "fp32",
+                              "--num-prompts", "6", "--max-new-tokens", "24", "--json"])
+    assert res.exit_code == 0, res.output
+    rows = {r["precision"]: r for r in json.loads(res.stdout)["rows"]}
+    assert rows["fp32"]["routing_disagree_share"] == 0.0     # same weights, KV and kernel as the reference
+    for r in rows.values():
+        assert 0 <= r["routing_layer_share"] <= r["routing_disagree_share"] <= 1
+    assert rows["nvfp4"]["routing_disagree_share"] > rows["bf16"]["routing_disagree_share"]
+    table = RUNNER.invoke(app, ["mismatch", "--model", str(moe), "--precisions", "bf16", "--num-prompts", "1",
+                                "--max-new-tokens", "4"])
+    assert table.exit_code == 0 and "routing differs" in table.output
+    dense = measure_mismatch(str(ckpt), MismatchConfig(precisions=("bf16",), num_prompts=1, max_new_tokens=4))[0]
+    assert dense.routing_disagree_share is None and dense.routing_layer_share is None

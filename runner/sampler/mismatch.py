@@ -12,6 +12,10 @@ r = p / q on the sampled token:
   teacher-forced forward), a low-variance check on k1 / k3,
 - mean |log r|, the share of tokens with r outside the band [0.2, 5] (split low / high),
 - top-1 agreement: the sampler's most likely token equals the reference's.
+- MoE models: routing disagreement. The engine records the experts each token was routed to while it
+  sampled (SGLang's routed-experts record); the reference routes the same sequence. Over the positions
+  that produced sampled tokens: the share of tokens whose top-k expert *set* differs from the reference's
+  in at least one layer, and the mean share of layers whose set differs (None for dense models).
 
 These are the numbers the cost model's mismatch priors (kl_k3, extreme_share) stand for.
 """
@@ -94,6 +98,8 @@ class MismatchRow:
     share_low: float                         # r < 0.2
     share_high: float                        # r > 5
     top1_agreement: float
+    routing_disagree_share: float | None = None   # MoE: tokens with >= 1 layer whose top-k set differs
+    routing_layer_share: float | None = None      # MoE: mean share of layers whose top-k set differs
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -113,8 +119,9 @@ def _generate(engine: Engine, prompt_ids: list[list[int]], cfg: MismatchConfig) 
     for i, ids in enumerate(prompt_ids):
         params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature,
                                 sampling_seed=cfg.seed * 100_003 + i)
+        routed = engine.config.enable_return_routed_experts
         engine.add_request(EngineRequest(rid=f"m{i}", input_ids=ids, params=params, return_logprob=True,
-                                         top_logprobs_num=1),
+                                         top_logprobs_num=1, return_routed_experts=routed),
                            on_finish=lambda r: results.__setitem__(r.rid, r))
     while engine.step():
         pass
@@ -124,13 +131,19 @@ def _generate(engine: Engine, prompt_ids: list[list[int]], cfg: MismatchConfig) 
 def score(ref: Weights, sampler: Weights, kv_cache_dtype: str, prompt_ids: list[list[int]],
           results: list[RequestResult], temperature: float) -> dict[str, float]:
     """The mismatch numbers of one sampler's generations against the reference weights."""
-    log_q, log_p, agree, kl = [], [], [], []
+    log_q, log_p, agree, kl, set_diff = [], [], [], [], []
     for ids, res in zip(prompt_ids, results, strict=True):
         if not res.output_ids:
             continue
         seq = ids + res.output_ids
         n0, n = len(ids) - 1, len(res.output_ids)
-        lp = torch.log_softmax(forward_full(ref, seq, "fp32")[n0:n0 + n].double() / temperature, dim=-1)
+        ref_routing: list[torch.Tensor] | None = [] if res.routed_experts is not None else None
+        lp = torch.log_softmax(forward_full(ref, seq, "fp32", routing=ref_routing)[n0:n0 + n].double() / temperature,
+                               dim=-1)
+        if ref_routing is not None:         # positions n0 .. n0+n-1 produced the n sampled tokens
+            mine = res.routed_experts[n0:n0 + n].sort(dim=-1).values
+            theirs = ref_routing[0][n0:n0 + n].sort(dim=-1).values
+            set_diff.append((mine != theirs).any(dim=-1))            # [n, layers]: this layer's set differs
         lq = torch.log_softmax(forward_full(sampler, seq, kv_cache_dtype)[n0:n0 + n].double() / temperature, dim=-1)
         tok = torch.tensor(res.output_ids)
         log_p.append(lp.gather(1, tok[:, None])[:, 0])
@@ -141,7 +154,11 @@ def score(ref: Weights, sampler: Weights, kv_cache_dtype: str, prompt_ids: list[
     log_r = lp_all - lq_all
     r = log_r.exp()
     low, high = (r < BAND[0]).double().mean().item(), (r > BAND[1]).double().mean().item()
-    return {"tokens": int(lq_all.numel()), "k1": (lq_all - lp_all).mean().item(),
+    routing = {}
+    if set_diff:
+        d = torch.cat(set_diff).double()
+        routing = {"routing_disagree_share": d.amax(dim=1).mean().item(), "routing_layer_share": d.mean().item()}
+    return {**routing, "tokens": int(lq_all.numel()), "k1": (lq_all - lp_all).mean().item(),
             "k3": (torch.expm1(log_r) - log_r).mean().item(), "kl_exact": torch.cat(kl).mean().item(),
             "mean_abs_log_ratio": log_r.abs().mean().item(), "share_outside_band": low + high,
             "share_low": low, "share_high": high, "top1_agreement": torch.cat(agree).double().mean().item()}
@@ -153,7 +170,7 @@ def measure_mismatch(model_path: str, cfg: MismatchConfig) -> list[MismatchRow]:
     rows = []
     for precision in cfg.precisions:
         engine = Engine(model_path, precision=precision, kv_cache_dtype=cfg.kv_cache_dtype, kernel=cfg.kernel,
-                        seed=cfg.seed)
+                        seed=cfg.seed, enable_return_routed_experts=ref.cfg.is_moe)
         ids = prompts(engine.tokenizer, cfg.num_prompts)
         too_long = max(len(x) for x in ids) + cfg.max_new_tokens
         if too_long > engine.context_length:
@@ -169,11 +186,18 @@ def measure_mismatch(model_path: str, cfg: MismatchConfig) -> list[MismatchRow]:
 def format_table(rows: list[MismatchRow]) -> str:
     """A plain-text table of the rows."""
     head = ("precision", "kv", "kernel", "tokens", "k1", "k3", "KL exact", "|log r|", "outside[0.2,5]", "top-1 agree")
+    moe = any(r.routing_disagree_share is not None for r in rows)
+    if moe:
+        head = (*head, "routing differs", "layers differ")
     lines = [head]
     for r in rows:
-        lines.append((r.precision, r.kv_cache_dtype, r.kernel, str(r.tokens), f"{r.k1:.2e}", f"{r.k3:.2e}",
-                      f"{r.kl_exact:.2e}", f"{r.mean_abs_log_ratio:.3f}", f"{r.share_outside_band:.2%}",
-                      f"{r.top1_agreement:.2%}"))
+        line = (r.precision, r.kv_cache_dtype, r.kernel, str(r.tokens), f"{r.k1:.2e}", f"{r.k3:.2e}",
+                f"{r.kl_exact:.2e}", f"{r.mean_abs_log_ratio:.3f}", f"{r.share_outside_band:.2%}",
+                f"{r.top1_agreement:.2%}")
+        if moe:
+            line = (*line, *(f"{x:.2%}" if x is not None else "-"
+                             for x in (r.routing_disagree_share, r.routing_layer_share)))
+        lines.append(line)
     widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) if j >= 3 else c.ljust(w) for j, (c, w) in enumerate(zip(x, widths,
                                                                                                      strict=True)))
