@@ -50,7 +50,7 @@ class SamplerWorker:
     def __init__(self, *, group: str, index: int, model_path: str, precision: str, kv_dtype: str,
                  kernel: str | None = None, threads: int = 1, seed: int = 0, weight_version: str = "0",
                  mode: str = "embedded", max_running_requests: int = 256, top_p_replay: bool = False,
-                 tp: int = 1) -> None:
+                 tp: int = 1, routed_experts: bool = False) -> None:
         if mode not in SAMPLER_MODES:
             raise ValueError(f"SamplerWorker.mode = {mode!r}; allowed: {', '.join(SAMPLER_MODES)}")
         self.group, self.index, self.mode = group, index, mode
@@ -64,7 +64,8 @@ class SamplerWorker:
 
             engine = Engine(model_path, precision=precision, kv_cache_dtype=kv_dtype, kernel=kernel, seed=seed,
                             weight_version=weight_version, max_running_requests=max_running_requests,
-                            max_total_tokens=max_running_requests * 1024)
+                            max_total_tokens=max_running_requests * 1024,
+                            enable_return_routed_experts=routed_experts)
             self._handle = start_in_thread(engine, server_args=ServerArgs(port=0, kernel=kernel,
                                                                           max_running_requests=max_running_requests))
             self.url = self._handle.url
@@ -76,7 +77,7 @@ class SamplerWorker:
             host = ray.util.get_node_ip_address()
             spec = spec_for_group({"name": group, "precision": precision, "kv_dtype": kv_dtype, "tp": tp},
                                   model_path=model_path, port=_free_port(), host=host, top_p_replay=top_p_replay,
-                                  weight_version=weight_version)
+                                  weight_version=weight_version, enable_return_routed_experts=routed_experts)
             self._proc, attached = launch(spec)
             self.url = attached.url
         self.ready_s = time.time() - self.started_s

@@ -46,11 +46,18 @@ from mixfleet.costmodel.runlog import EventRecord, GroupRecord, RunLogWriter, Tr
 from mixfleet.policies.plan import EmbeddedPlan, Plan
 from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
 from mixfleet.policies.views import FleetView, GroupView, ReplicaView
+from mixfleet.runner.checkpoint.hf_checkpoint import load_config
 from mixfleet.runner.orchestration.batching import BatchItem, BatchOptions, build_batch, group_metrics, version_int
 from mixfleet.runner.orchestration.fleet import FleetSpec, GroupSpec, fleet_from_plan
 from mixfleet.runner.rollout.agent import AgentConfig, Episode, run_episode
 from mixfleet.runner.rollout.tasks import make_task
-from mixfleet.runner.sampler.client import ClientConfig, SamplerClient, SamplerHTTPError, SamplerUnavailable
+from mixfleet.runner.sampler.client import (
+    ClientConfig,
+    SamplerClient,
+    SamplerHTTPError,
+    SamplerUnavailable,
+    routed_experts,
+)
 from mixfleet.runner.sampler.engine_api import RequestResult, SamplingParams, TokenOutput
 
 RUN_MODES = ("async", "sync")
@@ -204,8 +211,17 @@ class UpdateView:
     trainer_idle_share: float
 
 
-def result_from_response(resp: Mapping[str, Any]) -> RequestResult:
-    """An SGLang /generate response (one item) -> the engine's RequestResult (what the agent loop consumes)."""
+def _routed_shape(checkpoint: str) -> tuple[int, int] | None:
+    """(num_hidden_layers, num_experts_per_tok) of a MoE checkpoint folder; None for a dense one or no folder."""
+    if not checkpoint or not (Path(checkpoint) / "config.json").exists():
+        return None
+    cfg = load_config(checkpoint)
+    return (cfg.num_hidden_layers, cfg.num_experts_per_tok) if cfg.is_moe else None
+
+
+def result_from_response(resp: Mapping[str, Any], *, routed_shape: tuple[int, int] | None = None) -> RequestResult:
+    """An SGLang /generate response (one item) -> the engine's RequestResult (what the agent loop consumes);
+    with `routed_shape` (layers, top_k) its `meta_info.routed_experts` is decoded (start 0: every position)."""
     meta = resp.get("meta_info", {})
     ids = [int(i) for i in resp.get("output_ids", [])]
     lps = meta.get("output_token_logprobs") or [[0.0, i, None] for i in ids]
@@ -226,7 +242,9 @@ def result_from_response(resp: Mapping[str, Any]) -> RequestResult:
                          prompt_tokens=int(meta.get("prompt_tokens", 0)),
                          cached_tokens=int(meta.get("cached_tokens", 0)),
                          weight_version=str(meta.get("weight_version", "0")),
-                         e2e_latency=float(meta.get("e2e_latency", 0.0)))
+                         e2e_latency=float(meta.get("e2e_latency", 0.0)),
+                         routed_experts=None if routed_shape is None else routed_experts(
+                             resp, num_layers=routed_shape[0], top_k=routed_shape[1]))
 
 
 class Orchestrator:
@@ -236,6 +254,8 @@ class Orchestrator:
                  on_update: Callable[[UpdateView, Orchestrator], Any] | None = None,
                  on_event: Callable[[EventRecord], Any] | None = None) -> None:
         self.plan, self.config = plan, config
+        # MoE: (layers, top_k) of the served checkpoint; samplers then record and return each token's experts
+        self.routed_shape = _routed_shape(config.init_checkpoint)
         emb = plan.embedded or EmbeddedPlan()
         self.emb = emb
         self.on_update, self.on_event = on_update, on_event
@@ -389,7 +409,8 @@ class Orchestrator:
                                    seed=self.config.seed * 1009 + zlib.crc32(f"{g.name}/{index}".encode()) % 1000,
                                    weight_version=str(version),
                                    mode="sglang" if self.fleet.mode == "sglang" else "embedded",
-                                   top_p_replay=self.top_p_replay, tp=g.tp)
+                                   top_p_replay=self.top_p_replay, tp=g.tp,
+                                   routed_experts=self.routed_shape is not None)
                 info = await actor.info.remote()
                 url = info["url"]
         except Exception as e:  # noqa: BLE001 - a replica that cannot start is logged; the run goes on
@@ -493,7 +514,8 @@ class Orchestrator:
                 resp = await rep.client.generate_ids(
                     input_ids, body, top_logprobs_num=self.config.top_k_record, return_logprob=True,
                     return_sampling_mask=self.top_p_replay,
-                    sampling_logprobs_mode="support" if self.top_p_replay else None, routing_key=session_id)
+                    sampling_logprobs_mode="support" if self.top_p_replay else None, routing_key=session_id,
+                    return_routed_experts=self.routed_shape is not None)
             except (SamplerUnavailable, httpx.HTTPError, SamplerHTTPError) as e:
                 rep.end(self.now(), params.max_new_tokens)
                 if isinstance(e, SamplerHTTPError) and e.status < 500:
@@ -507,7 +529,7 @@ class Orchestrator:
                 continue
             rep.end(self.now(), params.max_new_tokens)
             s.replica, s.group = rep.index, rep.group
-            result = result_from_response(resp)
+            result = result_from_response(resp, routed_shape=self.routed_shape)
             return _Served(result, rep.group)
 
     async def _probe(self, rep: Replica) -> bool | None:
