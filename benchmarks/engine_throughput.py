@@ -7,11 +7,15 @@ T = 1 with log-prob records, EOS ignored, `--new-tokens` each) and runs until al
 end-to-end tokens/s (prefill included) and steady decode tokens/s (the decode-only steps). Best of
 `--repeats`. Results: JSON in benchmarks/results/engine_throughput.json (device named).
 
-    python benchmarks/engine_throughput.py [--model CKPT] [--precisions fp32,bf16,fp8,nvfp4,mxfp4]
+    python benchmarks/engine_throughput.py [--model CKPT|SPEC] [--precisions fp32,bf16,fp8,nvfp4,mxfp4]
         [--batches 1,8,32] [--new-tokens 64] [--kv bf16] [--kernel bf16] [--threads 1]
-        [--device cuda] [--fp8-scaled-mm]
+        [--device cuda] [--fp8-scaled-mm] [--return-routed-experts]
 
-Without --model a seeded tiny checkpoint is written to a temporary folder. `--device cuda` runs on
+--model is a checkpoint folder or a shipped spec name (`tiny-qwen3-moe`: a seeded checkpoint of it is written
+to a temporary folder; the default is `tiny`); a spec other than tiny writes
+benchmarks/results/engine_throughput_<spec>.json. `--return-routed-experts` (MoE) records every token's
+experts, as a routing-replay run asks the sampler to. CPU seconds of the process are reported per run
+(on a shared machine wall time is noisy; compare ratios within one run). `--device cuda` runs on
 a GPU; `--fp8-scaled-mm` adds an fp8 row whose linears run real FP8 GEMMs (`torch._scaled_mm`:
 Hopper or newer, or CPU) next to the dequantize-then-bf16 fp8 row.
 """
@@ -42,17 +46,19 @@ def _device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def _one_run(engine, batch: int, new_tokens: int, tag: str) -> dict:
+def _one_run(engine, batch: int, new_tokens: int, tag: str, routed: bool = False) -> dict:
     from mixfleet.runner.sampler.engine_api import EngineRequest, SamplingParams
 
     done: dict[str, int] = {}
     for i in range(batch):
         ids = engine.tokenizer.encode(f"<|user|>Benchmark request {i}: write something long.<|assistant|>")
         engine.add_request(EngineRequest(rid=f"{tag}-{i}", input_ids=ids, return_logprob=True,
+                                         return_routed_experts=routed,
                                          params=SamplingParams(max_new_tokens=new_tokens, temperature=1.0,
                                                                ignore_eos=True, sampling_seed=i)),
                            on_finish=lambda r: done.__setitem__(r.rid, len(r.output_ids)))
     step_s: list[float] = []
+    cpu0 = time.process_time()
     t0 = time.perf_counter()
     while True:
         t = time.perf_counter()
@@ -60,17 +66,20 @@ def _one_run(engine, batch: int, new_tokens: int, tag: str) -> dict:
             break
         step_s.append(time.perf_counter() - t)
     wall_s = time.perf_counter() - t0
+    cpu_s = time.process_time() - cpu0
     tokens = sum(done.values())
     decode_steps = step_s[1:]                       # step 0 admits + prefills the whole batch
     decode_tokens = tokens - 2 * batch              # step 0 yields 2 tokens per request (prefill + decode)
-    return {"tokens": tokens, "wall_s": wall_s, "tokens_per_s": tokens / wall_s,
+    return {"tokens": tokens, "wall_s": wall_s, "cpu_s": cpu_s, "tokens_per_s": tokens / wall_s,
+            "tokens_per_cpu_s": tokens / cpu_s if cpu_s > 0 else 0.0,
             "decode_tokens_per_s": decode_tokens / sum(decode_steps) if decode_steps else 0.0,
             "mean_decode_step_ms": 1e3 * sum(decode_steps) / max(len(decode_steps), 1)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", help="checkpoint folder (default: a seeded tiny model in a temp folder)")
+    ap.add_argument("--model", default="tiny",
+                    help="checkpoint folder, or a shipped spec name written seeded to a temp folder (default tiny)")
     ap.add_argument("--precisions", default="fp32,bf16,fp8,nvfp4,mxfp4")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -80,7 +89,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--fp8-scaled-mm", action="store_true", help="add fp8 with torch._scaled_mm (Hopper+ or CPU)")
-    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--return-routed-experts", action="store_true", help="MoE: record every token's experts")
+    ap.add_argument("--out", default=None, help=f"JSON path (default {RESULTS}, or engine_throughput_<spec>.json)")
     args = ap.parse_args()
 
     import os
@@ -98,35 +108,45 @@ def main() -> None:
         variants.append(("fp8", True))
     tmp = None
     model = args.model
-    if model is None:
+    spec_name = None
+    if not (Path(model) / "config.json").exists():     # a spec name (or TOML path): a seeded checkpoint of it
+        spec = load_model_spec(model)
+        spec_name = spec.name
         tmp = tempfile.TemporaryDirectory()
-        model = str(init_model(load_model_spec("tiny"), Path(tmp.name) / "tiny", seed=0))
+        model = str(init_model(spec, Path(tmp.name) / spec.name, seed=0))
+    out_path = args.out or (str(RESULTS) if spec_name in (None, "tiny") else
+                            str(RESULTS.with_name(f"engine_throughput_{spec_name}.json")))
     rows = []
     for precision, scaled in variants:
         engine = Engine(model, precision=precision, kv_cache_dtype=args.kv, kernel=args.kernel, device=args.device,
-                        fp8_scaled_mm=scaled, fp8_scaling="channel" if scaled else "block")
-        _one_run(engine, 2, 4, "warmup")
+                        fp8_scaled_mm=scaled, fp8_scaling="channel" if scaled else "block",
+                        enable_return_routed_experts=args.return_routed_experts)
+        _one_run(engine, 2, 4, "warmup", args.return_routed_experts)
         by_batch = {}
         for b in batches:
-            runs = [_one_run(engine, b, args.new_tokens, f"{b}-{k}") for k in range(args.repeats)]
+            runs = [_one_run(engine, b, args.new_tokens, f"{b}-{k}", args.return_routed_experts)
+                    for k in range(args.repeats)]
             best = max(runs, key=lambda r: r["tokens_per_s"])
             by_batch[b] = best
             name = precision + ("+scaled_mm" if scaled else "")
             print(f"{name:>16} kernel {engine.kernel:>4} batch {b:>3}: {best['tokens_per_s']:8.0f} tok/s "
-                  f"(decode {best['decode_tokens_per_s']:8.0f} tok/s, {best['mean_decode_step_ms']:.2f} ms/step)",
-                  flush=True)
+                  f"({best['tokens_per_cpu_s']:8.0f} tok/CPU-s; decode {best['decode_tokens_per_s']:8.0f} tok/s, "
+                  f"{best['mean_decode_step_ms']:.2f} ms/step)", flush=True)
         base = by_batch[batches[0]]["tokens_per_s"]
+        base_cpu = by_batch[batches[0]]["tokens_per_cpu_s"] or 1.0
         for b, r in by_batch.items():
             rows.append({"precision": precision, "fp8_scaled_mm": scaled, "kernel": engine.kernel,
                          "kv_cache_dtype": args.kv, "batch": b, **r,
-                         f"speedup_vs_batch_{batches[0]}": r["tokens_per_s"] / base})
+                         f"speedup_vs_batch_{batches[0]}": r["tokens_per_s"] / base,
+                         f"cpu_speedup_vs_batch_{batches[0]}": r["tokens_per_cpu_s"] / base_cpu})
     out = {"benchmark": "engine_throughput", "device": args.device, "device_name": _device_name(args.device),
            "torch": torch.__version__, "threads": args.threads, "new_tokens": args.new_tokens,
-           "model": "tiny (seeded init)" if args.model is None else args.model,
+           "model": f"{spec_name} (seeded init)" if spec_name else args.model,
+           "return_routed_experts": args.return_routed_experts,
            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu_count": os.cpu_count(),
            "load_average_1m_before_after": [load_before, os.getloadavg()[0] if hasattr(os, "getloadavg") else None],
            "rows": rows}
-    path = Path(args.out)
+    path = Path(out_path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(out, indent=2) + "\n")
     print(f"wrote {path}")
