@@ -1,0 +1,67 @@
+"""A test-sized real run on the tiny Qwen3-MoE with routing replay: Ray actors, two embedded MoE sampler groups
+(bf16 with an fp32 kernel, nvfp4 + fp8 KV) that record every token's experts, the Megatron-core MoE trainer
+replaying them. Checked in the run log: both updates trained, and each group's routing disagreement (the
+samplers' experts vs the trainer's own router) recorded as a share in [0, 1] with the layer share never
+above the token share (a token differing in k of L layers counts 1 in one, k / L in the other).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.runlog import RunLog
+from mixfleet.policies.plan import load_plan
+from mixfleet.runner.checkpoint.init_model import init_model
+from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
+
+PLAN = """
+name = "test-run-moe"
+model = "tiny-qwen3-moe"
+workload = "tiny-cpu"
+[trainer]
+accelerator = "CPU-2core"
+gpus = 1
+loss = "sc_mis"
+routing = "replay"
+[[groups]]
+name = "cpu-bf16"
+accelerator = "CPU-2core"
+precision = "bf16"
+kv_dtype = "bf16"
+kernel = "fp32"
+[[groups]]
+name = "cpu-nvfp4"
+accelerator = "CPU-2core"
+precision = "nvfp4"
+kv_dtype = "fp8_e4m3"
+[policies.batcher]
+prompts_per_update = 2
+samples_per_prompt = 2
+inflight_prompts = 4
+[embedded]
+max_turns = 2
+max_new_tokens = 10
+"""
+
+
+@pytest.mark.slow
+def test_moe_run_with_routing_replay_logs_routing_disagreement(tmp_path: Path) -> None:
+    init = init_model(load_model_spec("tiny-qwen3-moe"), tmp_path / "init", seed=0)
+    plan_path = tmp_path / "plan.toml"
+    plan_path.write_text(PLAN)
+    out = tmp_path / "out"
+    res = run_plan(load_plan(plan_path), RunConfig(out_dir=out, updates=2, init_checkpoint=str(init), eval_every=0,
+                                                   ray_num_cpus=2))
+    assert res["version"] == 2
+    log = RunLog.open(out)
+    assert (log.header.get("plan") or {}).get("trainer", {}).get("routing") == "replay"
+    g = log.groups
+    assert sorted(g["version"].unique().tolist()) == [1, 2]
+    trained = g[g["tokens_trained"] > 0]
+    assert set(trained["group"]) == {"cpu-bf16", "cpu-nvfp4"}
+    for _, row in trained.iterrows():
+        tok, lay = float(row["routing_token_share"]), float(row["routing_layer_share"])
+        assert math.isfinite(tok) and 0.0 <= lay <= tok <= 1.0, row.to_dict()
