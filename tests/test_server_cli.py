@@ -71,3 +71,16 @@ def test_serve_missing_checkpoint_and_print_sglang(tmp_path):
     assert r.output.split() == ["python", "-m", "sglang.launch_server", "--model-path", "/ckpt", "--host", "127.0.0.1",
                                 "--port", "30005", "--tp-size", "1", "--quantization", "mxfp4",
                                 "--sampling-mask-max-tokens", "512"]
+
+
+def test_serve_routed_experts_flag(tmp_path):
+    """--enable-return-routed-experts: refused on a dense checkpoint with one line; passed on to real SGLang."""
+    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.runner.checkpoint.init_model import init_model
+
+    dense = init_model(load_model_spec("tiny"), tmp_path / "tiny")
+    r = CliRunner().invoke(app, ["serve", "--model", str(dense), "--enable-return-routed-experts"])
+    assert r.exit_code == 2 and "has no experts" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(app, ["serve", "--model", "/ckpt", "--port", "30005", "--print-sglang",
+                                 "--enable-return-routed-experts"])
+    assert r.exit_code == 0 and r.output.split()[-1] == "--enable-return-routed-experts"
