@@ -335,8 +335,9 @@ class _Run:
 
 def _read_run(path: str | os.PathLike[str], missing: list[str]) -> _Run | None:
     where = str(path)
-    if not RunLog.is_run_log(path):
-        missing.append(f"{where}: not a run log (no run.json)")
+    why = RunLog.not_a_run_log(path)
+    if why is not None:
+        missing.append(f"{where}: not a run log ({why})")
         return None
     log = RunLog.open(path)
     plan = log.header.get("plan")

@@ -88,6 +88,8 @@ def classify(path: str | os.PathLike[str]) -> str | None:
 
 
 def _describe(path: Path, kind: str | None) -> str:
+    if kind is None and (path / "run.json").is_file() and _header(path) is None:
+        return "its run.json is not a readable mixfleet run-log header (corrupt, or another tool's)"
     if kind is None:
         names = sorted(_entries(path))
         shown = ", ".join(names[:5]) + (f" and {len(names) - 5} more" if len(names) > 5 else "")

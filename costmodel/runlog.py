@@ -65,6 +65,9 @@ EVENT_KINDS = ("scale_up", "scale_down", "cold_start", "ready", "preempt", "cras
 EXTREME_RATIO_LOW = 0.2     # a token's sampler/trainer probability ratio below this is "extreme low"
 EXTREME_RATIO_HIGH = 5.0    # ... above this is "extreme high"
 
+FIND_MAX_DEPTH = 6          # RunLog.find: folders below the root it looks into (a study nests runs 3 deep)
+FIND_MAX_DIRS = 10_000      # ... and at most this many folders in all
+
 _PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 _TMP_RE = re.compile(r"^\.part-(\d{6,})\.parquet\.[0-9a-f]+\.tmp$")
 _NAN = float("nan")
@@ -481,9 +484,9 @@ class RunLogWriter:
                 path = folder / f"part-{n:06d}.parquet"
                 try:
                     data = pq.read_table(path)
-                except (pa.ArrowException, OSError):
-                    continue
-                col = data.column(key[t]).to_pylist()
+                    col = data.column(key[t]).cast(pa.int64()).to_pylist()
+                except (pa.ArrowException, OSError, KeyError):
+                    continue                        # a part the reader skips too (cut, or another schema)
                 keep = [i for i, v in enumerate(col) if v <= version]
                 if len(keep) == len(col):
                     continue
@@ -520,7 +523,7 @@ class RunLogWriter:
 def _read_header(path: Path) -> dict[str, Any]:
     try:
         h = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise SpecError(str(path), "run.json", str(exc), "a readable JSON object") from None
     if not isinstance(h, dict):
         raise SpecError(str(path), "run.json", type(h).__name__, "a JSON object")
@@ -554,27 +557,43 @@ class RunLog:
     @staticmethod
     def is_run_log(path: str | os.PathLike[str]) -> bool:
         """True if `path` is a folder with a run.json header written by RunLogWriter."""
-        p = Path(path) / HEADER_FILE
-        if not p.is_file():
-            return False
-        try:
-            h = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
-            return False
-        return isinstance(h, dict) and h.get("format") == FORMAT_NAME
+        return RunLog.not_a_run_log(path) is None
 
     @staticmethod
-    def find(root: str | os.PathLike[str]) -> list[Path]:
-        """Run-log folders at or under `root` (sorted; does not descend into a run log)."""
+    def not_a_run_log(path: str | os.PathLike[str]) -> str | None:
+        """Why `path` is not a run log ("no run.json", "run.json is not valid JSON (...)", ...), None if it is."""
+        p = Path(path) / HEADER_FILE
+        if not p.is_file():
+            return f"no {HEADER_FILE}"
+        try:
+            h = json.loads(p.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return f"{HEADER_FILE} is unreadable or not valid JSON ({exc})"
+        if not isinstance(h, dict) or h.get("format") != FORMAT_NAME:
+            return f"{HEADER_FILE} is not a mixfleet run-log header (no format {FORMAT_NAME!r})"
+        return None
+
+    @staticmethod
+    def find(root: str | os.PathLike[str], *, max_depth: int = FIND_MAX_DEPTH,
+             max_dirs: int = FIND_MAX_DIRS) -> list[Path]:
+        """Run-log folders at or under `root` (sorted; does not descend into a run log nor follow links), at most
+        `max_depth` folders below `root`, looking into at most `max_dirs` folders (a typed "/" stays cheap)."""
         root = Path(root)
         found: list[Path] = []
         if not root.is_dir():
             return found
         if RunLog.is_run_log(root):
             return [root]
+        seen = 0
         for dirpath, dirnames, _ in os.walk(root):
+            seen += 1
+            if seen > max_dirs:
+                break
             dirnames.sort()
             here = Path(dirpath)
+            if len(here.relative_to(root).parts) >= max_depth:
+                dirnames[:] = []
+                continue
             keep = []
             for name in dirnames:
                 if name.startswith("."):
@@ -602,15 +621,15 @@ class RunLog:
             for n in new:
                 path = folder / f"part-{n:06d}.parquet"
                 try:
-                    data = pq.read_table(path)
-                except (pa.ArrowException, OSError) as exc:
+                    frame = _to_pandas(_conform(pq.read_table(path), t), t)
+                except (pa.ArrowException, OSError, SpecError) as exc:  # cut, corrupt or another table's schema
                     warnings.warn(f"run log {self.directory}: skipping unreadable part {t}/{path.name}: {exc}",
                                   RunLogWarning, stacklevel=2)
                     self.skipped.append(path)
                     self._seen[t].add(path.name)  # warn once, not on every refresh
                     continue
                 self._seen[t].add(path.name)
-                parts.append(_to_pandas(_conform(data, t), t))
+                parts.append(frame)
             if parts and (new or not len(self._frames[t])):
                 frame = pd.concat(parts, ignore_index=True) if len(parts) > 1 else parts[0]
                 self._frames[t] = frame.reset_index(drop=True)
@@ -651,8 +670,15 @@ class RunLog:
 
 
 def _conform(data: pa.Table, table: str) -> pa.Table:
-    """Cast a part to the current schema: missing columns (older format) become defaults, extras are kept."""
+    """Cast a part to the current schema: missing columns (older format) become defaults, extras are kept.
+    A part without the record's required columns (those without a default, in every format version) or
+    whose columns do not cast is not a part of this table: SpecError / ArrowException."""
     schema = SCHEMAS[table]
+    required = [f.name for f in fields(RECORD_TYPES[table]) if f.default is MISSING]
+    missing = [n for n in required if n not in data.column_names]
+    if missing:
+        raise SpecError(f"{table} part", "columns", sorted(data.column_names)[:8],
+                        f"the {table} table's columns (missing {', '.join(missing[:5])})")
     cols, names = [], []
     for f in schema:
         if f.name in data.column_names:

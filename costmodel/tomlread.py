@@ -23,6 +23,8 @@ def read_toml(path: Path) -> dict[str, Any]:
         raise SpecError(str(path), "<file>", "missing", "an existing TOML file")
     try:
         return tomllib.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise SpecError(str(path), "<file>", "binary data", "a UTF-8 TOML file") from None
     except tomllib.TOMLDecodeError as e:
         raise SpecError(str(path), "<file>", "not TOML", f"valid TOML ({e})") from None
 

@@ -240,8 +240,9 @@ def fidelity(plan: Plan | str | Path | None, runlog: str | Path, calibration: Ca
     plan None: the plan recorded in the run log's header."""
     from mixfleet.twin.sim import simulate
 
-    if not RunLog.is_run_log(runlog):
-        raise SpecError("fidelity", "runlog", str(runlog), "a run log folder (with run.json)")
+    why = RunLog.not_a_run_log(runlog)
+    if why is not None:
+        raise SpecError("fidelity", "runlog", str(runlog), f"a run log folder (this one: {why})")
     log = RunLog.open(runlog)
     n = len(log.updates)
     if n < 1:

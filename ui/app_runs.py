@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 import streamlit as st
+from mixfleet.costmodel.runlog import FIND_MAX_DEPTH, FIND_MAX_DIRS
 from mixfleet.ui import app_charts as charts
 from mixfleet.ui.app_common import (
     REFRESH_EVERY_S,
@@ -233,7 +234,9 @@ def _fidelity_section(path: Path, header: dict) -> None:
 def render() -> None:
     st.title("Runs")
     root = Path(st.text_input("Runs folder", value=str(runs_dir()),
-                              help="Run logs (twin or real) are listed from this folder and below it.")).expanduser()
+                              help="Run logs (twin or real) are listed from this folder and below it (up to "
+                                   f"{FIND_MAX_DEPTH} folders deep, {FIND_MAX_DIRS:,} folders searched at most)."
+                              )).expanduser()
     runs = find_runs(root)
     if not runs:
         st.info(f"No run log under `{root}` yet. Start one with `mixfleet run PLAN` or `mixfleet simulate PLAN -o "

@@ -27,6 +27,7 @@ import io
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import tempfile
@@ -402,7 +403,12 @@ class Trainer:
             raise ValueError(f"{directory}: saved model '{theirs.name}' does not match this trainer's "
                              f"'{self.spec.name}' architecture")
         with open(directory / STATE_FILE, "rb") as fh:
-            payload = torch.load(io.BytesIO(fh.read()), map_location=self.device, weights_only=False)
+            data = fh.read()
+        try:   # tensors and plain values only: unpickling a foreign run folder's file must not run its code
+            payload = torch.load(io.BytesIO(data), map_location=self.device, weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise ValueError(f"{directory}/{STATE_FILE}: not a trainer state of tensors and plain values (refused: "
+                             f"{str(e).splitlines()[0][:200]})") from None
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         self.version = int(payload["version"])

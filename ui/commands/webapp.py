@@ -3,12 +3,14 @@
 `mixfleet ui` starts `streamlit run ui/app.py` as a child process, headless, without usage
 statistics, bound to 127.0.0.1 on a free port unless told otherwise, and prints the URL. The runs
 folder the Runs page lists is passed to the app in MIXFLEET_RUNS_DIR, a calibration file (used by
-the Runs page's twin fidelity check) in MIXFLEET_CALIBRATION.
+the Runs page's twin fidelity check) in MIXFLEET_CALIBRATION. The child ends with the command: Ctrl-C,
+SIGTERM and SIGHUP are passed on to it, and on Linux it is told to exit if the command dies (even by kill -9).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +28,14 @@ def free_port(host: str = DEFAULT_HOST) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec (Linux): SIGTERM when the parent dies, whatever kills it (prctl PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(1, signal.SIGTERM, 0, 0, 0)      # 1 = PR_SET_PDEATHSIG
 
 
 def app_path() -> Path:
@@ -76,7 +86,14 @@ def register(app: typer.Typer) -> None:
             env[CALIBRATION_ENV] = str(calibration.resolve())
         env.setdefault("STREAMLIT_BROWSER_GATHER_USAGE_STATS", "false")
         typer.echo(f"mixfleet ui: http://{host}:{port}  (runs dir: {runs_dir.resolve()}; Ctrl-C stops it)")
-        proc = subprocess.Popen(streamlit_argv(port, host), env=env)
+        proc = subprocess.Popen(streamlit_argv(port, host), env=env,
+                                preexec_fn=_die_with_parent if sys.platform.startswith("linux") else None)
+
+        def stop_child(_signum: int, _frame: object) -> None:
+            proc.terminate()                       # the wait below returns once Streamlit has shut down
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, stop_child)
         try:
             rc = proc.wait()
         except KeyboardInterrupt:
