@@ -12,6 +12,7 @@ Schema (every field optional unless marked):
     [prices]   ACCELERATOR = USD per GPU-hour, overriding the price table (e.g. H100 = 3.0)
     [trainer]  accelerator gpus precision loss top_p top_p_replay routing
     [[groups]] name* accelerator* precision* kv_dtype kernel replicas min_replicas max_replicas tp emulated
+               dp_attention ep   (the layout, SGLang's meaning: tp GPUs, attention DP groups, expert parallel)
     [policies.router|autoscaler|batcher|weight_sync]  name + that policy's settings
     [faults]   preemptions_per_replica_hour on_loss
     [embedded] settings for rehearsing the plan on this machine (see EmbeddedPlan)
@@ -35,6 +36,7 @@ from mixfleet.policies import registry
 LOSSES = ("grpo", "mis", "sc", "sc_mis")
 ROUTING_MODES = ("free", "replay")   # MoE trainer: its own router | rollout routing replay (the samplers' experts)
 ON_LOSS = ("resume", "restart")
+COST_BACKENDS = ("roofline", "auto", "aiconfigurator")
 DEFAULT_POLICIES = {"router": "capacity_proportional", "autoscaler": "fixed", "batcher": "fifo",
                     "weight_sync": "in_flight"}
 
@@ -61,6 +63,8 @@ class GroupPlan:
     max_replicas: int | None = None  # autoscaler cap (default: replicas)
     tp: int = 0                      # GPUs per replica; 0 = the smallest that fits (cost model)
     emulated: bool = False           # allow a precision the accelerator lacks natively (runs slower)
+    dp_attention: int = 1            # attention data-parallel groups over the tp GPUs (SGLang --dp-size)
+    ep: int = 1                      # expert-parallel size (SGLang --ep-size); 1 = experts tensor-parallel
 
     def __post_init__(self) -> None:
         w = f"plan group '{self.name}'"
@@ -69,6 +73,11 @@ class GroupPlan:
             _need(w, f, isinstance(getattr(self, f), str) and bool(getattr(self, f)), getattr(self, f), "a name")
         _need(w, "replicas", isinstance(self.replicas, int) and self.replicas >= 0, self.replicas, "an integer >= 0")
         _need(w, "tp", isinstance(self.tp, int) and self.tp >= 0, self.tp, "an integer >= 0 (0 = auto)")
+        _need(w, "dp_attention", _pos_int(self.dp_attention), self.dp_attention, "an integer >= 1")
+        _need(w, "ep", _pos_int(self.ep), self.ep, "an integer >= 1")
+        if self.dp_attention > 1 or self.ep > 1:
+            _need(w, "tp", self.tp > 0 and self.tp % self.dp_attention == 0 and self.tp % self.ep == 0, self.tp,
+                  f"GPUs per replica divisible by dp_attention ({self.dp_attention}) and ep ({self.ep})")
         if self.min_replicas is None:
             object.__setattr__(self, "min_replicas", self.replicas)
         if self.max_replicas is None:
@@ -77,6 +86,16 @@ class GroupPlan:
               self.min_replicas, f"an integer in 0..replicas ({self.replicas})")
         _need(w, "max_replicas", isinstance(self.max_replicas, int) and self.max_replicas >= self.replicas,
               self.max_replicas, f"an integer >= replicas ({self.replicas})")
+
+    @property
+    def layout(self) -> Any:
+        """The cost model's Layout for an explicit attention-DP / expert-parallel group, else None (plain TP,
+        `tp` GPUs or the smallest that fits)."""
+        if self.dp_attention == 1 and self.ep == 1:
+            return None
+        from mixfleet.costmodel.measured import Layout
+
+        return Layout(tp=self.tp // self.dp_attention, dp_attention=self.dp_attention, ep=self.ep)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,6 +183,7 @@ class Plan:
     groups: tuple[GroupPlan, ...]
     description: str = ""
     seed: int = 0
+    cost_backend: str = "roofline"   # step times: "roofline" | "auto" (measured where covered) | "aiconfigurator"
     model: str = "qwen3.6-35b-a3b"   # a shipped model name or a TOML path
     workload: str = "seed-agentic-coding"  # a shipped workload name or a TOML path
     price_table: str = ""            # "" = the catalog's default price table
@@ -175,6 +195,7 @@ class Plan:
 
     def __post_init__(self) -> None:
         w = f"plan '{self.name}'"
+        _need(w, "cost_backend", self.cost_backend in COST_BACKENDS, self.cost_backend, ", ".join(COST_BACKENDS))
         _need(w, "groups", len(self.groups) > 0, list(self.groups), "at least one [[groups]] entry")
         seen = [g.name for g in self.groups]
         dup = sorted({n for n in seen if seen.count(n) > 1})
@@ -216,11 +237,14 @@ class Plan:
         out: dict[str, Any] = {"name": self.name}
         for key in ("description", "seed", "model", "workload", "price_table"):
             out[key] = getattr(self, key)
+        if self.cost_backend != "roofline":
+            out["cost_backend"] = self.cost_backend
         if self.prices:
             out["prices"] = dict(self.prices)
         out["trainer"] = _plain(self.trainer)
         out["groups"] = [{k: v for k, v in _plain(g).items()  # min/max equal to replicas are the defaults
-                          if not (k in ("min_replicas", "max_replicas") and v == g.replicas)} for g in self.groups]
+                          if not (k in ("min_replicas", "max_replicas") and v == g.replicas)
+                          and not (k in ("dp_attention", "ep") and v == 1)} for g in self.groups]
         out["policies"] = {k: {"name": getattr(self.policies, k).name, **getattr(self.policies, k).settings}
                            for k in registry.KINDS}
         out["faults"] = _plain(self.faults)

@@ -80,3 +80,14 @@ def test_attach(tmp_path):
         port = s.getsockname()[1]
     with pytest.raises(AttachError, match=f"http://127.0.0.1:{port}: not a healthy sampler \\(ConnectError"):
         attach(f"http://127.0.0.1:{port}", timeout_s=1.0)
+
+
+def test_a_plan_layout_reaches_the_sglang_command():
+    from mixfleet.policies.plan import GroupPlan
+
+    g = GroupPlan(name="H200-FP8-DEP8", accelerator="H200", precision="fp8", tp=8, dp_attention=8, ep=8)
+    argv = argv_for_group(g, model_path="/ckpt/v3", port=30001)
+    assert argv[len(BASE):len(BASE) + 7] == ["--tp-size", "8", "--dp-size", "8", "--enable-dp-attention",
+                                             "--ep-size", "8"]
+    with pytest.raises(ValueError, match="dp_size = 3; allowed: a divisor of tp_size"):
+        SGLangLaunchSpec(model_path="/m", port=1, tp_size=8, dp_size=3)

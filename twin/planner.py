@@ -40,9 +40,17 @@ from typing import Any
 import numpy as np
 from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.measured import Layout
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, replica_model, trainer_step_s, weight_sync_s
+from mixfleet.costmodel.roofline import (
+    DEFAULT_MAX_BATCH,
+    candidate_layouts,
+    kv_capacity_tokens,
+    replica_model,
+    trainer_step_s,
+    weight_sync_s,
+)
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import GroupPlan, Plan, PoliciesPlan, PolicyRef, TrainerPlan
 from mixfleet.twin.episodes import WorkloadShape, workload_shape
@@ -76,10 +84,17 @@ class PlannerConfig:
     emulated: bool = False                      # `precisions` may name formats an accelerator only emulates
     calibration: Any = None                     # a costmodel.calibration.Calibration: its fitted values replace
                                                 # the priors for the groups and trainer it covers (None = priors)
+    layouts: str = "smallest"                   # "smallest": smallest TP that fits; "cheapest": every layout (TP
+                                                # 1-8, attention DP + EP for MoE), the lowest $/token at the workload
+    backend: str = "roofline"                   # replica step times: roofline | auto | aiconfigurator
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
             raise SpecError("plan", "objective", self.objective, OBJECTIVES)
+        if self.layouts not in ("smallest", "cheapest"):
+            raise SpecError("plan", "layouts", self.layouts, ("smallest", "cheapest"))
+        if self.backend not in ("roofline", "auto", "aiconfigurator"):
+            raise SpecError("plan", "backend", self.backend, ("roofline", "auto", "aiconfigurator"))
         for f in ("max_staleness", "max_time_per_update_s", "max_usd_per_hour"):
             v = getattr(self, f)
             if v is not None and not v > 0:
@@ -146,6 +161,9 @@ class GroupType:
     masked_share: float              # prior extreme-ratio share (what the correction masks)
     kl_k3: float
     emulated: bool = False           # the precision is emulated on this accelerator
+    dp_attention: int = 1            # layout: attention DP groups over the tp GPUs
+    ep: int = 1                      # layout: expert-parallel size
+    backend: str = "roofline"        # which backend priced the replica
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,10 +206,12 @@ def calibrated_group(cal: Any, accelerator: str, precision: str, kv_dtype: str) 
     return found or next((g for g in cal.groups if tuple(g.key[:3]) == (accelerator, precision, kv_dtype)), None)
 
 
-def group_types(cfg: PlannerConfig, only: list[tuple[str, str, str, bool, int]] | None = None) -> list[GroupType]:
+def group_types(cfg: PlannerConfig, only: list[tuple] | None = None) -> list[GroupType]:
     """Every (accelerator, native precision, KV dtype) of the pool that fits the model; or exactly the
-    `only` list of (accelerator, precision, KV dtype, emulated, tp) (tp 0 = auto), e.g. a plan's groups.
-    The pool's precisions per accelerator are `cfg.precisions[accelerator]` where given, else the native ones."""
+    `only` list of (accelerator, precision, KV dtype, emulated, tp[, dp_attention, ep]) (tp 0 = auto), e.g. a
+    plan's groups. The pool's precisions per accelerator are `cfg.precisions[accelerator]` where given, else the
+    native ones. With `cfg.layouts == "cheapest"` an auto group tries every layout that fits (TP 1-8, and for
+    MoE attention DP + expert parallel) and keeps the one with the lowest USD per generated token."""
     cat = _catalog(cfg)
     model = load_model_spec(cfg.model)
     wl = load_workload(cfg.workload)
@@ -207,29 +227,48 @@ def group_types(cfg: PlannerConfig, only: list[tuple[str, str, str, bool, int]] 
                 sup = cat.support(a, p)
                 if (p in allowed) if allowed is not None else sup == "native":
                     only += [(a, p, kv, sup != "native", 0) for kv in cfg.kv_dtypes]
+    budget = min(wl.max_context, model.max_context)
     out = []
-    for a, p, kv, emulated, tp in only:
-        try:
-            rm = replica_model(model, a, p, kv, catalog=cat, tp=tp or None, emulated=emulated,
-                               kv_budget_tokens=min(wl.max_context, model.max_context))
-        except SpecError:
-            if explicit and (emulated or tp):
-                raise
-            continue
-        gc = calibrated_group(cfg.calibration, a, p, kv)
-        if gc is not None:
-            rm = gc.apply(rm)
-        tps, b = serving_point(rm, shape)
-        prefill_per_token_s = float(rm.prefill_s(shape.new_tokens_per_turn)) / reply_per_turn
-        eff_tps = 1.0 / (1.0 / tps + prefill_per_token_s)
-        prior = mismatch_prior(a, p, kv)
-        suffix = p.upper() + ("" if kv == "fp8_e4m3" or p == "bf16" and kv == "bf16" else f"-KV{kv.upper()}")
-        out.append(GroupType(name=f"{a}-{suffix}", accelerator=a, precision=p, kv_dtype=kv,
-                             tp=rm.tp, tokens_per_s=eff_tps, per_seq_tokens_per_s=tps / b,
-                             usd_per_hour=rm.price_usd_per_hour,
-                             sync_s=gc.weight_sync_s.value if gc else weight_sync_s(rm, trainer_acc),
-                             masked_share=gc.extreme_share.value if gc else prior.extreme_share,
-                             kl_k3=gc.kl_k3.value if gc else prior.kl_k3, emulated=emulated))
+    for entry in only:
+        a, p, kv, emulated, tp = entry[:5]
+        dp, ep = (entry[5], entry[6]) if len(entry) >= 7 else (1, 1)
+        layout = Layout(tp=tp // dp, dp_attention=dp, ep=ep) if (dp > 1 or ep > 1) else None
+        if layout is None and not tp and cfg.layouts == "cheapest":
+            acc = cat.accelerator(a)
+            layouts: list[Layout | None] = [c for c in candidate_layouts(model, acc.max_tp)
+                                            if kv_capacity_tokens(model, acc, cat.precision(p), cat.kv_dtype(kv),
+                                                                  c.tp, c.dp_attention) >= budget]
+        else:
+            layouts = [layout]
+        best: GroupType | None = None
+        for lay in layouts:
+            try:
+                rm = replica_model(model, a, p, kv, catalog=cat, tp=(tp or None) if lay is None else None,
+                                   emulated=emulated, kv_budget_tokens=budget, layout=lay, backend=cfg.backend)
+            except SpecError:
+                if explicit and (emulated or tp):
+                    raise
+                continue
+            gc = calibrated_group(cfg.calibration, a, p, kv)
+            if gc is not None:
+                rm = gc.apply(rm)
+            tps, b = serving_point(rm, shape, DEFAULT_MAX_BATCH * rm.dp_attention)
+            prefill_per_token_s = float(rm.prefill_s(shape.new_tokens_per_turn)) / reply_per_turn
+            eff_tps = 1.0 / (1.0 / tps + prefill_per_token_s)
+            prior = mismatch_prior(a, p, kv)
+            suffix = p.upper() + ("" if kv == "fp8_e4m3" or p == "bf16" and kv == "bf16" else f"-KV{kv.upper()}")
+            lay_sfx = "" if (rm.dp_attention == 1 and rm.ep == 1) else f"-{rm.layout.label}"
+            t = GroupType(name=f"{a}-{suffix}{lay_sfx}", accelerator=a, precision=p, kv_dtype=kv,
+                          tp=rm.n_gpus, tokens_per_s=eff_tps, per_seq_tokens_per_s=tps / b,
+                          usd_per_hour=rm.price_usd_per_hour,
+                          sync_s=gc.weight_sync_s.value if gc else weight_sync_s(rm, trainer_acc),
+                          masked_share=gc.extreme_share.value if gc else prior.extreme_share,
+                          kl_k3=gc.kl_k3.value if gc else prior.kl_k3, emulated=emulated,
+                          dp_attention=rm.dp_attention, ep=rm.ep, backend=rm.backend)
+            if best is None or t.usd_per_hour / t.tokens_per_s < best.usd_per_hour / best.tokens_per_s:
+                best = t
+        if best is not None:
+            out.append(best)
     return out
 
 
@@ -333,9 +372,10 @@ def evaluate_plan(plan: Plan, cfg: PlannerConfig | None = None) -> Candidate:
     """The analytic model's numbers for an existing plan (e.g. a seed fleet), for comparison with the DES."""
     wl = load_workload(plan.workload)
     cfg = cfg or PlannerConfig(model=plan.model, workload=plan.workload, price_table=plan.price_table or "modal",
-                               prices=dict(plan.prices),
+                               prices=dict(plan.prices), backend=plan.cost_backend,
                                trainer_accelerator=plan.trainer.accelerator, trainer_gpus=plan.trainer.gpus)
-    types = group_types(cfg, only=[(g.accelerator, g.precision, g.kv_dtype, g.emulated, g.tp) for g in plan.groups])
+    types = group_types(cfg, only=[(g.accelerator, g.precision, g.kv_dtype, g.emulated, g.tp, g.dp_attention, g.ep)
+                                   for g in plan.groups])
     types = [GroupType(**{**{f: getattr(t, f) for f in t.__dataclass_fields__}, "name": g.name})
              for t, g in zip(types, plan.groups, strict=True)]
     n = np.array([g.replicas for g in plan.groups])
@@ -377,13 +417,17 @@ def _candidate(types: list[GroupType], n: np.ndarray, k: int, m: dict[str, np.nd
 def candidate_plan(c: Candidate, types: list[GroupType], cfg: PlannerConfig, name: str = "planned") -> Plan:
     """The Plan for a candidate (capacity-proportional routing, fixed replicas, in-flight weight sync)."""
     by_name = {t.name: t for t in types}
+    layouts = cfg.layouts == "cheapest"  # the layout search decided each group's GPUs: record them
     groups = tuple(GroupPlan(name=g, accelerator=by_name[g].accelerator, precision=by_name[g].precision,
-                             kv_dtype=by_name[g].kv_dtype, emulated=by_name[g].emulated, replicas=r)
+                             kv_dtype=by_name[g].kv_dtype, emulated=by_name[g].emulated, replicas=r,
+                             tp=by_name[g].tp if layouts else 0, dp_attention=by_name[g].dp_attention,
+                             ep=by_name[g].ep)
                    for g, r in c.replicas.items())
     wl = load_workload(cfg.workload)
     cat = load_catalog(cfg.price_table)
     used = {cat.accelerator(a).name for a in [cfg.trainer_accelerator, *(g.accelerator for g in groups)]}
     return Plan(name=name, groups=groups, seed=cfg.seed, model=cfg.model, workload=cfg.workload,
+                cost_backend=cfg.backend,
                 price_table=cfg.price_table, description=f"mixfleet plan ({cfg.objective})",
                 prices={a: usd for a, usd in cfg.prices.items() if a in used},
                 trainer=TrainerPlan(accelerator=cfg.trainer_accelerator, gpus=cfg.trainer_gpus),

@@ -111,10 +111,12 @@ def nominal_point(rm: ReplicaModel, mean_context: float, max_running: int = DEFA
 
 def group_replica_model(plan: Plan, g: GroupPlan, model: ModelSpec, catalog: Catalog,
                         workload: WorkloadSpec, efficiency: Efficiency | None = None) -> ReplicaModel:
-    """The cost model of one replica of a plan group (KV budget: one max-context sequence)."""
+    """The cost model of one replica of a plan group (KV budget: one max-context sequence; the group's layout and
+    the plan's cost backend)."""
     return replica_model(model, g.accelerator, g.precision, g.kv_dtype, catalog=catalog, tp=g.tp or None,
                          emulated=g.emulated, efficiency=efficiency,
-                         kv_budget_tokens=min(workload.max_context, model.max_context))
+                         kv_budget_tokens=min(workload.max_context, model.max_context), layout=g.layout,
+                         backend=plan.cost_backend)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,7 +156,8 @@ def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog 
         prior = mismatch_prior(g.accelerator, g.precision, g.kv_dtype)
         kl, ext, growth = ov.mismatch.get(g.name, (prior.kl_k3, prior.extreme_share, prior.growth_per_staleness))
         groups.append(GroupSetup(
-            name=g.name, rates=TabulatedRates(rm, workload.max_context), replicas=g.replicas,
+            name=g.name, rates=TabulatedRates(rm, workload.max_context, DEFAULT_MAX_BATCH * rm.dp_attention),
+            replicas=g.replicas,
             min_replicas=g.min_replicas, max_replicas=g.max_replicas, capacity_tokens_per_s=tps,
             usd_per_mtoken=usd_mtok, weight_sync_s=ov.weight_sync_s.get(g.name, weight_sync_s(rm, trainer_acc)),
             kl_k3=kl, extreme_share=ext, kl_growth_per_version=growth))

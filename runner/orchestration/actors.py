@@ -50,7 +50,7 @@ class SamplerWorker:
     def __init__(self, *, group: str, index: int, model_path: str, precision: str, kv_dtype: str,
                  kernel: str | None = None, threads: int = 1, seed: int = 0, weight_version: str = "0",
                  mode: str = "embedded", max_running_requests: int = 256, top_p_replay: bool = False,
-                 tp: int = 1, routed_experts: bool = False) -> None:
+                 tp: int = 1, routed_experts: bool = False, dp_attention: int = 1, ep: int = 1) -> None:
         if mode not in SAMPLER_MODES:
             raise ValueError(f"SamplerWorker.mode = {mode!r}; allowed: {', '.join(SAMPLER_MODES)}")
         self.group, self.index, self.mode = group, index, mode
@@ -75,7 +75,8 @@ class SamplerWorker:
             from mixfleet.runner.trainer.megatron_model import _free_port
 
             host = ray.util.get_node_ip_address()
-            spec = spec_for_group({"name": group, "precision": precision, "kv_dtype": kv_dtype, "tp": tp},
+            spec = spec_for_group({"name": group, "precision": precision, "kv_dtype": kv_dtype, "tp": tp,
+                                   "dp_attention": dp_attention, "ep": ep},
                                   model_path=model_path, port=_free_port(), host=host, top_p_replay=top_p_replay,
                                   weight_version=weight_version, enable_return_routed_experts=routed_experts)
             self._proc, attached = launch(spec)

@@ -51,6 +51,8 @@ class GroupSpec:
     usd_per_hour: float                   # one replica's price
     usd_per_mtoken: float
     urls: tuple[str, ...] = ()            # "attach" mode: the replicas' base URLs
+    dp_attention: int = 1                 # the plan's layout (SGLang --dp-size with --enable-dp-attention)
+    ep: int = 1                           # the plan's expert-parallel size (SGLang --ep-size)
 
     def __post_init__(self) -> None:
         where = f"fleet group '{self.name}'"
@@ -96,11 +98,12 @@ def _nominal(plan: Plan, g: GroupPlan) -> tuple[float, float, float, int]:
         workload = load_workload(plan.workload)
         ctx = float(workload.mean_decode_context)
         rm = replica_model(model, g.accelerator, g.precision, g.kv_dtype, catalog=cat, tp=g.tp or None,
-                           emulated=True, kv_budget_tokens=min(workload.max_context, model.max_context))
-        b = max(1, int(rm.max_batch(ctx, _MAX_BATCH)))
+                           emulated=True, kv_budget_tokens=min(workload.max_context, model.max_context),
+                           layout=g.layout, backend=plan.cost_backend)
+        b = max(1, int(rm.max_batch(ctx, _MAX_BATCH * rm.dp_attention)))
         tps = float(rm.tokens_per_s(b, ctx))
         usd_h = float(rm.price_usd_per_hour)
-        return tps, usd_h, usd_h / 3600.0 / max(tps, 1e-12) * 1e6, int(rm.tp)
+        return tps, usd_h, usd_h / 3600.0 / max(tps, 1e-12) * 1e6, int(rm.n_gpus)
     except Exception:  # noqa: BLE001 - an accelerator / precision the catalog lacks: equal weights
         return 1.0, 0.0, 0.0, max(1, g.tp)
 
@@ -135,7 +138,9 @@ def fleet_from_plan(plan: Plan, *, mode: str = "embedded", attach: Mapping[str, 
         groups.append(GroupSpec(name=g.name, accelerator=g.accelerator, precision=g.precision, kv_dtype=g.kv_dtype,
                                 kernel=g.kernel or None, replicas=n, planned_replicas=g.replicas, min_replicas=lo,
                                 max_replicas=hi, tp=tp, capacity_tokens_per_s=tps if math.isfinite(tps) else 1.0,
-                                usd_per_hour=usd_h, usd_per_mtoken=usd_m, urls=urls))
+                                usd_per_hour=usd_h, usd_per_mtoken=usd_m, urls=urls,
+                                dp_attention=g.dp_attention if mode == "sglang" else 1,
+                                ep=g.ep if mode == "sglang" else 1))
         resources[g.accelerator] = resources.get(g.accelerator, 0.0) + hi * tp
     if sum(g.replicas for g in groups) == 0:
         raise ValueError(f"plan '{plan.name}': no sampler replica to start (every group scaled to 0)")

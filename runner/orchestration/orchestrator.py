@@ -409,7 +409,7 @@ class Orchestrator:
                                    seed=self.config.seed * 1009 + zlib.crc32(f"{g.name}/{index}".encode()) % 1000,
                                    weight_version=str(version),
                                    mode="sglang" if self.fleet.mode == "sglang" else "embedded",
-                                   top_p_replay=self.top_p_replay, tp=g.tp,
+                                   top_p_replay=self.top_p_replay, tp=g.tp, dp_attention=g.dp_attention, ep=g.ep,
                                    routed_experts=self.routed_shape is not None)
                 info = await actor.info.remote()
                 url = info["url"]

@@ -2,11 +2,12 @@
 
 On GPU clusters a group's replicas are real SGLang servers. `launch_argv` builds the exact
 `python -m sglang.launch_server ...` command for one replica from the group's precision, KV dtype
-and tensor parallelism (SGLang quantizes a BF16 checkpoint at load, as the embedded engine does):
+and layout (SGLang quantizes a BF16 checkpoint at load, as the embedded engine does):
 
     bf16   -> (no --quantization)          fp8   -> --quantization fp8
     nvfp4  -> --quantization modelopt_fp4  mxfp4 -> --quantization mxfp4
     KV fp8_e4m3 -> --kv-cache-dtype fp8_e4m3;   top-p mask replay -> --sampling-mask-max-tokens 512
+    layout: --tp-size GPUs [--dp-size D --enable-dp-attention] [--ep-size E]   (the plan's tp, dp_attention, ep)
 
 `attach(url)` connects to an already-running server (SGLang or the embedded one): it checks
 /health and /model_info and returns what the server says about itself. Nothing here needs SGLang
@@ -40,6 +41,8 @@ class SGLangLaunchSpec:
     port: int
     host: str = LOOPBACK
     tp_size: int = 1                             # GPUs per replica
+    dp_size: int = 1                             # attention data-parallel groups (--dp-size, --enable-dp-attention)
+    ep_size: int = 1                             # expert-parallel size (--ep-size)
     precision: str = "bf16"                      # weights: bf16 | fp8 | nvfp4 | mxfp4
     kv_cache_dtype: str = "bf16"                 # bf16 (SGLang's auto) | fp8_e4m3
     sampling_mask_max_tokens: int | None = None  # set when the trainer replays top-p masks (e.g. 512)
@@ -56,6 +59,10 @@ class SGLangLaunchSpec:
             raise ValueError(f"{where}: port = {self.port!r}; allowed: 1..65535")
         if not isinstance(self.tp_size, int) or isinstance(self.tp_size, bool) or self.tp_size < 1:
             raise ValueError(f"{where}: tp_size = {self.tp_size!r}; allowed: an integer >= 1")
+        for name in ("dp_size", "ep_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1 or self.tp_size % v:
+                raise ValueError(f"{where}: {name} = {v!r}; allowed: a divisor of tp_size ({self.tp_size})")
         if self.precision not in SGLANG_PRECISIONS:
             raise ValueError(f"{where}: precision = {self.precision!r}; allowed: {', '.join(SGLANG_PRECISIONS)}")
         if self.kv_cache_dtype not in SGLANG_KV_DTYPES:
@@ -70,6 +77,10 @@ def launch_argv(spec: SGLangLaunchSpec) -> list[str]:
     """The exact command line of one SGLang replica."""
     argv = [spec.python, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", spec.host,
             "--port", str(spec.port), "--tp-size", str(spec.tp_size)]
+    if spec.dp_size > 1:
+        argv += ["--dp-size", str(spec.dp_size), "--enable-dp-attention"]
+    if spec.ep_size > 1:
+        argv += ["--ep-size", str(spec.ep_size)]
     quant = QUANTIZATION_FLAG[spec.precision]
     if quant is not None:
         argv += ["--quantization", quant]
@@ -93,14 +104,16 @@ def _field(group: Any, name: str, default: Any = None) -> Any:
 def spec_for_group(group: Any, *, model_path: str, port: int, tp_size: int | None = None,
                    top_p_replay: bool = False, host: str = LOOPBACK, **kw: Any) -> SGLangLaunchSpec:
     """The launch spec of one replica of a plan group (a `GroupPlan` or a mapping with its fields:
-    precision, kv_dtype, tp). `tp_size` overrides the group's `tp`; a group with tp = 0 ("the
-    smallest that fits", decided by the cost model) needs it."""
+    precision, kv_dtype, tp, and the layout's dp_attention and ep). `tp_size` overrides the group's `tp`;
+    a group with tp = 0 ("the smallest that fits", decided by the cost model) needs it."""
     tp = tp_size if tp_size is not None else _field(group, "tp", 1)
     name = _field(group, "name", "?")
     if not tp:
         raise ValueError(f"plan group '{name}': tp = 0 (auto); pass tp_size resolved by the cost model")
     kv = _field(group, "kv_dtype", None) or _field(group, "kv_cache_dtype", "bf16")
     return SGLangLaunchSpec(model_path=str(model_path), port=port, host=host, tp_size=int(tp),
+                            dp_size=int(_field(group, "dp_attention", 1) or 1),
+                            ep_size=int(_field(group, "ep", 1) or 1),
                             precision=_field(group, "precision"), kv_cache_dtype=kv,
                             sampling_mask_max_tokens=DEFAULT_SAMPLING_MASK_MAX_TOKENS if top_p_replay else None, **kw)
 

@@ -138,6 +138,10 @@ def register(app: typer.Typer) -> None:
                                            "(0: 10 + 2 x prompts in flight / prompts per update)."),
         out: Path = typer.Option(None, "--out", "-o", help="Write the chosen plan here (TOML)."),
         pareto_n: int = typer.Option(12, "--pareto", help="Pareto rows to print."),
+        layouts: str = typer.Option("smallest", "--layouts", help="smallest: the smallest TP that fits; cheapest: "
+                                    "each group's cheapest layout per token (TP 1-8, attention DP + EP for MoE)."),
+        backend: str = typer.Option("roofline", "--backend", help="Replica step times: roofline, auto (measured "
+                                    "aiconfigurator tables where they cover a group), aiconfigurator."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
         calibration: Path = typer.Option(None, "--calibration", "-c",
                                          help="Calibration file (mixfleet calibrate): fitted values in place of "
@@ -165,7 +169,8 @@ def register(app: typer.Typer) -> None:
                                 trainer_accelerator=trainer, trainer_gpus=trainer_gpus, max_staleness=max_staleness,
                                 max_time_per_update_s=max_time, max_usd_per_hour=budget, objective=objective,
                                 verify=verify, verify_updates=verify_updates, prices=_prices(price),
-                                precisions=_precisions(precisions), emulated=emulated)
+                                precisions=_precisions(precisions), emulated=emulated, layouts=layouts,
+                                backend=backend)
             wall0 = time.perf_counter()
             with console.status("planning") as status:
                 result = plan_mix(cfg, progress=lambda m: status.update(f"planning: {m}"))
@@ -189,18 +194,23 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(json_safe({
                 "best": result.best.to_dict(), "pareto": [c.to_dict() for c in result.pareto],
                 "verified": [c.to_dict() for c in result.verified], "screened": result.screened,
-                "feasible": result.feasible, "plan_file": str(out) if out else None, "wall_s": wall_s}), indent=2))
+                "feasible": result.feasible, "plan_file": str(out) if out else None, "wall_s": wall_s,
+                "groups": {x.name: {"tp": x.tp, "dp_attention": x.dp_attention, "ep": x.ep, "backend": x.backend}
+                           for x in result.types if x.name in result.best.replicas}}), indent=2))
             return
         b = result.best
         t = Table(title=f"Chosen mix ({cfg.objective}; {result.screened} candidates screened, {result.feasible} "
                         "feasible)")
-        for col in ("group", "replicas", "GPUs", "tokens/s", "USD/h", "prior masked share"):
-            t.add_column(col, justify="right" if col != "group" else "left")
+        for col in ("group", "replicas", "GPUs", "layout", "tokens/s", "USD/h", "prior masked share", "priced by"):
+            t.add_column(col, justify="right" if col not in ("group", "layout", "priced by") else "left")
         types = {x.name: x for x in result.types}
         for g, n in b.replicas.items():
             x = types[g]
-            t.add_row(g, str(n), str(n * x.tp), _num(n * x.tokens_per_s, ",.0f"), _num(n * x.usd_per_hour),
-                      _num(x.masked_share, ".3%"))
+            lay = (f"TP{x.tp}" if x.dp_attention == 1 and x.ep == 1 else
+                   f"TP{x.tp // x.dp_attention}-DP{x.dp_attention}-EP{x.ep}" if x.tp // x.dp_attention > 1
+                   else f"DEP{x.tp}")
+            t.add_row(g, str(n), str(n * x.tp), lay, _num(n * x.tokens_per_s, ",.0f"), _num(n * x.usd_per_hour),
+                      _num(x.masked_share, ".3%"), "measured" if x.backend == "aiconfigurator" else x.backend)
         Console().print(t)
         lines = []
         if b.verified:
