@@ -60,10 +60,14 @@ def sample(rid: str, ids: list[int], n: int = 16, seed: int = 0, **kw) -> Engine
                          params=SamplingParams(max_new_tokens=n, temperature=1.0, sampling_seed=seed, ignore_eos=True))
 
 
-def hf_forward(path: Path, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def hf_model(path: Path):
+    """HF transformers' own class for the checkpoint (Qwen3ForCausalLM / Qwen3MoeForCausalLM), by its loader."""
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
+                                                             attn_implementation="eager").eval()
+
+
+def hf_forward(model, seq: list[int]) -> tuple[torch.Tensor, torch.Tensor | None]:
     """HF transformers' logits [n, vocab] and (MoE) router top-k experts [n, layers, k] of one sequence."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True,
-                                                              attn_implementation="eager").eval()
     moe = model.config.model_type == "qwen3_moe"
     with torch.no_grad():
         out = model(torch.tensor([seq]), output_router_logits=moe)
@@ -81,11 +85,13 @@ def test_fp32_engine_matches_hf_transformers(ckpts: dict[str, Path], name: str) 
     engine = Engine(path, precision="fp32", kv_cache_dtype="fp32", enable_return_routed_experts=moe)
     reqs = [sample(f"r{i}", p, seed=i, return_routed_experts=moe) for i, p in enumerate(PROMPTS)]
     res = run(engine, reqs)                       # prefill + batched decode, the serving path
+    model = hf_model(path)
+    assert type(model).__name__ == ("Qwen3MoeForCausalLM" if moe else "Qwen3ForCausalLM")
     diffs = []
     for r in reqs:
         out = res[r.rid]
         seq = r.input_ids + out.output_ids
-        hf_logits, hf_experts = hf_forward(path, seq)
+        hf_logits, hf_experts = hf_forward(model, seq)
         # the full teacher-forced forward agrees with HF's logits
         ours = forward_full(engine.weights, seq)
         diffs.append((ours - hf_logits).abs().max().item())
