@@ -226,10 +226,9 @@ def dry_run(pt: PlanText, updates: int, seed: int, progress: Callable[[int], Non
     if done is not None:
         return done
     out = twin_run_dir(pt, updates, seed, calibration)
-    if out.exists():
-        import shutil
+    from mixfleet.costmodel.outdir import prepare_output_dir
 
-        shutil.rmtree(out)
+    prepare_output_dir(out, "twin_runlog", where="Dry-run page", force=True)   # an unfinished dry run, never more
     out.parent.mkdir(parents=True, exist_ok=True)
     if calibration:
         from mixfleet.twin.calibrated import simulate_calibrated

@@ -204,6 +204,9 @@ def _fidelity_section(path: Path, header: dict) -> None:
         keep = runs_dir() / "twin" / f"fidelity-{path.name}-{tag}"
         with st.spinner("simulating this run's plan as it ran..."):
             try:
+                from mixfleet.costmodel.outdir import prepare_output_dir
+
+                prepare_output_dir(keep, "twin_runlog", where="Runs page", force=True)   # the previous check's log
                 reports[key] = fidelity(None, path, cal_path, keep_twin_log=keep).to_dict()
             except Exception as e:
                 show_error("fidelity check failed", e)
