@@ -3,9 +3,10 @@
 One `SamplerClient` per sampler replica (base URL). It speaks SGLang's native API subset
 (runner/sampler/protocol.py): `generate` (with the session's `X-SMG-Routing-Key` header, so a router keeps
 a session's turns on one replica), `stream`, weight updates, pause / continue, abort, load and
-health. Connection failures (nothing listening yet, connection reset before the request was
-sent) are retried with exponential backoff; every call has a timeout. A 4xx/5xx answer raises
-`SamplerHTTPError` carrying the server's message.
+health. A sampler started with an API key (SGLang's `--api-key`) gets it on every request as
+`Authorization: Bearer <key>` (`SamplerClient(url, api_key=...)`). Connection failures (nothing listening
+yet, connection reset before the request was sent) are retried with exponential backoff; every call has a
+timeout. A 4xx/5xx answer raises `SamplerHTTPError` carrying the server's message.
 """
 
 from __future__ import annotations
@@ -120,13 +121,14 @@ class SamplerClient:
     """Talks to one sampler over HTTP. Use as `async with SamplerClient(url) as c: ...`."""
 
     def __init__(self, base_url: str, *, config: ClientConfig | None = None,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 transport: httpx.AsyncBaseTransport | None = None, api_key: str | None = None) -> None:
         self.base_url = base_url.rstrip("/")
         self.config = config or ClientConfig()
         timeout = httpx.Timeout(self.config.request_timeout_s, connect=self.config.connect_timeout_s)
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=64)
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._http = httpx.AsyncClient(base_url=self.base_url, timeout=timeout, limits=limits, transport=transport,
-                                       trust_env=False)
+                                       trust_env=False, headers=headers)
 
     async def __aenter__(self) -> SamplerClient:
         return self

@@ -12,6 +12,12 @@ Endpoints: /generate (single, batch, `stream` as server-sent events), /health, /
 /flush_cache, /abort_request, /pause_generation, /continue_generation, /update_weights_from_disk,
 /update_weight_version. The distributed weight-update endpoints answer 400: the embedded engine
 takes weights from disk.
+
+API key (`ServerArgs.api_key`, `mixfleet serve --api-key`): as real SGLang's `--api-key`
+(sglang/srt/utils `add_api_key_middleware`), every request must carry `Authorization: Bearer <key>`,
+except the health checks (paths starting with /health) and CORS preflights (OPTIONS); anything else is
+answered 401 with a message. A real run starts every replica with its own run's key
+(runner/orchestration), so a sampler port reachable on a cluster network does not serve strangers.
 """
 
 from __future__ import annotations
@@ -21,12 +27,13 @@ import contextlib
 import json
 import logging
 import math
+import secrets
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +59,9 @@ from mixfleet.runner.sampler.protocol import (
 log = logging.getLogger("mixfleet.server")
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
+AUTH_HEADER = "Authorization"                  # SGLang's --api-key: "Authorization: Bearer <key>"
+AUTH_EXEMPT_PREFIXES = ("/health",)            # as SGLang: /health and /health_generate need no key
+MIN_API_KEY_CHARS = 16
 PAUSE_MODES = ("abort", "retract", "in_place")
 # what SGLang's --quantization calls each embedded precision (None: unquantized)
 QUANTIZATION_NAME = {"fp32": None, "bf16": None, "fp8": "fp8", "nvfp4": "modelopt_fp4", "mxfp4": "mxfp4"}
@@ -74,8 +84,13 @@ class ServerArgs:
     kernel: str | None = None                     # matmul dtype after dequantization (reported)
     tp_size: int = 1                              # always 1 for the embedded engine
     log_level: str = "warning"                    # uvicorn's log level
+    api_key: str | None = field(default=None, repr=False)  # required as "Authorization: Bearer <key>"; never shown
 
     def __post_init__(self) -> None:
+        if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < MIN_API_KEY_CHARS
+                                         or any(c.isspace() for c in self.api_key)):
+            raise ValueError(f"ServerArgs.api_key: must be a string of >= {MIN_API_KEY_CHARS} characters without "
+                             "spaces, or None (no key)")
         if not isinstance(self.host, str) or not self.host:
             raise ValueError(f"ServerArgs.host = {self.host!r}: must be a host name or address")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -252,7 +267,8 @@ class EmbeddedSampler:
                 "weight_version": str(e.weight_version), "version": "mixfleet-embedded",
                 "mixfleet": {"engine": "embedded", "precision": e.precision, "kv_cache_dtype": e.kv_cache_dtype,
                              "kernel": self.args.kernel or getattr(e, "kernel", None),
-                             "server_args": asdict(self.args)}}
+                             "server_args": {k: v for k, v in asdict(self.args).items() if k != "api_key"},
+                             "api_key_required": self.args.api_key is not None}}
         return info
 
 
@@ -323,6 +339,22 @@ def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
     app = FastAPI(title="mixfleet embedded sampler", lifespan=lifespan, docs_url=None, redoc_url=None,
                   default_response_class=FiniteJSONResponse)
     app.state.sampler = state
+
+    if args.api_key is not None:
+        expected = f"Bearer {args.api_key}".encode()
+
+        @app.middleware("http")
+        async def _require_api_key(request: Request, call_next: Any) -> Response:
+            if request.method == "OPTIONS" or request.url.path.startswith(AUTH_EXEMPT_PREFIXES):
+                return await call_next(request)
+            sent = request.headers.get(AUTH_HEADER)
+            if sent is None:
+                return _error(f"missing API key: this sampler requires the header '{AUTH_HEADER}: Bearer <key>' "
+                              "(started with --api-key)", 401)
+            if not secrets.compare_digest(sent.encode(), expected):
+                return _error("wrong API key (the header 'Authorization: Bearer <key>' does not match this "
+                              "sampler's --api-key)", 401)
+            return await call_next(request)
 
     @app.exception_handler(ProtocolError)
     async def _protocol_error(_request: Request, exc: ProtocolError) -> JSONResponse:

@@ -8,6 +8,7 @@ and layout (SGLang quantizes a BF16 checkpoint at load, as the embedded engine d
     nvfp4  -> --quantization modelopt_fp4  mxfp4 -> --quantization mxfp4
     KV fp8_e4m3 -> --kv-cache-dtype fp8_e4m3;   top-p mask replay -> --sampling-mask-max-tokens 512
     layout: --tp-size GPUs [--dp-size D --enable-dp-attention] [--ep-size E]   (the plan's tp, dp_attention, ep)
+    api key: --api-key KEY (the run's key; SGLang then answers 401 unless "Authorization: Bearer KEY")
 
 `attach(url)` connects to an already-running server (SGLang or the embedded one): it checks
 /health and /model_info and returns what the server says about itself. Nothing here needs SGLang
@@ -48,6 +49,7 @@ class SGLangLaunchSpec:
     sampling_mask_max_tokens: int | None = None  # set when the trainer replays top-p masks (e.g. 512)
     weight_version: str | None = None            # --weight-version: the version the server reports at start
     enable_return_routed_experts: bool = False   # MoE: record routing so requests may ask (routing replay)
+    api_key: str | None = field(default=None, repr=False)  # --api-key (never printed: `describe` masks it)
     python: str = "python"                       # interpreter on the GPU node
     extra_args: tuple[str, ...] = field(default_factory=tuple)  # appended verbatim (site-specific flags)
 
@@ -92,6 +94,8 @@ def launch_argv(spec: SGLangLaunchSpec) -> list[str]:
         argv += ["--weight-version", spec.weight_version]
     if spec.enable_return_routed_experts:
         argv += ["--enable-return-routed-experts"]
+    if spec.api_key is not None:
+        argv += ["--api-key", spec.api_key]
     return argv + list(spec.extra_args)
 
 
@@ -145,13 +149,15 @@ class AttachError(RuntimeError):
 
 
 def attach(url: str, *, timeout_s: float = 10.0, wait_s: float = 0.0,
-           expect_model_path: str | None = None) -> AttachedSampler:
+           expect_model_path: str | None = None, api_key: str | None = None) -> AttachedSampler:
     """Check that a sampler serves at `url` (/health 200, /model_info a generation model) and describe it.
 
-    `wait_s` > 0 keeps polling /health that long (a server still loading answers 503)."""
+    `wait_s` > 0 keeps polling /health that long (a server still loading answers 503). `api_key`: the key
+    the server was started with (sent as "Authorization: Bearer <key>")."""
     base = url.rstrip("/")
     deadline = time.monotonic() + wait_s
-    with httpx.Client(base_url=base, timeout=timeout_s, trust_env=False) as http:
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    with httpx.Client(base_url=base, timeout=timeout_s, trust_env=False, headers=headers) as http:
         while True:
             try:
                 status = http.get("/health").status_code
@@ -199,7 +205,7 @@ def launch(spec: SGLangLaunchSpec, *, env: Mapping[str, str] | None = None, wait
     out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
     proc = subprocess.Popen(argv, env=dict(env) if env is not None else None, stdout=out, stderr=subprocess.STDOUT)
     try:
-        attached = attach(f"http://{spec.host}:{spec.port}", wait_s=wait_s)
+        attached = attach(f"http://{spec.host}:{spec.port}", wait_s=wait_s, api_key=spec.api_key)
     except AttachError:
         proc.terminate()
         raise
@@ -207,7 +213,12 @@ def launch(spec: SGLangLaunchSpec, *, env: Mapping[str, str] | None = None, wait
 
 
 def describe(argv: Sequence[str]) -> str:
-    """A shell-ready rendering of an argv (for logs and `--dry-run` printing)."""
+    """A shell-ready rendering of an argv (for logs and `--dry-run` printing); an --api-key value is shown
+    as "$MIXFLEET_API_KEY" (a key never reaches a log or a terminal)."""
     import shlex
 
-    return " ".join(shlex.quote(a) for a in argv)
+    out = [shlex.quote(a) for a in argv]
+    for i, a in enumerate(argv[:-1]):
+        if a == "--api-key":
+            out[i + 1] = '"$MIXFLEET_API_KEY"'
+    return " ".join(out)

@@ -39,6 +39,9 @@ def serve(
         False, "--enable-return-routed-experts",
         help="MoE models: record each token's experts so requests may ask for them (return_routed_experts)"),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level"),
+    api_key: str | None = typer.Option(None, "--api-key", envvar="MIXFLEET_API_KEY", show_default=False,
+                                       help="require 'Authorization: Bearer KEY' on every request but /health* "
+                                            "(as SGLang's --api-key; the environment variable keeps it out of ps)"),
     print_sglang: bool = typer.Option(False, "--print-sglang",
                                       help="print the equivalent `python -m sglang.launch_server` command and exit"),
 ) -> None:
@@ -64,7 +67,8 @@ def serve(
             spec = SGLangLaunchSpec(model_path=str(model), port=port, host=host, precision=precision,
                                     kv_cache_dtype=kv_cache_dtype, sampling_mask_max_tokens=sampling_mask_max_tokens,
                                     weight_version=weight_version,
-                                    enable_return_routed_experts=enable_return_routed_experts)
+                                    enable_return_routed_experts=enable_return_routed_experts,
+                                    api_key=api_key)
         except ValueError as e:
             _fail(str(e))
         typer.echo(describe(launch_argv(spec)))
@@ -79,7 +83,8 @@ def serve(
     try:
         args = ServerArgs(host=host, port=port, max_body_bytes=max_body_bytes,
                           sampling_mask_max_tokens=sampling_mask_max_tokens,
-                          max_running_requests=max_running_requests, kernel=kernel, log_level=log_level)
+                          max_running_requests=max_running_requests, kernel=kernel, log_level=log_level,
+                          api_key=api_key)
         engine = Engine(model, precision=precision, kv_cache_dtype=kv_cache_dtype, kernel=kernel,
                         max_total_tokens=max_total_tokens, max_running_requests=max_running_requests,
                         sampling_mask_max_tokens=sampling_mask_max_tokens, seed=seed, weight_version=weight_version,
@@ -87,7 +92,7 @@ def serve(
     except (ValueError, FileNotFoundError, OSError) as e:
         _fail(str(e))
     typer.echo(f"mixfleet serve: {model} ({precision}, KV {kv_cache_dtype}, weight version {engine.weight_version}) "
-               f"on http://{host}:{port}", err=True)
+               f"on http://{host}:{port}" + (" (API key required)" if api_key else ""), err=True)
     run_server(engine, server_args=args)
 
 
