@@ -136,15 +136,11 @@ class TrainerWorker:
 
     def train(self, tensors: Mapping[str, Any]) -> dict[str, Any]:
         """One update on a `runner.batching.TrainBatch.tensors` mapping; returns the step's metrics."""
-        from mixfleet.runner.corrections import policy_loss
         from mixfleet.runner.orchestration.batching import correction_batch
+        from mixfleet.runner.trainer.trainer import policy_loss_fn
 
-        cfg = self.correction
-
-        def loss_fn(logits: Any, batch: Mapping[str, Any]) -> tuple[Any, Mapping[str, Any]]:
-            flat = logits.reshape(-1, logits.shape[-1])
-            return policy_loss(flat, correction_batch(batch), cfg)
-
+        # the output layer fused into the corrections' loss: the step never builds [T, V] logits
+        loss_fn = policy_loss_fn(self.correction, correction=correction_batch)
         return dict(self.trainer.train_step(dict(tensors), loss_fn))
 
     def export(self, directory: str, version: int | None = None) -> str:

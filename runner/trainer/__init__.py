@@ -2,7 +2,7 @@
 
 Imports are lazy so that `mixfleet.runner.trainer.hf_export` (pure torch) can be used without
 loading Megatron-core. Public names: Trainer, TrainerConfig, OptimizerConfig, BuildOptions,
-ensure_parallel_state, build_gpt_model, megatron_to_hf, hf_to_megatron, policy_loss_fn.
+ensure_parallel_state, build_gpt_model, megatron_to_hf, hf_to_megatron, policy_loss_fn, OutputLayerLoss.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 
 _EXPORTS = {
     "Trainer": "trainer", "TrainerConfig": "trainer", "OptimizerConfig": "trainer", "LossFn": "trainer",
-    "spec_from_hf_config": "trainer", "policy_loss_fn": "trainer",
+    "spec_from_hf_config": "trainer", "policy_loss_fn": "trainer", "OutputLayerLoss": "trainer",
     "BuildOptions": "megatron_model", "BuiltModel": "megatron_model",
     "ensure_parallel_state": "megatron_model", "build_gpt_model": "megatron_model",
     "padded_vocab_size": "megatron_model", "megatron_to_hf": "hf_export", "hf_to_megatron": "hf_export",

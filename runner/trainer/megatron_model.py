@@ -30,8 +30,10 @@ a CPU-only machine (this project's CI) and on GPUs (production). It owns three t
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -276,3 +278,29 @@ def build_gpt_model(spec: ModelSpec, options: BuildOptions | None = None) -> Bui
     return BuiltModel(model=model, spec=spec, device=device, padded_vocab_size=vocab,
                       uses_transformer_engine=use_te,
                       autocast_dtype=torch.bfloat16 if device == "cuda" else None)
+
+
+def output_layer_weight(model: torch.nn.Module) -> torch.Tensor:
+    """The weight [padded_vocab, H] the GPTModel's output layer multiplies its input by (tied: the embedding's).
+
+    As Megatron's `GPTModel._postprocess` picks it: `shared_embedding_or_output_weight()` when the
+    embeddings are shared, else `output_layer.weight`.
+    """
+    if getattr(model, "share_embeddings_and_output_weights", False):
+        return model.shared_embedding_or_output_weight()
+    return model.output_layer.weight
+
+
+@contextlib.contextmanager
+def without_output_layer(model: torch.nn.Module) -> Iterator[None]:
+    """Within: `model(...)` returns the decoder's final hidden states [S, B, H] (after the final norm),
+    not logits. Megatron's own hook for a stage without the output layer: GPTModel._postprocess returns
+    its input when `post_process` is False (the decoder's final norm was built with the model and
+    stays). A GPTModel built for the last stage, without multi-token prediction, is required."""
+    if not getattr(model, "post_process", False) or getattr(model, "mtp_process", False):
+        raise ValueError("without_output_layer needs a GPTModel built with post_process=True and no MTP block")
+    model.post_process = False
+    try:
+        yield
+    finally:
+        model.post_process = True

@@ -14,7 +14,9 @@ Conventions:
   positions restart at each segment when `position_ids` is not given). Anything else in the batch
   (labels, advantages, masks, sampler log-probs...) is for the loss function.
 - `loss_fn(logits, batch) -> (loss, metrics)`; e.g. the corrections module:
-  `lambda logits, batch: policy_loss(logits, batch, cfg)`.
+  `lambda logits, batch: policy_loss(logits, batch, cfg)`. Or an `OutputLayerLoss` on the output
+  layer's input and weight (`policy_loss_fn(cfg)`: the corrections' fused loss), for which the model
+  runs without its output layer and no [B, S, V] logits are built.
 - `version` counts optimizer steps taken (0 = initial weights); exports carry it as the weight version.
 - Weight decay applies to matrices (ndim >= 2) only, never to norm weights. The learning rate is
   constant after an optional linear warmup, computed from `version` (so resuming needs no scheduler).
@@ -23,6 +25,7 @@ Conventions:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import math
@@ -57,7 +60,14 @@ from mixfleet.runner.trainer.hf_export import (
     uses_fused_norms,
     uses_grouped_experts,
 )
-from mixfleet.runner.trainer.megatron_model import BuildOptions, BuiltModel, build_gpt_model, moe_routers
+from mixfleet.runner.trainer.megatron_model import (
+    BuildOptions,
+    BuiltModel,
+    build_gpt_model,
+    moe_routers,
+    output_layer_weight,
+    without_output_layer,
+)
 from mixfleet.runner.trainer.routing import check_routing_mode
 
 LossFn = Callable[[torch.Tensor, Mapping[str, Any]], tuple[torch.Tensor, Mapping[str, Any]]]
@@ -128,19 +138,49 @@ class TrainerConfig:
                    export_dtype=d.get("export_dtype", "float32"), routing=d.get("routing", "free"))
 
 
-def policy_loss_fn(config: Any) -> LossFn:
-    """A loss_fn running the corrections module's `policy_loss` with `config` (a CorrectionConfig).
+@dataclass(frozen=True)
+class OutputLayerLoss:
+    """A loss on the output layer's input and weight instead of its logits: `fn(hidden, weight, batch)`
+    with hidden [B * S, H] (row b * S + t predicts input_ids[b, t + 1]) and weight [vocab_size, H].
+    `Trainer.train_step` runs the model without its output layer for it, so the [B, S, V] logits are
+    never built (the loss fuses the output layer, e.g. `corrections.policy_loss_from_hidden`)."""
 
-    The batch carries `correction`: a `CorrectionBatch` of T = B * S positions aligned with the
-    flattened logits, i.e. position b * S + t predicts `input_ids[b, t + 1]` (labels there; loss mask 0
-    on each row's last position, on prompt / tool-output tokens and on padding).
+    fn: Callable[[torch.Tensor, torch.Tensor, Mapping[str, Any]], tuple[torch.Tensor, Mapping[str, Any]]]
+
+    def __call__(self, hidden: torch.Tensor, weight: torch.Tensor,
+                 batch: Mapping[str, Any]) -> tuple[torch.Tensor, Mapping[str, Any]]:
+        return self.fn(hidden, weight, batch)
+
+
+def _batch_correction(batch: Mapping[str, Any]) -> Any:
+    if "correction" not in batch:
+        raise ValueError(f"batch has no 'correction' (a CorrectionBatch); keys: {sorted(batch)}")
+    return batch["correction"]
+
+
+def policy_loss_fn(config: Any, *, fused: bool = True,
+                   correction: Callable[[Mapping[str, Any]], Any] | None = None) -> OutputLayerLoss | LossFn:
+    """The corrections module's policy loss with `config` (a CorrectionConfig), for `train_step`.
+
+    `correction(batch)` gives the `CorrectionBatch` (default: `batch["correction"]`) of T = B * S
+    positions aligned with the flattened rows, i.e. position b * S + t predicts `input_ids[b, t + 1]`
+    (labels there; loss mask 0 on each row's last position, on prompt / tool-output tokens and on
+    padding). `fused` (default): `policy_loss_from_hidden` on the output layer's input and weight, so
+    the step never builds [T, V] logits; `fused=False`: `policy_loss` on the flattened logits (the same
+    update to rounding, at the logits' memory).
     """
-    from mixfleet.runner.corrections import policy_loss
+    from mixfleet.runner.corrections import policy_loss, policy_loss_from_hidden
+
+    get = correction or _batch_correction
+    if fused:
+        def hidden_loss(hidden: torch.Tensor, weight: torch.Tensor,
+                        batch: Mapping[str, Any]) -> tuple[torch.Tensor, Mapping[str, Any]]:
+            return policy_loss_from_hidden(hidden, weight, get(batch), config)
+
+        return OutputLayerLoss(hidden_loss)
 
     def loss_fn(logits: torch.Tensor, batch: Mapping[str, Any]) -> tuple[torch.Tensor, Mapping[str, Any]]:
-        if "correction" not in batch:
-            raise ValueError(f"batch has no 'correction' (a CorrectionBatch); keys: {sorted(batch)}")
-        return policy_loss(logits.reshape(-1, logits.shape[-1]), batch["correction"], config)
+        return policy_loss(logits.reshape(-1, logits.shape[-1]), get(batch), config)
 
     return loss_fn
 
@@ -229,8 +269,11 @@ class Trainer:
         return torch.optim.AdamW(groups, lr=o.lr, betas=o.betas, eps=o.eps, foreach=False)
 
     # ---- forward ---------------------------------------------------------------------------
-    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
-                 segment_ids: torch.Tensor | None, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+    def _run_model(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                   segment_ids: torch.Tensor | None, routed_experts: torch.Tensor | None,
+                   *, output_layer: bool = True) -> torch.Tensor:
+        """The GPTModel's output: logits [B, S, padded V], or without its output layer the decoder's final
+        hidden states [S, B, H] (Megatron's layout)."""
         if input_ids.ndim != 2:
             raise ValueError(f"input_ids must be [batch, seq]; got shape {tuple(input_ids.shape)}")
         b, s = input_ids.shape
@@ -255,16 +298,37 @@ class Trainer:
             if routed_experts is not None:
                 routed_experts = routed_experts.reshape(b, s, *routed_experts.shape[-2:])
             routing.arm(self._routers, self.config.routing, routed_experts)
+        dt = self._built.autocast_dtype
         try:
-            if self._built.autocast_dtype is not None:
-                with torch.autocast(device_type=self.device, dtype=self._built.autocast_dtype):
-                    logits = self.model(input_ids, position_ids, mask)
-            else:
-                logits = self.model(input_ids, position_ids, mask)
+            with (contextlib.nullcontext() if dt is None else torch.autocast(device_type=self.device, dtype=dt),
+                  contextlib.nullcontext() if output_layer else without_output_layer(self.model)):
+                out = self.model(input_ids, position_ids, mask)
             self.last_routing = routing.recorded(self._routers, b, s)
         finally:
             routing.disarm(self._routers)
+        return out
+
+    def _forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                 segment_ids: torch.Tensor | None, routed_experts: torch.Tensor | None = None) -> torch.Tensor:
+        logits = self._run_model(input_ids, position_ids, segment_ids, routed_experts)
         return logits[..., : self.spec.vocab_size].float()
+
+    def _forward_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None,
+                        segment_ids: torch.Tensor | None,
+                        routed_experts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden [B * S, H], weight [vocab_size, H]): the output layer's input and weight, not its output.
+
+        Row b * S + t of hidden is what `_forward`'s logits[b, t] would be computed from; the weight
+        is the output layer's (padding rows cut off, as the logits are), so hidden @ weight.T are those
+        logits. Under autocast (CUDA) both come in the autocast dtype, as the output layer would use them.
+        """
+        hidden = self._run_model(input_ids, position_ids, segment_ids, routed_experts, output_layer=False)
+        hidden = hidden.transpose(0, 1).reshape(-1, hidden.shape[-1])
+        weight = output_layer_weight(self.model)[: self.spec.vocab_size]
+        dt = self._built.autocast_dtype
+        if dt is not None:
+            hidden, weight = hidden.to(dt), weight.to(dt)
+        return hidden, weight
 
     def forward_logits(self, input_ids: torch.Tensor, *, position_ids: torch.Tensor | None = None,
                        segment_ids: torch.Tensor | None = None,
@@ -288,8 +352,11 @@ class Trainer:
         return logp.gather(-1, input_ids[:, 1:].to(logp.device, torch.long)[..., None])[..., 0]
 
     # ---- training --------------------------------------------------------------------------
-    def train_step(self, batch: Mapping[str, Any], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, batch: Mapping[str, Any], loss_fn: LossFn | OutputLayerLoss) -> dict[str, float]:
         """One update: forward, loss_fn(logits, batch), backward, clip, one AdamW step; returns metrics.
+
+        With an `OutputLayerLoss` the model runs without its output layer and the loss gets
+        (hidden [B * S, H], output weight [vocab_size, H], batch) instead of the logits.
 
         Metrics: loss, grad_norm (before clipping), lr, version (after the step), skipped (1 if the
         gradient was not finite), step_s, tokens, plus every metric loss_fn returned (as floats).
@@ -303,9 +370,11 @@ class Trainer:
         self.model.train()
         self.optimizer.zero_grad(set_to_none=True)
         sampler_experts = batch.get("routed_experts") if self._routers else None
-        logits = self._forward(batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"),
-                               sampler_experts)
-        loss, loss_metrics = loss_fn(logits, batch)
+        inputs = (batch["input_ids"], batch.get("position_ids"), batch.get("segment_ids"), sampler_experts)
+        if isinstance(loss_fn, OutputLayerLoss):     # the output layer fused into the loss: no [B, S, V] logits
+            loss, loss_metrics = loss_fn(*self._forward_hidden(*inputs), batch)
+        else:
+            loss, loss_metrics = loss_fn(self._forward(*inputs), batch)
         if not isinstance(loss, torch.Tensor) or loss.ndim != 0:
             raise ValueError("loss_fn must return (scalar loss tensor, metrics mapping)")
         loss.backward()
