@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.runner.corrections import METHODS, CorrectionBatch, CorrectionConfig, policy_loss_from_hidden
+from mixfleet.runner.corrections import METHODS, CorrectionBatch, CorrectionConfig, chunked, policy_loss_from_hidden
 from test_corrections_chunked import random_batch, without_kept
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -53,9 +53,11 @@ def test_fused_matches_naive_float64(method: str, replay: bool) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("replay", [False, True])
-def test_fused_matches_naive_low_precision(dtype: torch.dtype, replay: bool) -> None:
+def test_fused_matches_naive_low_precision(dtype: torch.dtype, replay: bool, monkeypatch) -> None:
     """bf16 / fp32 inputs: both compute the logits in the input dtype, the loss in fp32; gradients come
-    back in the input dtype and agree to its rounding (the fused weight gradient is summed in fp32)."""
+    back in the input dtype and agree to its rounding (the fused weight gradient is summed in fp32, the
+    bf16 products in blocks of vocabulary rows: 3 blocks here)."""
+    monkeypatch.setattr(chunked, "_WGRAD_BLOCK_ROWS", 128)
     t, hid, vocab = 96, 32, 300
     h, w = output_layer(t, hid, vocab, seed=4, dtype=dtype)
     batch = random_batch(t, vocab, k=8, kept=5, seed=5, dtype=torch.float32)

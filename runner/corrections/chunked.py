@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 DEFAULT_CHUNK_ROWS = 512   # rows per chunk: 512 x 151,936 x 4 B = 311 MB per fp32 buffer
+_WGRAD_BLOCK_ROWS = 8192   # vocabulary rows per low-precision weight-gradient product (8192 x H temporary)
 
 
 def compute_dtype(logits_dtype: torch.dtype) -> torch.dtype:
@@ -152,8 +153,10 @@ class _FusedGather(torch.autograd.Function):
             if grad_w is not None:
                 if g.dtype == cd:
                     grad_w.addmm_(g.T, h)
-                else:
-                    grad_w.add_(g.T @ h)
+                else:  # the low-precision product in blocks of vocabulary rows: no V x H temporary
+                    for v0 in range(0, grad_w.shape[0], _WGRAD_BLOCK_ROWS):
+                        v1 = min(v0 + _WGRAD_BLOCK_ROWS, grad_w.shape[0])
+                        grad_w[v0:v1] += g[:, v0:v1].T @ h
             del g
         if grad_h is not None and group is not None:
             # hidden is replicated over the vocabulary shards: its gradient is the sum of every shard's part
