@@ -181,7 +181,9 @@ def init_ray(*, address: str | None = None, num_cpus: int | None = None,
     local_ray.record_local_ray(token)
     for attempt in range(RAY_START_ATTEMPTS):
         try:
-            ctx = ray.init(num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 2),
+            # address="local": always a new Ray of our own; with None, Ray joins whatever cluster RAY_ADDRESS or
+            # /tmp/ray/ray_current_cluster (left by anyone's `ray start` on this machine) names
+            ctx = ray.init(address="local", num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 2),
                            include_dashboard=False, _node_ip_address=local_ray.LOOPBACK,
                            resources={k: float(v) for k, v in (resources or {}).items()}, runtime_env=env,
                            log_to_driver=False, configure_logging=True, logging_level="ERROR")

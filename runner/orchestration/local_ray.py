@@ -115,11 +115,17 @@ def record_local_ray(token: str, *, started: bool = False) -> Path:
     if started:
         rec["processes"] = [e for p in ray_processes() if (e := _try_ident(p)) is not None]
     d = records_dir()
-    d.mkdir(parents=True, exist_ok=True)
     path = d / f"{me.pid}-{token[:12]}.json"
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(rec, indent=1))
-    os.replace(tmp, path)
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_text(json.dumps(rec, indent=1))
+        os.replace(tmp, path)
+    except OSError as e:            # a read-only home must not stop the run; only the cleanup loses its record
+        import warnings
+
+        warnings.warn(f"cannot record the local Ray in {d} ({e}): if this run is killed, stop its Ray by hand "
+                      "(set MIXFLEET_STATE_DIR to a writable folder)", RuntimeWarning, stacklevel=2)
     return path
 
 
