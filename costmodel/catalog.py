@@ -35,6 +35,7 @@ from mixfleet.costmodel.tomlread import (
 ARCHS = ("ampere", "hopper", "blackwell", "cpu")
 KINDS = ("gpu", "cpu")
 COMPUTES = ("bf16", "fp8", "fp4", "fp32")
+SERVERS = ("engine", "sglang")     # the samplers a format may name in `servers` (see data/precisions.toml)
 TP_SIZES = (1, 2, 4, 8)
 Support = Literal["native", "emulated", "unsupported"]
 
@@ -113,6 +114,9 @@ class Precision:
     requant_passes: float              # memory passes over BF16 weights to convert at weight sync
     format: str = ""
     scales: tuple[str, ...] = ()
+    servers: tuple[str, ...] = ()      # samplers that serve it: "engine" (embedded), "sglang"
+    sglang_quantization: str = ""      # SGLang's --quantization value ("" = none), when "sglang" serves it
+    kernel: bool = False               # the embedded engine may compute (matmul) in this dtype
     source: str = ""
     date: str = ""
 
@@ -129,6 +133,8 @@ class KVDtype:
     name: str
     description: str
     bytes_per_element: float
+    servers: tuple[str, ...] = ()      # samplers that serve it: "engine" (embedded), "sglang"
+    sglang_kv_cache_dtype: str = ""    # SGLang's --kv-cache-dtype value, when "sglang" serves it
     source: str = ""
     date: str = ""
 
@@ -306,6 +312,15 @@ def _parse_accelerators(path: Path, price_table: str | None
     return out, tables, chosen, tsrc, tdate
 
 
+def _sglang_flag(where: str, table: dict[str, Any], key: str, servers: tuple[str, ...]) -> str:
+    """SGLang's flag value for a format: required when "sglang" serves it, refused otherwise."""
+    if "sglang" not in servers:
+        if key in table:
+            raise SpecError(where, key, table[key], "no value unless servers names \"sglang\"")
+        return ""
+    return get_str(where, table, key)
+
+
 def _parse_precisions(path: Path) -> tuple[dict[str, Precision], dict[str, KVDtype]]:
     raw = read_toml(path)
     where = str(path)
@@ -318,7 +333,7 @@ def _parse_precisions(path: Path) -> tuple[dict[str, Precision], dict[str, KVDty
             raise SpecError(where, f"precisions.{name}", p, "a table")
         check_keys(w, p, ("description", "weight_bits", "scale_bits_per_weight", "keep_bytes_per_weight", "compute",
                           "native_arch", "emulable_arch", "emulation_slowdown", "requant_passes", "format",
-                          "scales", "source", "date"))
+                          "scales", "servers", "sglang_quantization", "kernel", "source", "date"))
         native = get_str_list(w, p, "native_arch", allowed=ARCHS)
         emulable = get_str_list(w, p, "emulable_arch", allowed=ARCHS)
         both = set(native) & set(emulable)
@@ -333,6 +348,9 @@ def _parse_precisions(path: Path) -> tuple[dict[str, Precision], dict[str, KVDty
             emulation_slowdown=get_float(w, p, "emulation_slowdown", lo=1.0),
             requant_passes=get_float(w, p, "requant_passes", lo=0.0),
             format=get_str(w, p, "format", default=""), scales=get_str_list(w, p, "scales", default=[]),
+            servers=(servers := get_str_list(w, p, "servers", default=[], allowed=SERVERS)),
+            sglang_quantization=_sglang_flag(w, p, "sglang_quantization", servers),
+            kernel=get_bool(w, p, "kernel", default=False),
             source=get_str(w, p, "source"), date=get_str(w, p, "date"),
         )
     kvs: dict[str, KVDtype] = {}
@@ -340,9 +358,11 @@ def _parse_precisions(path: Path) -> tuple[dict[str, Precision], dict[str, KVDty
         w = f"{where} [kv_dtypes.{name}]"
         if not isinstance(k, dict):
             raise SpecError(where, f"kv_dtypes.{name}", k, "a table")
-        check_keys(w, k, ("description", "bytes_per_element", "source", "date"))
+        check_keys(w, k, ("description", "bytes_per_element", "servers", "sglang_kv_cache_dtype", "source", "date"))
+        servers = get_str_list(w, k, "servers", default=[], allowed=SERVERS)
         kvs[name] = KVDtype(name=name, description=get_str(w, k, "description"),
                             bytes_per_element=get_float(w, k, "bytes_per_element", lo=0.0, hi=8.0, lo_open=True),
+                            servers=servers, sglang_kv_cache_dtype=_sglang_flag(w, k, "sglang_kv_cache_dtype", servers),
                             source=get_str(w, k, "source"), date=get_str(w, k, "date"))
     if not precs or not kvs:
         raise SpecError(where, "precisions/kv_dtypes", None, "at least one of each")

@@ -13,6 +13,7 @@ from typing import Any
 
 from mixfleet.costmodel.catalog import Catalog, load_catalog
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.formats import formats
 from mixfleet.costmodel.measured import Layout
 from mixfleet.costmodel.model import ModelSpec, load_model_spec
 from mixfleet.costmodel.roofline import (
@@ -27,7 +28,7 @@ from mixfleet.costmodel.roofline import (
 
 DEFAULT_MODEL = "qwen3.6-35b-a3b"
 DEFAULT_BATCHES = (1, 8, 32, 128)
-DEFAULT_PRECISIONS = ("bf16", "fp8", "nvfp4", "mxfp4")
+DEFAULT_PRECISIONS = formats().gpu_precisions   # native on some GPU (data/precisions.toml)
 CAPACITY_BATCHES = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 CAPACITY_CONTEXTS = (1024, 8192, 32768, 131072, 262144)
 

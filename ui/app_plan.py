@@ -17,6 +17,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 import tomli_w
+from mixfleet.costmodel.formats import formats
 from mixfleet.ui import app_charts as charts
 from mixfleet.ui import app_planner as planner
 from mixfleet.ui.app_common import (
@@ -33,7 +34,7 @@ PLAN_PAGE_KEY = "planned_plan"      # session state: the chosen plan as PlanText
 RESULT_KEY = "plan_result"          # session state: the last PlannerView
 DEFAULT_MODEL = "qwen3.6-35b-a3b"
 DEFAULT_WORKLOAD = "seed-agentic-coding"
-PRECISIONS = ("bf16", "fp8", "nvfp4", "mxfp4")
+PRECISIONS = formats().gpu_precisions   # data/precisions.toml: native on some GPU
 
 
 # ---- cached reads (costmodel) ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ from typing import Any
 
 import pandas as pd
 import tomli_w
+from mixfleet.costmodel.formats import formats
 from mixfleet.ui.app_common import (
     REFERENCE_PLANS,
     PlanText,
@@ -41,7 +42,7 @@ DEFAULT_BUDGET_USD_H = 0.0          # USD per hour; 0 = no limit
 DEFAULT_TWIN_UPDATES = 2            # updates per dry run of the chosen plan and of the reference fleets
 OBJECTIVES = {"cost per update": "cost_per_update",
               "cost per effective update (masked tokens count as waste)": "cost_per_effective_update"}
-KV_DTYPES = ("fp8_e4m3", "bf16")
+KV_DTYPES = formats().sglang_kv_dtypes   # the GPU servers' KV dtypes (data/precisions.toml)
 PLAN_NAME = "planned"
 
 

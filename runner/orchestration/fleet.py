@@ -22,14 +22,15 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mixfleet.costmodel.catalog import load_catalog
+from mixfleet.costmodel.formats import formats
 from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.roofline import replica_model
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import EmbeddedPlan, GroupPlan, Plan
 
 MODES = ("embedded", "sglang", "attach")
-ENGINE_PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4", "mxfp4")
-ENGINE_KV_DTYPES = ("bf16", "fp8_e4m3", "fp32")
+ENGINE_PRECISIONS = formats().engine_precisions     # data/precisions.toml
+ENGINE_KV_DTYPES = formats().engine_kv_dtypes
 _MAX_BATCH = 256
 
 

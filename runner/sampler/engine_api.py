@@ -17,9 +17,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4", "mxfp4")   # weight formats the embedded engine serves
-KV_CACHE_DTYPES = ("bf16", "fp8_e4m3", "fp32")
-KERNELS = ("fp32", "bf16")                             # matmul compute dtype after dequantization
+from mixfleet.costmodel.formats import formats
+
+PRECISIONS = formats().engine_precisions           # weight formats the embedded engine serves (data/precisions.toml)
+KV_CACHE_DTYPES = formats().engine_kv_dtypes
+KERNELS = formats().kernels                         # matmul compute dtype after dequantization
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -39,6 +39,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from mixfleet.costmodel.formats import formats
 from mixfleet.costmodel.jsonsafe import json_safe
 from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
 from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplerEngine, SamplingParams, TokenOutput
@@ -63,8 +64,8 @@ AUTH_HEADER = "Authorization"                  # SGLang's --api-key: "Authorizat
 AUTH_EXEMPT_PREFIXES = ("/health",)            # as SGLang: /health and /health_generate need no key
 MIN_API_KEY_CHARS = 16
 PAUSE_MODES = ("abort", "retract", "in_place")
-# what SGLang's --quantization calls each embedded precision (None: unquantized)
-QUANTIZATION_NAME = {"fp32": None, "bf16": None, "fp8": "fp8", "nvfp4": "modelopt_fp4", "mxfp4": "mxfp4"}
+# what SGLang's --quantization calls each embedded precision (None: unquantized; data/precisions.toml)
+QUANTIZATION_NAME = {p: formats().sglang_quantization.get(p) for p in formats().engine_precisions}
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 ENGINE_JOIN_TIMEOUT_S = 10.0
 DISCONNECT_POLL_S = 0.5

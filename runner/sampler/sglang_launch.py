@@ -26,10 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+from mixfleet.costmodel.formats import formats
 
-SGLANG_PRECISIONS = ("bf16", "fp8", "nvfp4", "mxfp4")
-SGLANG_KV_DTYPES = ("bf16", "fp8_e4m3")
-QUANTIZATION_FLAG = {"bf16": None, "fp8": "fp8", "nvfp4": "modelopt_fp4", "mxfp4": "mxfp4"}
+# from data/precisions.toml (servers = [..., "sglang"], sglang_quantization, sglang_kv_cache_dtype)
+SGLANG_PRECISIONS = formats().sglang_precisions
+SGLANG_KV_DTYPES = formats().sglang_kv_dtypes
+QUANTIZATION_FLAG = formats().sglang_quantization
+KV_CACHE_DTYPE_FLAG = formats().sglang_kv_cache_dtype
 DEFAULT_SAMPLING_MASK_MAX_TOKENS = 512
 LOOPBACK = "127.0.0.1"
 
@@ -86,8 +89,8 @@ def launch_argv(spec: SGLangLaunchSpec) -> list[str]:
     quant = QUANTIZATION_FLAG[spec.precision]
     if quant is not None:
         argv += ["--quantization", quant]
-    if spec.kv_cache_dtype == "fp8_e4m3":
-        argv += ["--kv-cache-dtype", "fp8_e4m3"]
+    if KV_CACHE_DTYPE_FLAG[spec.kv_cache_dtype] != "auto":
+        argv += ["--kv-cache-dtype", KV_CACHE_DTYPE_FLAG[spec.kv_cache_dtype]]
     if spec.sampling_mask_max_tokens is not None:
         argv += ["--sampling-mask-max-tokens", str(spec.sampling_mask_max_tokens)]
     if spec.weight_version is not None:

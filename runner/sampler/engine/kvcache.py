@@ -16,8 +16,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from mixfleet.costmodel.formats import formats
 
-KV_DTYPES = ("bf16", "fp8_e4m3", "fp32")
+KV_DTYPES = formats().engine_kv_dtypes   # data/precisions.toml [kv_dtypes.*] servers = ["engine", ...]
 FP8_E4M3_MAX = 448.0
 _STORE = {"bf16": torch.bfloat16, "fp8_e4m3": torch.float8_e4m3fn, "fp32": torch.float32}
 _MIN_CAPACITY_TOKENS = 64

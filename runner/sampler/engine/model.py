@@ -32,11 +32,13 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from mixfleet.costmodel.formats import formats
 from mixfleet.runner.checkpoint.hf_checkpoint import HFConfig, load_checkpoint
 from mixfleet.runner.sampler.engine.kvcache import KVPool
 from mixfleet.runner.sampler.engine.quant import FP8_SCALINGS, WEIGHT_PRECISIONS, Fp8Weight, fake_quantize, quantize_fp8
 
-KERNEL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+KERNEL_DTYPES = {k: _TORCH_DTYPES[k] for k in formats().kernels}   # data/precisions.toml: kernel = true
 _ATTN = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj")
 _MLP = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 _LINEARS = _ATTN + _MLP

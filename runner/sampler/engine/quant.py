@@ -22,8 +22,9 @@ import logging
 from dataclasses import dataclass
 
 import torch
+from mixfleet.costmodel.formats import formats
 
-WEIGHT_PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4", "mxfp4")
+WEIGHT_PRECISIONS = formats().engine_precisions   # data/precisions.toml: servers = ["engine", ...]
 FP8_SCALINGS = ("block", "channel")
 FP8_E4M3_MAX = 448.0
 FP8_BLOCK = 128                      # block edge of block-scaled FP8 (elements)
