@@ -11,6 +11,7 @@ import typer
 from mixfleet.costmodel.model import load_model_spec
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.checkpoint.init_model import init_model
+from mixfleet.runner.orchestration.fleet import fleet_from_plan
 from mixfleet.runner.sampler.engine.engine import Engine, EngineConfig
 from mixfleet.runner.sampler.engine.model import load_weights, perturb
 from mixfleet.runner.sampler.mismatch import MismatchConfig, _generate, prompts, score
@@ -54,13 +55,14 @@ def test_noise_zero_keeps_the_weights_bitwise(ckpt: Path) -> None:
     assert torch.equal(base.embed, on.embed)                              # embeddings and norms untouched
 
 
-def test_kernel_spelling_and_refusals() -> None:
-    c = EngineConfig(kernel="bf16+noise0.3")
+def test_noise_is_its_own_setting_and_the_old_kernel_spelling_is_refused() -> None:
+    c = EngineConfig(kernel="bf16", weight_noise=0.3)
     assert (c.kernel, c.weight_noise, c.kernel_dtype) == ("bf16", 0.3, "bf16")
-    c = EngineConfig(precision="fp32", kernel="+noise0.1")
-    assert (c.kernel, c.weight_noise, c.kernel_dtype) == (None, 0.1, "fp32")
     assert EngineConfig().weight_noise == 0.0
-    for bad, field in (({"kernel": "bf16+noiseX"}, "kernel"), ({"kernel": "fp16+noise0.1"}, "kernel"),
+    for old in ("bf16+noise0.3", "+noise0.1"):       # the retired spelling names the new setting
+        with pytest.raises(ValueError, match="weight_noise=0.[13]"):
+            EngineConfig(kernel=old)
+    for bad, field in (({"kernel": "bf16+noiseX"}, "kernel"), ({"kernel": "fp16"}, "kernel"),
                        ({"weight_noise": -0.1}, "weight_noise"),
                        ({"precision": "fp8", "fp8_scaled_mm": True, "weight_noise": 0.1}, "weight_noise")):
         with pytest.raises(ValueError, match=field):
@@ -71,12 +73,12 @@ def test_noise_raises_the_measured_mismatch(ckpt: Path) -> None:
     ref = load_weights(ckpt, precision="fp32", kernel="fp32")
     cfg = MismatchConfig(precisions=("bf16",), kv_cache_dtype="bf16", num_prompts=2, max_new_tokens=12)
     k3 = {}
-    for kernel in ("bf16", "bf16+noise0.3"):
-        e = Engine(ckpt, precision="bf16", kv_cache_dtype="bf16", kernel=kernel, seed=0)
+    for noise in (0.0, 0.3):
+        e = Engine(ckpt, precision="bf16", kv_cache_dtype="bf16", kernel="bf16", weight_noise=noise, seed=0)
         ids = prompts(e.tokenizer, 2)
-        k3[kernel] = score(ref, e.weights, "bf16", ids, _generate(e, ids, cfg), 1.0)["k3"]
-        assert e.server_info()["weight_noise"] == (0.3 if "noise" in kernel else 0.0)
-    assert k3["bf16+noise0.3"] > 10 * k3["bf16"]
+        k3[noise] = score(ref, e.weights, "bf16", ids, _generate(e, ids, cfg), 1.0)["k3"]
+        assert e.server_info()["weight_noise"] == noise
+    assert k3[0.3] > 10 * k3[0.0]
 
 
 # ---- variants and the study's layout ------------------------------------------------------------------------
@@ -100,7 +102,8 @@ def test_six_variants_differ_only_in_the_loss() -> None:
 def test_fleet_plans_ship_the_knob() -> None:
     mixed, homo = load_plan("ablation-mixed"), load_plan("ablation-homogeneous")
     assert {g.precision for g in mixed.groups} == {"bf16", "fp8", "nvfp4"}
-    assert [EngineConfig(kernel=g.kernel or None).weight_noise for g in mixed.groups] == [0.0, 0.3, 0.6]
+    assert [g.weight_noise for g in mixed.groups] == [0.0, 0.3, 0.6]
+    assert [g.weight_noise for g in fleet_from_plan(mixed).groups] == [0.0, 0.3, 0.6]   # what the samplers get
     assert [(g.precision, g.kernel, g.kv_dtype) for g in homo.groups] == [("bf16", "bf16", "bf16")]
     assert sum(g.replicas for g in homo.groups) == sum(g.replicas for g in mixed.groups) == 3
     assert homo.policies.batcher.settings == mixed.policies.batcher.settings

@@ -87,10 +87,10 @@ def test_mismatch_cli_json_and_errors(ckpt: Path) -> None:
 def test_mismatch_with_emulated_kernel_error_grows(ckpt: Path) -> None:
     base = MismatchConfig(precisions=("bf16",), kv_cache_dtype="bf16", num_prompts=3, max_new_tokens=16)
     clean = measure_mismatch(str(ckpt), base)[0]
-    noisy = measure_mismatch(str(ckpt), MismatchConfig(**{**base.__dict__, "kernel": "bf16+noise0.05"}))[0]
-    assert noisy.kernel == "bf16+noise0.05" and clean.kernel == "bf16"
+    noisy = measure_mismatch(str(ckpt), MismatchConfig(**{**base.__dict__, "weight_noise": 0.05}))[0]
+    assert (noisy.kernel, noisy.weight_noise, clean.kernel, clean.weight_noise) == ("bf16", 0.05, "bf16", 0.0)
     assert noisy.kl_exact > 10 * clean.kl_exact
-    with pytest.raises(ValueError, match="kernel 'fp16'"):
+    with pytest.raises(ValueError, match="kernel = 'fp16'"):
         MismatchConfig(kernel="fp16")
 
 

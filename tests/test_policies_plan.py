@@ -73,6 +73,7 @@ def test_overrides_and_base_files_merge_groups_by_name(tmp_path: Path) -> None:
     ({"groups": [{"name": "a", "accelerator": "H100", "precision": "fp8"}] * 2}, "unique"),
 ])
 def test_bad_plans_name_the_field_and_the_allowed_values(patch: dict, message: str) -> None:
-    raw = {"name": "x", "groups": [{"name": "a", "accelerator": "H100", "precision": "fp8"}], **patch}
+    raw = {"name": "x", "model": "tiny", "workload": "tiny-cpu",
+           "groups": [{"name": "a", "accelerator": "H100", "precision": "fp8"}], **patch}
     with pytest.raises(SpecError, match=message):
         plan_from_dict(raw)

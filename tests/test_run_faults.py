@@ -46,11 +46,13 @@ accelerator = "CPU-2core"
 precision = "bf16"
 kv_dtype = "bf16"
 kernel = "fp32"
+emulated = true
 [[groups]]
 name = "cpu-fp8"
 accelerator = "CPU-2core"
 precision = "fp8"
 kv_dtype = "fp8_e4m3"
+emulated = true
 [policies.autoscaler]
 name = "fixed"
 interval_s = 1.0

@@ -33,7 +33,8 @@ def gsetup(name: str = "g", rates: FixedRates | None = None, replicas: int = 1, 
 
 
 def plan(groups: list[str], **kw) -> object:
-    raw = {"name": "t", "groups": [{"name": g, "accelerator": "X", "precision": "bf16"} for g in groups], **kw}
+    raw = {"name": "t", "model": "tiny", "workload": "tiny-cpu",
+           "groups": [{"name": g, "accelerator": "H100", "precision": "bf16"} for g in groups], **kw}
     return plan_from_dict(raw)
 
 

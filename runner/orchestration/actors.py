@@ -48,7 +48,8 @@ class SamplerWorker:
     """One sampler replica (run as a Ray actor, or in-process in tests)."""
 
     def __init__(self, *, group: str, index: int, model_path: str, precision: str, kv_dtype: str,
-                 kernel: str | None = None, threads: int = 1, seed: int = 0, weight_version: str = "0",
+                 kernel: str | None = None, weight_noise: float = 0.0, threads: int = 1, seed: int = 0,
+                 weight_version: str = "0",
                  mode: str = "embedded", max_running_requests: int = 256, top_p_replay: bool = False,
                  tp: int = 1, routed_experts: bool = False, dp_attention: int = 1, ep: int = 1) -> None:
         if mode not in SAMPLER_MODES:
@@ -62,7 +63,8 @@ class SamplerWorker:
             from mixfleet.runner.sampler.engine import Engine
             from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
 
-            engine = Engine(model_path, precision=precision, kv_cache_dtype=kv_dtype, kernel=kernel, seed=seed,
+            engine = Engine(model_path, precision=precision, kv_cache_dtype=kv_dtype, kernel=kernel,
+                            weight_noise=weight_noise, seed=seed,
                             weight_version=weight_version, max_running_requests=max_running_requests,
                             max_total_tokens=max_running_requests * 1024,
                             enable_return_routed_experts=routed_experts)

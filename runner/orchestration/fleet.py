@@ -43,6 +43,7 @@ class GroupSpec:
     precision: str                        # engine / SGLang weight precision
     kv_dtype: str
     kernel: str | None                    # embedded engine's matmul dtype (None: the precision's own)
+    weight_noise: float                   # embedded engine's emulated kernel error (0 = off)
     replicas: int                         # replicas started (scaled down when embedded)
     planned_replicas: int                 # the plan's count
     min_replicas: int
@@ -137,8 +138,9 @@ def fleet_from_plan(plan: Plan, *, mode: str = "embedded", attach: Mapping[str, 
         else:
             n, lo, hi = g.replicas, g.min_replicas or 0, g.max_replicas or g.replicas
         groups.append(GroupSpec(name=g.name, accelerator=g.accelerator, precision=g.precision, kv_dtype=g.kv_dtype,
-                                kernel=g.kernel or None, replicas=n, planned_replicas=g.replicas, min_replicas=lo,
-                                max_replicas=hi, tp=tp, capacity_tokens_per_s=tps if math.isfinite(tps) else 1.0,
+                                kernel=g.kernel or None, weight_noise=g.weight_noise, replicas=n,
+                                planned_replicas=g.replicas, min_replicas=lo, max_replicas=hi, tp=tp,
+                                capacity_tokens_per_s=tps if math.isfinite(tps) else 1.0,
                                 usd_per_hour=usd_h, usd_per_mtoken=usd_m, urls=urls,
                                 dp_attention=g.dp_attention if mode == "sglang" else 1,
                                 ep=g.ep if mode == "sglang" else 1))

@@ -404,7 +404,7 @@ class Orchestrator:
             else:
                 cls = remote_sampler(accelerator=g.accelerator, amount=g.tp)
                 actor = cls.remote(group=g.name, index=index, model_path=path, precision=g.precision,
-                                   kv_dtype=g.kv_dtype, kernel=g.kernel,
+                                   kv_dtype=g.kv_dtype, kernel=g.kernel, weight_noise=g.weight_noise,
                                    threads=self.config.sampler_threads or self.fleet.threads_per_replica,
                                    seed=self.config.seed * 1009 + zlib.crc32(f"{g.name}/{index}".encode()) % 1000,
                                    weight_version=str(version),

@@ -26,9 +26,10 @@ import math
 from dataclasses import asdict, dataclass
 
 import torch
+from mixfleet.costmodel.formats import formats
 from mixfleet.runner.sampler.engine import Engine, EngineConfig
 from mixfleet.runner.sampler.engine.kvcache import KV_DTYPES
-from mixfleet.runner.sampler.engine.model import KERNEL_DTYPES, Weights, forward_full, load_weights
+from mixfleet.runner.sampler.engine.model import Weights, forward_full, load_weights
 from mixfleet.runner.sampler.engine.quant import WEIGHT_PRECISIONS
 from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplingParams
 
@@ -53,10 +54,10 @@ _PROMPTS = (
 class MismatchConfig:
     """What to measure: which precisions, on which KV dtype and kernel, over how many sampled tokens."""
 
-    precisions: tuple[str, ...] = ("bf16", "fp8", "nvfp4", "mxfp4")
+    precisions: tuple[str, ...] = formats().gpu_precisions   # bf16, fp8, nvfp4, mxfp4 (data/precisions.toml)
     kv_cache_dtype: str = "fp8_e4m3"
-    kernel: str | None = None                # None: each precision's default (bf16; fp32 for fp32);
-                                             # "bf16+noise0.3": with the engine's emulated kernel error
+    kernel: str | None = None                # None: each precision's default (bf16; fp32 for fp32)
+    weight_noise: float = 0.0                # the engine's emulated kernel error (relative std; 0 = off)
     num_prompts: int = 12
     max_new_tokens: int = 48                 # per prompt (tokens)
     temperature: float = 1.0
@@ -70,12 +71,10 @@ class MismatchConfig:
                 raise ValueError(f"mismatch: precision {p!r}; allowed: {', '.join(WEIGHT_PRECISIONS)}")
         if self.kv_cache_dtype not in KV_DTYPES:
             raise ValueError(f"mismatch: kv_cache_dtype {self.kv_cache_dtype!r}; allowed: {', '.join(KV_DTYPES)}")
-        if self.kernel is not None:
-            try:
-                EngineConfig(kernel=self.kernel)          # fp32 | bf16, or "<dtype>+noise<s>" (emulated error)
-            except ValueError:
-                raise ValueError(f"mismatch: kernel {self.kernel!r}; allowed: {', '.join(KERNEL_DTYPES)}, or "
-                                 f"'<one of them>+noise<relative std>'") from None
+        try:
+            EngineConfig(kernel=self.kernel, weight_noise=self.weight_noise)   # the engine's own checks
+        except ValueError as e:
+            raise ValueError(f"mismatch: {e}") from None
         for name in ("num_prompts", "max_new_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or v <= 0:
@@ -89,6 +88,7 @@ class MismatchRow:
     precision: str
     kv_cache_dtype: str
     kernel: str
+    weight_noise: float                      # the engine's emulated kernel error (0 = off)
     tokens: int                              # sampled tokens scored
     k1: float
     k3: float
@@ -170,7 +170,7 @@ def measure_mismatch(model_path: str, cfg: MismatchConfig) -> list[MismatchRow]:
     rows = []
     for precision in cfg.precisions:
         engine = Engine(model_path, precision=precision, kv_cache_dtype=cfg.kv_cache_dtype, kernel=cfg.kernel,
-                        seed=cfg.seed, enable_return_routed_experts=ref.cfg.is_moe)
+                        weight_noise=cfg.weight_noise, seed=cfg.seed, enable_return_routed_experts=ref.cfg.is_moe)
         ids = prompts(engine.tokenizer, cfg.num_prompts)
         too_long = max(len(x) for x in ids) + cfg.max_new_tokens
         if too_long > engine.context_length:
@@ -178,8 +178,8 @@ def measure_mismatch(model_path: str, cfg: MismatchConfig) -> list[MismatchRow]:
                              f"over the model's context length {engine.context_length}")
         results = _generate(engine, ids, cfg)
         nums = score(ref, engine.weights, cfg.kv_cache_dtype, ids, results, cfg.temperature)
-        kernel = engine.kernel + (f"+noise{engine.config.weight_noise:g}" if engine.config.weight_noise else "")
-        rows.append(MismatchRow(precision=precision, kv_cache_dtype=cfg.kv_cache_dtype, kernel=kernel, **nums))
+        rows.append(MismatchRow(precision=precision, kv_cache_dtype=cfg.kv_cache_dtype, kernel=engine.kernel,
+                                weight_noise=engine.config.weight_noise, **nums))
     return rows
 
 
@@ -191,7 +191,8 @@ def format_table(rows: list[MismatchRow]) -> str:
         head = (*head, "routing differs", "layers differ")
     lines = [head]
     for r in rows:
-        line = (r.precision, r.kv_cache_dtype, r.kernel, str(r.tokens), f"{r.k1:.2e}", f"{r.k3:.2e}",
+        kernel = r.kernel + (f" noise {r.weight_noise:g}" if r.weight_noise else "")
+        line = (r.precision, r.kv_cache_dtype, kernel, str(r.tokens), f"{r.k1:.2e}", f"{r.k3:.2e}",
                 f"{r.kl_exact:.2e}", f"{r.mean_abs_log_ratio:.3f}", f"{r.share_outside_band:.2%}",
                 f"{r.top1_agreement:.2%}")
         if moe:

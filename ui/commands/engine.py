@@ -52,9 +52,9 @@ def register(app: typer.Typer) -> None:
         precisions: str = typer.Option("bf16,fp8,nvfp4,mxfp4", "--precisions",
                                        help="Comma-separated: fp32, bf16, fp8, nvfp4, mxfp4."),
         kv: str = typer.Option("fp8_e4m3", "--kv", help="KV-cache dtype: bf16, fp8_e4m3, fp32."),
-        kernel: str = typer.Option(None, "--kernel",
-                                   help="Matmul dtype fp32 | bf16 (default: bf16; fp32 for fp32); "
-                                        "'bf16+noise0.3' adds the engine's emulated kernel error."),
+        kernel: str = typer.Option(None, "--kernel", help="Matmul dtype fp32 | bf16 (default: bf16; fp32 for fp32)."),
+        weight_noise: float = typer.Option(0.0, "--weight-noise",
+                                           help="The engine's emulated kernel error (relative std; 0 = off)."),
         num_prompts: int = typer.Option(12, "--num-prompts", help="Prompts per precision."),
         max_new_tokens: int = typer.Option(48, "--max-new-tokens", help="Sampled tokens per prompt."),
         temperature: float = typer.Option(1.0, "--temperature", help="Sampling temperature (> 0)."),
@@ -71,7 +71,7 @@ def register(app: typer.Typer) -> None:
         torch.set_num_threads(threads)
         try:
             cfg = MismatchConfig(precisions=tuple(p.strip() for p in precisions.split(",") if p.strip()),
-                                 kv_cache_dtype=kv, kernel=kernel, num_prompts=num_prompts,
+                                 kv_cache_dtype=kv, kernel=kernel, weight_noise=weight_noise, num_prompts=num_prompts,
                                  max_new_tokens=max_new_tokens, temperature=temperature, seed=seed)
             rows = measure_mismatch(model, cfg)
         except (ValueError, FileNotFoundError, OSError) as e:

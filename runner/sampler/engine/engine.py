@@ -41,7 +41,7 @@ from mixfleet.runner.sampler.engine.quant import FP8_SCALINGS, WEIGHT_PRECISIONS
 from mixfleet.runner.sampler.engine.sampling import GREEDY_TEMPERATURE, RowParams, sample_batch
 from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplingParams, TokenOutput
 
-NOISE_TAG = "+noise"    # kernel spelling of the emulated kernel error: "bf16+noise0.3" (plans' group `kernel`)
+NOISE_TAG = "+noise"    # the retired kernel spelling of the emulated kernel error ("bf16+noise0.3"): refused
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,7 @@ class EngineConfig:
 
     precision: str = "bf16"                  # weight format: fp32 | bf16 | fp8 | nvfp4 | mxfp4
     kv_cache_dtype: str = "bf16"             # bf16 | fp8_e4m3 | fp32
-    kernel: str | None = None                # matmul dtype: fp32 | bf16 (None: fp32 for fp32 weights, else bf16);
-                                             # "<dtype>+noise<s>" (e.g. "bf16+noise0.3") also sets weight_noise = s
+    kernel: str | None = None                # matmul dtype: fp32 | bf16 (None: fp32 for fp32 weights, else bf16)
     max_total_tokens: int = 65536            # KV-token budget (prompt + max_new_tokens reserved per request)
     max_running_requests: int = 64           # batch size limit
     sampling_mask_max_tokens: int = 512      # largest kept set a request may ask to have returned
@@ -80,15 +79,10 @@ class EngineConfig:
             raise bad("kv_cache_dtype", ", ".join(KV_DTYPES))
         if isinstance(self.kernel, str) and NOISE_TAG in self.kernel:
             dtype, _, value = self.kernel.partition(NOISE_TAG)
-            try:
-                noise = float(value)
-            except ValueError:
-                raise bad("kernel", f"{', '.join(KERNEL_DTYPES)}, or '<one of them>{NOISE_TAG}<relative std>'") \
-                    from None
-            object.__setattr__(self, "kernel", dtype or None)
-            object.__setattr__(self, "weight_noise", noise)
+            raise bad("kernel", f"{', '.join(KERNEL_DTYPES)}; the emulated kernel error is its own setting now: "
+                                f"kernel={dtype or None!r}, weight_noise={value or '<relative std>'}")
         if self.kernel is not None and self.kernel not in KERNEL_DTYPES:
-            raise bad("kernel", ", ".join(KERNEL_DTYPES) + f" (optionally + '{NOISE_TAG}<relative std>')")
+            raise bad("kernel", ", ".join(KERNEL_DTYPES))
         if not (isinstance(self.weight_noise, int | float) and 0.0 <= self.weight_noise < 10.0):
             raise bad("weight_noise", "a number in [0, 10)")
         if self.weight_noise > 0 and self.fp8_scaled_mm:

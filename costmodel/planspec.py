@@ -1,0 +1,415 @@
+"""A plan's plain data: its groups, trainer, faults, embedded settings, model, workload and prices, checked
+field by field when the plan loads, and the TOML files with their `base` chains. Everything here but
+the policies (their names and settings are checked by policies/plan.py, which builds the full `Plan` on
+top of `PlanData` and re-exports what is here); it sits in costmodel so that the calibration can read a
+run log's plan with the very schema that wrote it.
+
+Variants derive from a named base: a plan file may say `base = "seed-mixed"` (a shipped plan name or a path
+relative to the file) and give only what differs; tables merge key by key, `[[groups]]` merge by `name` (a
+new name appends a group, `remove = true` drops one). `merge()` is the one place this happens.
+
+Schema (every field optional unless marked; `model` and `workload` may come from the base):
+    name* description seed cost_backend model* workload* price_table
+    [prices]   ACCELERATOR = USD per GPU-hour, overriding the price table (e.g. H100 = 3.0)
+    [trainer]  accelerator gpus precision loss top_p top_p_replay routing
+    [[groups]] name* accelerator* precision* kv_dtype kernel weight_noise replicas min_replicas max_replicas
+               tp emulated dp_attention ep   (the layout, SGLang's meaning: tp GPUs, attention DP groups, expert
+               parallel)
+    [policies.router|autoscaler|batcher|weight_sync]  name + that policy's settings (policies/plan.py)
+    [faults]   preemptions_per_replica_hour on_loss
+    [embedded] settings for rehearsing the plan on this machine (see EmbeddedPlan)
+Formats (`precision`, `kv_dtype`, `kernel`) are checked against data/precisions.toml (costmodel/formats.py),
+accelerators against data/accelerators.toml (a name in another case is taken as the catalog spells it),
+counts against costmodel/limits.py.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from mixfleet.costmodel.catalog import TP_SIZES, load_catalog
+from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.limits import (
+    MAX_GPUS,
+    MAX_LOCAL_REPLICAS,
+    MAX_NEW_TOKENS,
+    MAX_PASS_K,
+    MAX_REPLICAS_PER_GROUP,
+    MAX_THREADS,
+    MAX_TURNS,
+    check_count,
+)
+from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.paths import data_path
+
+LOSSES = ("grpo", "mis", "sc", "sc_mis")
+ROUTING_MODES = ("free", "replay")   # MoE trainer: its own router | rollout routing replay (the samplers' experts)
+ON_LOSS = ("resume", "restart")
+COST_BACKENDS = ("roofline", "auto", "aiconfigurator")
+POLICY_KINDS = ("router", "autoscaler", "batcher", "weight_sync")
+NOISE_TAG = "+noise"                 # the retired spelling of the emulated kernel error inside `kernel`
+MAX_WEIGHT_NOISE = 10.0              # the engine's bound on the emulated kernel error (relative std)
+
+
+def _need(where: str, name: str, ok: bool, value: Any, allowed: str) -> None:
+    if not ok:
+        raise SpecError(where, name, value, allowed)
+
+
+def _number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _accelerator(where: str, field_name: str, name: Any) -> str:
+    """The catalog's spelling of an accelerator name ('h100' -> 'H100'); an unknown one lists the known."""
+    if not isinstance(name, str) or not name:
+        raise SpecError(where, field_name, name, list(load_catalog().accelerators))
+    try:
+        return load_catalog().accelerator(name).name
+    except SpecError:
+        raise SpecError(where, field_name, name, list(load_catalog().accelerators)) from None
+
+
+def _check_support(where: str, accelerator: str, precision: str, emulated: Any) -> None:
+    """A precision the accelerator cannot run is refused; one it only emulates needs `emulated = true` (as the
+    cost model refuses it in the twin, the planner and the runner's fleet alike)."""
+    cat = load_catalog()
+    support = cat.support(accelerator, precision)
+    arch = cat.accelerator(accelerator).arch
+    if support == "unsupported":
+        raise SpecError(where, "precision", precision, f"a precision {accelerator} ({arch}) can run: " + ", ".join(
+            p for p in cat.precisions if cat.support(accelerator, p) != "unsupported"))
+    if support == "emulated" and emulated is not True:
+        native = ", ".join(p for p in cat.precisions if cat.support(accelerator, p) == "native") or "none"
+        raise SpecError(where, "emulated", emulated, f"true to emulate {precision} on {accelerator} ({arch}: no "
+                        f"native support, slower), or a native precision: {native}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPlan:
+    """One sampler group: replicas of one (accelerator, precision) with one KV dtype."""
+    name: str                        # unique within the plan, e.g. "H100-FP8"
+    accelerator: str                 # a catalog name, e.g. "H100" (or "CPU-2core" for embedded runs)
+    precision: str                   # weights: a precision of data/precisions.toml ("bf16", "fp8", "nvfp4", ...)
+    kv_dtype: str = "fp8_e4m3"       # KV cache: a KV dtype of data/precisions.toml
+    kernel: str = ""                 # embedded engine's compute dtype (e.g. "fp32"); "" = precision's own
+    weight_noise: float = 0.0        # embedded engine's emulated kernel error (relative std; the ablation's knob)
+    replicas: int = 1                # replicas at start
+    min_replicas: int | None = None  # autoscaler floor (default: replicas)
+    max_replicas: int | None = None  # autoscaler cap (default: replicas)
+    tp: int = 0                      # GPUs per replica; 0 = the smallest that fits (cost model)
+    emulated: bool = False           # allow a precision the accelerator lacks natively (runs slower)
+    dp_attention: int = 1            # attention data-parallel groups over the tp GPUs (SGLang --dp-size)
+    ep: int = 1                      # expert-parallel size (SGLang --ep-size); 1 = experts tensor-parallel
+
+    def __post_init__(self) -> None:
+        w = f"plan group '{self.name}'"
+        _need(w, "name", isinstance(self.name, str) and bool(self.name), self.name, "a non-empty string")
+        object.__setattr__(self, "accelerator", _accelerator(w, "accelerator", self.accelerator))
+        reg = formats()
+        reg.check_precision(w, self.precision)
+        reg.check_kv_dtype(w, self.kv_dtype)
+        _check_support(w, self.accelerator, self.precision, self.emulated)
+        if isinstance(self.kernel, str) and NOISE_TAG in self.kernel:
+            dtype, _, value = self.kernel.partition(NOISE_TAG)
+            raise SpecError(w, "kernel", self.kernel, f"one of {', '.join(map(repr, reg.kernels))} or \"\"; the "
+                            f"emulated kernel error is its own field now: kernel = {dtype or 'bf16'!r}, "
+                            f"weight_noise = {value or '<relative std>'}")
+        if self.kernel != "":
+            reg.check(w, "kernel", self.kernel, ("",) + reg.kernels)
+        _need(w, "weight_noise", _number(self.weight_noise) and 0 <= self.weight_noise < MAX_WEIGHT_NOISE,
+              self.weight_noise, f"a number in [0, {MAX_WEIGHT_NOISE:g}) (0 = off)")
+        check_count(w, "replicas", self.replicas, 0, MAX_REPLICAS_PER_GROUP)
+        _need(w, "tp", not isinstance(self.tp, bool) and self.tp in (0,) + TP_SIZES, self.tp,
+              "0 (auto) or one of " + ", ".join(map(str, TP_SIZES)))
+        _need(w, "emulated", isinstance(self.emulated, bool), self.emulated, "true or false")
+        check_count(w, "dp_attention", self.dp_attention, 1, max(TP_SIZES))
+        check_count(w, "ep", self.ep, 1, max(TP_SIZES))
+        if self.dp_attention > 1 or self.ep > 1:
+            _need(w, "tp", self.tp > 0 and self.tp % self.dp_attention == 0 and self.tp % self.ep == 0, self.tp,
+                  f"GPUs per replica divisible by dp_attention ({self.dp_attention}) and ep ({self.ep})")
+        if self.min_replicas is None:
+            object.__setattr__(self, "min_replicas", self.replicas)
+        if self.max_replicas is None:
+            object.__setattr__(self, "max_replicas", self.replicas)
+        check_count(w, "min_replicas", self.min_replicas, 0, self.replicas, f" (0..replicas = {self.replicas})")
+        check_count(w, "max_replicas", self.max_replicas, self.replicas, MAX_REPLICAS_PER_GROUP,
+                    " (replicas..the limit)")
+
+    @property
+    def layout(self) -> Any:
+        """The cost model's Layout for an explicit attention-DP / expert-parallel group, else None (plain TP,
+        `tp` GPUs or the smallest that fits)."""
+        if self.dp_attention == 1 and self.ep == 1:
+            return None
+        from mixfleet.costmodel.measured import Layout
+
+        return Layout(tp=self.tp // self.dp_attention, dp_attention=self.dp_attention, ep=self.ep)
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainerPlan:
+    """The trainer: BF16 on `gpus` GPUs of one accelerator, and its loss."""
+    accelerator: str = "B200"
+    gpus: int = 8
+    precision: str = "bf16"
+    loss: str = "sc_mis"             # "grpo" | "mis" | "sc" | "sc_mis" (CORRECTIONS.md)
+    top_p: float = 1.0               # the samplers' top-p (1.0 = full sampling)
+    top_p_replay: bool = False       # the trainer replays the samplers' top-p mask
+    routing: str = "free"            # MoE: "free" (the trainer's router) | "replay" (the samplers' recorded experts)
+
+    def __post_init__(self) -> None:
+        w = "plan trainer"
+        object.__setattr__(self, "accelerator", _accelerator(w, "accelerator", self.accelerator))
+        check_count(w, "gpus", self.gpus, 1, MAX_GPUS)
+        formats().check_precision(w, self.precision)
+        _need(w, "routing", self.routing in ROUTING_MODES, self.routing, "one of " + ", ".join(ROUTING_MODES))
+        _need(w, "loss", self.loss in LOSSES, self.loss, "one of " + ", ".join(LOSSES))
+        _need(w, "top_p", _number(self.top_p) and 0 < self.top_p <= 1, self.top_p, "a number in (0, 1]")
+        _need(w, "top_p_replay", isinstance(self.top_p_replay, bool), self.top_p_replay, "true or false")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultsPlan:
+    """Fault injection (the twin): replica preemptions / crashes as a Poisson process per replica."""
+    preemptions_per_replica_hour: float = 0.0
+    on_loss: str = "resume"          # a lost session "resume"s on a new replica (re-prefills) or "restart"s
+
+    def __post_init__(self) -> None:
+        _need("plan faults", "preemptions_per_replica_hour",
+              _number(self.preemptions_per_replica_hour) and 0 <= self.preemptions_per_replica_hour <= 3600,
+              self.preemptions_per_replica_hour, "a number in [0, 3600] (per replica-hour)")
+        _need("plan faults", "on_loss", self.on_loss in ON_LOSS, self.on_loss, "one of " + ", ".join(ON_LOSS))
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmbeddedPlan:
+    """Settings for rehearsing the plan on this machine with embedded samplers (read by the runner).
+    Each group becomes min(replicas, max_replicas_per_group) embedded samplers in its precision,
+    KV dtype and kernel; the policies are the plan's."""
+    max_replicas_per_group: int = 1  # scale each group down to at most this many local samplers
+    threads_per_replica: int = 1     # torch threads per embedded sampler
+    max_turns: int = 8               # episode turn cap
+    max_new_tokens: int = 64         # reply tokens per turn cap
+    temperature: float = 1.0
+    task: str = ""                   # the runner's task name ("" = its default)
+    eval_every: int = 0              # updates between pass@k evaluations (0 = never)
+    pass_k: int = 4
+    extra: dict[str, Any] = field(default_factory=dict)  # free-form runner settings
+
+    def __post_init__(self) -> None:
+        w = "plan embedded"
+        for f, hi in (("max_replicas_per_group", MAX_LOCAL_REPLICAS), ("threads_per_replica", MAX_THREADS),
+                      ("max_turns", MAX_TURNS), ("max_new_tokens", MAX_NEW_TOKENS), ("pass_k", MAX_PASS_K)):
+            check_count(w, f, getattr(self, f), 1, hi)
+        check_count(w, "eval_every", self.eval_every, 0, 1_000_000)
+        _need(w, "temperature", _number(self.temperature) and 0 < self.temperature <= 100, self.temperature,
+              "a number in (0, 100]")
+        _need(w, "task", isinstance(self.task, str), self.task, "a task name (\"\" = the runner's default)")
+        _need(w, "extra", isinstance(self.extra, dict), self.extra, "a table of runner settings")
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanData:
+    """A plan without its policies (policies/plan.py's `Plan` adds them)."""
+    name: str
+    groups: tuple[GroupPlan, ...]
+    model: str                       # a shipped model name or a TOML path (required, or from the base)
+    workload: str                    # a shipped workload name or a TOML path (required, or from the base)
+    description: str = ""
+    seed: int = 0
+    cost_backend: str = "roofline"   # step times: "roofline" | "auto" (measured where covered) | "aiconfigurator"
+    price_table: str = ""            # "" = the catalog's default price table
+    prices: dict[str, float] = field(default_factory=dict)  # accelerator -> USD per GPU-hour, over the table
+    trainer: TrainerPlan = field(default_factory=TrainerPlan)
+    faults: FaultsPlan = field(default_factory=FaultsPlan)
+    embedded: EmbeddedPlan | None = None
+
+    def __post_init__(self) -> None:
+        w = f"plan '{self.name}'"
+        _need(w, "cost_backend", self.cost_backend in COST_BACKENDS, self.cost_backend, ", ".join(COST_BACKENDS))
+        _need("plan", "name", isinstance(self.name, str) and bool(self.name), self.name, "a non-empty string")
+        _need(w, "groups", len(self.groups) > 0, list(self.groups), "at least one [[groups]] entry")
+        seen = [g.name for g in self.groups]
+        dup = sorted({n for n in seen if seen.count(n) > 1})
+        _need(w, "groups.name", not dup, dup, "unique group names")
+        _need(w, "groups.replicas", any(g.replicas > 0 for g in self.groups), 0, "at least one group with replicas")
+        for f, what in (("model", "a shipped model name or a model spec TOML path"),
+                        ("workload", "a shipped workload name or a workload spec TOML path")):
+            _need(w, f, isinstance(getattr(self, f), str) and bool(getattr(self, f)), getattr(self, f), what)
+        _need(w, "description", isinstance(self.description, str), self.description, "a string")
+        _need(w, "seed", isinstance(self.seed, int) and not isinstance(self.seed, bool) and 0 <= self.seed < 2**63,
+              self.seed, "an integer in 0..2^63-1")
+        tables = load_catalog().price_tables()
+        _need(w, "price_table", self.price_table == "" or self.price_table in tables, self.price_table,
+              "\"\" (the default) or one of " + ", ".join(tables))
+        _need(w, "prices", isinstance(self.prices, dict), self.prices, "a table ACCELERATOR = USD per GPU-hour")
+        prices = {}
+        for acc, usd in self.prices.items():
+            _need(w, f"prices.{acc}", _number(usd) and 0 < usd < 1e9, usd, "USD per GPU-hour, a number > 0")
+            prices[_accelerator(w, "prices", acc)] = usd
+        object.__setattr__(self, "prices", prices)
+        if self.trainer.routing == "replay":
+            kind = load_model_spec(self.model).kind
+            _need(w, "trainer.routing", kind == "moe", self.trainer.routing,
+                  f"'free' for model '{self.model}' (kind = '{kind}': routing replay needs a MoE model)")
+
+    def group(self, name: str) -> GroupPlan:
+        for g in self.groups:
+            if g.name == name:
+                return g
+        raise SpecError(f"plan '{self.name}'", "group", name, [g.name for g in self.groups])
+
+    def _to_dict(self, policies: dict[str, Any] | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": self.name}
+        for key in ("description", "seed", "model", "workload", "price_table"):
+            out[key] = getattr(self, key)
+        if self.cost_backend != "roofline":
+            out["cost_backend"] = self.cost_backend
+        if self.prices:
+            out["prices"] = dict(self.prices)
+        out["trainer"] = _plain(self.trainer)
+        out["groups"] = [{k: v for k, v in _plain(g).items()  # fields at their defaults stay out
+                          if not (k in ("min_replicas", "max_replicas") and v == g.replicas)
+                          and not (k in ("dp_attention", "ep") and v == 1)
+                          and not (k == "weight_noise" and v == 0)} for g in self.groups]
+        if policies is not None:
+            out["policies"] = policies
+        out["faults"] = _plain(self.faults)
+        if self.embedded is not None:
+            out["embedded"] = _plain(self.embedded)
+        return _drop_none(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain TOML-ready dict (None values omitted)."""
+        return self._to_dict(None)
+
+
+def _plain(obj: Any) -> dict[str, Any]:
+    return {f.name: copy.deepcopy(getattr(obj, f.name)) for f in fields(obj)}
+
+
+def _drop_none(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {k: _drop_none(v) for k, v in x.items() if v is not None}
+    if isinstance(x, list):
+        return [_drop_none(v) for v in x]
+    return x
+
+
+# ---- building from dicts ------------------------------------------------------------------------------
+def build_table(cls: type, raw: Any, where: str) -> Any:
+    """One table of the plan as `cls` (unknown keys and missing required ones named)."""
+    if not isinstance(raw, dict):
+        raise SpecError(where, "<table>", raw, "a TOML table")
+    known = [f.name for f in fields(cls)]
+    for key in raw:
+        if key not in known:
+            raise SpecError(where, key, raw[key], "a known field: " + ", ".join(known))
+    try:
+        return cls(**raw)
+    except TypeError as e:
+        raise SpecError(where, "<fields>", sorted(raw), f"the required fields ({e})") from None
+
+
+def plan_data_fields(raw: dict[str, Any], known: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A plan table (after base merging) -> (the keyword arguments of PlanData, the raw [policies] table).
+    `known`: the field names of the class being built (for the unknown-key message)."""
+    raw = dict(raw)
+    raw.pop("base", None)
+    if "name" not in raw:
+        raise SpecError("plan", "name", None, "a value (the field is required)")
+    where = f"plan '{raw['name']}'"
+    for key, what in (("model", "model"), ("workload", "workload")):
+        if key not in raw:
+            raise SpecError(where, key, None, f"a {what} (shipped name or spec TOML path), in this file or its base"
+                                              " (the field is required)")
+    groups_raw = raw.pop("groups", [])
+    if not isinstance(groups_raw, list):
+        raise SpecError(where, "groups", groups_raw, "an array of tables ([[groups]])")
+    groups = tuple(build_table(GroupPlan, g, f"{where} groups[{i}]") for i, g in enumerate(groups_raw))
+    pol_raw = raw.pop("policies", {})
+    if not isinstance(pol_raw, dict):
+        raise SpecError(where, "policies", pol_raw, "a table of [policies.<kind>] tables")
+    sub = {"trainer": TrainerPlan, "faults": FaultsPlan, "embedded": EmbeddedPlan}
+    kwargs = {k: build_table(cls, raw.pop(k), f"{where} [{k}]") for k, cls in sub.items() if k in raw}
+    for key in raw:
+        if key not in known:
+            raise SpecError(where, key, raw[key], "a known field: " + ", ".join(known + ["base"]))
+    return {**raw, **kwargs, "groups": groups}, pol_raw
+
+
+def plan_data_from_dict(raw: dict[str, Any]) -> PlanData:
+    """A plan table's plain data (the policies table is kept out, unchecked: policies/plan.py checks it)."""
+    kwargs, _ = plan_data_fields(raw, [f.name for f in fields(PlanData)] + ["policies"])
+    return PlanData(**kwargs)
+
+
+def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Overlay `over` on `base`: tables key by key, `groups` by name (`remove = true` drops one)."""
+    out = copy.deepcopy(base)
+    for key, value in over.items():
+        if key == "groups":
+            by_name = {g["name"]: g for g in out.get("groups", [])}
+            order = [g["name"] for g in out.get("groups", [])]
+            for g in value:
+                name = g.get("name")
+                if g.get("remove"):
+                    by_name.pop(name, None)
+                    order = [n for n in order if n != name]
+                elif name in by_name:
+                    by_name[name] = merge(by_name[name], g)
+                else:
+                    by_name[name] = copy.deepcopy(g)
+                    order.append(name)
+            out["groups"] = [by_name[n] for n in order]
+        elif isinstance(value, dict) and isinstance(out.get(key), dict):
+            if key in POLICY_KINDS and value.get("name", out[key].get("name")) != out[key].get("name"):
+                out[key] = copy.deepcopy(value)  # another policy: its settings start afresh
+            else:
+                out[key] = merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+# ---- files ----------------------------------------------------------------------------------------------
+def _resolve(ref: str, near: Path | None) -> Path:
+    p = Path(ref)
+    candidates = []
+    if near is not None:
+        candidates.append(near / p)
+    candidates.append(p)
+    if p.suffix != ".toml" and len(p.parts) == 1:
+        candidates += [data_path("plans", f"{ref}.toml"), data_path("fleets", f"{ref}.toml")]
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise SpecError("plan", "base" if near is not None else "path", ref, "a plan file path or a shipped plan: "
+                    + ", ".join(known_plans()))
+
+
+def known_plans() -> list[str]:
+    """Shipped plan names (data/plans and data/fleets)."""
+    return sorted({p.stem for d in ("plans", "fleets") for p in data_path(d).glob("*.toml")})
+
+
+def load_plan_dict(path: str | Path, _depth: int = 0) -> dict[str, Any]:
+    """The merged raw table of a plan file (its `base` chain resolved)."""
+    path = _resolve(str(path), None) if not Path(path).is_file() else Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as e:
+        raise SpecError(str(path), "<file>", "not TOML", f"valid TOML ({e})") from None
+    base = raw.get("base")
+    if base is None:
+        return raw
+    if _depth > 8:
+        raise SpecError(str(path), "base", base, "a base chain shorter than 8 (is it circular?)")
+    return merge(load_plan_dict(_resolve(base, path.parent), _depth + 1), raw)
