@@ -50,7 +50,8 @@ from mixfleet.costmodel.catalog import Catalog, load_catalog
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import ModelSpec, load_model_spec
-from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, Efficiency, ReplicaModel, replica_model, trainer_step_s
+from mixfleet.costmodel.planspec import GroupPlan, PlanData, group_replica_model, plan_data_from_dict
+from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, Efficiency, ReplicaModel, trainer_step_s
 from mixfleet.costmodel.roofline import weight_sync_s as prior_sync
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.costmodel.workload import WorkloadSpec, load_workload, workload_from_dict
@@ -311,24 +312,14 @@ class Calibration:
 # ---- reading what the fit needs from a run log --------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
-class _GroupInfo:
-    name: str
-    accelerator: str
-    precision: str
-    kv_dtype: str
-    kernel: str
-    emulated: bool
-    tp: int
-
-
-@dataclass(frozen=True, kw_only=True)
 class _Run:
     path: str
     log: RunLog
+    plan: PlanData
     model: ModelSpec
     catalog: Catalog
     workload: WorkloadSpec
-    groups: dict[str, _GroupInfo]
+    groups: dict[str, GroupPlan]
     trainer_accelerator: str
     trainer_gpus: int
 
@@ -340,32 +331,26 @@ def _read_run(path: str | os.PathLike[str], missing: list[str]) -> _Run | None:
         missing.append(f"{where}: not a run log ({why})")
         return None
     log = RunLog.open(path)
-    plan = log.header.get("plan")
-    if not isinstance(plan, dict) or not plan.get("groups"):
+    raw = log.header.get("plan")
+    if not isinstance(raw, dict) or not raw.get("groups"):
         missing.append(f"{where}: the header has no plan with groups (which accelerator / precision ran)")
         return None
     try:
-        model = load_model_spec(plan.get("model") or "qwen3.6-35b-a3b")
-        catalog = load_catalog(plan.get("price_table") or None)
-        workload = load_workload(plan.get("workload") or "seed-agentic-coding")
+        plan = plan_data_from_dict(raw)   # the schema that wrote it, every field checked
+        model = load_model_spec(plan.model)
+        catalog = load_catalog(plan.price_table or None)
+        workload = load_workload(plan.workload)
     except SpecError as e:
         missing.append(f"{where}: its plan names something unknown ({e})")
         return None
-    groups = {}
-    for g in plan["groups"]:
-        groups[str(g["name"])] = _GroupInfo(
-            name=str(g["name"]), accelerator=str(g["accelerator"]), precision=str(g["precision"]),
-            kv_dtype=str(g.get("kv_dtype", "fp8_e4m3")), kernel=str(g.get("kernel", "") or ""),
-            emulated=bool(g.get("emulated", False)) or log.header.get("source") == "runner", tp=int(g.get("tp", 0)))
-    tr = plan.get("trainer", {})
-    return _Run(path=where, log=log, model=model, catalog=catalog, workload=workload, groups=groups,
-                trainer_accelerator=str(tr.get("accelerator", "B200")), trainer_gpus=int(tr.get("gpus", 8)))
+    return _Run(path=where, log=log, plan=plan, model=model, catalog=catalog, workload=workload,
+                groups={g.name: g for g in plan.groups}, trainer_accelerator=plan.trainer.accelerator,
+                trainer_gpus=plan.trainer.gpus)
 
 
-def _prior_replica(run: _Run, g: _GroupInfo) -> ReplicaModel:
-    """The prior replica model of a group, as the twin builds it (KV budget: one max-context sequence)."""
-    return replica_model(run.model, g.accelerator, g.precision, g.kv_dtype, catalog=run.catalog, tp=g.tp or None,
-                         emulated=g.emulated, kv_budget_tokens=min(run.workload.max_context, run.model.max_context))
+def _prior_replica(run: _Run, g: GroupPlan) -> ReplicaModel:
+    """The prior replica model of a group, as the twin builds it."""
+    return group_replica_model(run.plan, g, run.model, run.catalog, run.workload)
 
 
 def loop_start_s(log: RunLog) -> float:
@@ -622,7 +607,7 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
         missing.append(f"at least {min_updates} trainer updates in all (got {n_updates}): the trainer and weight-sync "
                        "fits need them")
     # group identity: calibrated per (accelerator, precision, kv dtype, kernel); named by the first run's name
-    keyed: dict[tuple[str, str, str, str], list[tuple[_Run, _GroupInfo]]] = {}
+    keyed: dict[tuple[str, str, str, str], list[tuple[_Run, GroupPlan]]] = {}
     for r in runs:
         for g in r.groups.values():
             keyed.setdefault((g.accelerator, g.precision, g.kv_dtype, g.kernel), []).append((r, g))

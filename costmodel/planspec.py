@@ -1,8 +1,9 @@
 """A plan's plain data: its groups, trainer, faults, embedded settings, model, workload and prices, checked
 field by field when the plan loads, and the TOML files with their `base` chains. Everything here but
 the policies (their names and settings are checked by policies/plan.py, which builds the full `Plan` on
-top of `PlanData` and re-exports what is here); it sits in costmodel so that the calibration can read a
-run log's plan with the very schema that wrote it.
+top of `PlanData` and re-exports what is here); it sits in costmodel so that the calibration reads a run
+log's plan with the very schema that wrote it, and so that "plan group -> replica cost model" is one
+function (`group_replica_model`) for the twin, the planner, the runner's fleet and the calibration.
 
 Variants derive from a named base: a plan file may say `base = "seed-mixed"` (a shipped plan name or a path
 relative to the file) and give only what differs; tables merge key by key, `[[groups]]` merge by `name` (a
@@ -32,7 +33,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from mixfleet.costmodel.catalog import TP_SIZES, load_catalog
+from mixfleet.costmodel.catalog import TP_SIZES, Catalog, load_catalog
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.formats import formats
 from mixfleet.costmodel.limits import (
@@ -45,8 +46,10 @@ from mixfleet.costmodel.limits import (
     MAX_TURNS,
     check_count,
 )
-from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.model import ModelSpec, load_model_spec
 from mixfleet.costmodel.paths import data_path
+from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, Efficiency, ReplicaModel, replica_model
+from mixfleet.costmodel.workload import WorkloadSpec
 
 LOSSES = ("grpo", "mis", "sc", "sc_mis")
 ROUTING_MODES = ("free", "replay")   # MoE trainer: its own router | rollout routing replay (the samplers' experts)
@@ -413,3 +416,27 @@ def load_plan_dict(path: str | Path, _depth: int = 0) -> dict[str, Any]:
     if _depth > 8:
         raise SpecError(str(path), "base", base, "a base chain shorter than 8 (is it circular?)")
     return merge(load_plan_dict(_resolve(base, path.parent), _depth + 1), raw)
+
+
+# ---- plan group -> replica cost model -------------------------------------------------------------------
+def group_replica_model(plan: PlanData, g: GroupPlan, model: ModelSpec, catalog: Catalog, workload: WorkloadSpec,
+                        efficiency: Efficiency | None = None) -> ReplicaModel:
+    """The cost model of one replica of a plan group, the one construction the twin, the runner's fleet
+    (routing weights) and the calibration (priors) share: the group's accelerator, precision, KV dtype, tp
+    (0 = the smallest that fits), layout and `emulated` flag, the plan's cost backend, a KV budget of one
+    max-context sequence of the workload, and `efficiency` (calibrated factors) over the catalog's."""
+    return replica_model(model, g.accelerator, g.precision, g.kv_dtype, catalog=catalog, tp=g.tp or None,
+                         emulated=g.emulated, efficiency=efficiency,
+                         kv_budget_tokens=min(workload.max_context, model.max_context), layout=g.layout,
+                         backend=plan.cost_backend)
+
+
+def nominal_point(rm: ReplicaModel, mean_context: float, max_running: int | None = None) -> tuple[float, float]:
+    """A replica's serving capacity at the workload's mean decode context: (tokens/s, USD per Mtoken),
+    at the largest batch its KV holds, capped at the engine's running limit (default: DEFAULT_MAX_BATCH per
+    attention-DP rank). The routing weight of a group in both worlds."""
+    if max_running is None:
+        max_running = DEFAULT_MAX_BATCH * rm.dp_attention
+    b = max(1, int(rm.max_batch(mean_context, max_running)))
+    tps = float(rm.tokens_per_s(b, mean_context))
+    return tps, rm.price_usd_per_hour / 3600.0 / tps * 1e6

@@ -43,6 +43,7 @@ def test_layout_fields_are_validated() -> None:
     with pytest.raises(SpecError, match="divisible"):
         GroupPlan(name="g", accelerator="H200", precision="fp8", tp=0, dp_attention=4, ep=4)
     with pytest.raises(SpecError, match="cost_backend"):
-        Plan(name="p", groups=(GroupPlan(name="g", accelerator="H200", precision="fp8"),), cost_backend="magic")
+        Plan(name="p", model="tiny", workload="tiny-cpu", cost_backend="magic",
+             groups=(GroupPlan(name="g", accelerator="H200", precision="fp8"),))
     with pytest.raises(SpecError, match="layouts"):
         PlannerConfig(layouts="largest")

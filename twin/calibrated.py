@@ -31,12 +31,13 @@ from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.planspec import group_replica_model, nominal_point
 from mixfleet.costmodel.roofline import weight_sync_s
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.costmodel.runsummary import summarize
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import Plan, load_plan, plan_from_dict, with_overrides
-from mixfleet.twin.rates import Setup, TabulatedRates, group_replica_model, nominal_point
+from mixfleet.twin.rates import Setup, TabulatedRates
 from mixfleet.twin.world import GroupSetup, TrainerSetup
 
 

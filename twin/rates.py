@@ -16,17 +16,17 @@ from dataclasses import dataclass, field
 import numpy as np
 from mixfleet.costmodel.catalog import Catalog, load_catalog
 from mixfleet.costmodel.mismatch import mismatch_prior
-from mixfleet.costmodel.model import ModelSpec, load_model_spec
+from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.planspec import group_replica_model, nominal_point
 from mixfleet.costmodel.roofline import (
     DEFAULT_MAX_BATCH,
     Efficiency,
     ReplicaModel,
-    replica_model,
     trainer_step_s,
     weight_sync_s,
 )
 from mixfleet.costmodel.workload import WorkloadSpec, load_workload
-from mixfleet.policies.plan import GroupPlan, Plan
+from mixfleet.policies.plan import Plan
 from mixfleet.twin.world import GroupSetup, TrainerSetup
 
 
@@ -99,24 +99,6 @@ class TabulatedRates:
         if 0 < i < self._n_new:
             return self._prefill[i - 1] + self._dprefill[i] * (tokens - xs[i - 1]) / self._dnew[i]
         return self._interp(xs, self._prefill, tokens)
-
-
-def nominal_point(rm: ReplicaModel, mean_context: float, max_running: int = DEFAULT_MAX_BATCH) -> tuple[float, float]:
-    """A replica's serving capacity at the workload's mean decode context: (tokens/s, USD per Mtoken),
-    at the largest batch its KV holds (capped at the engine's running limit)."""
-    b = max(1, int(rm.max_batch(mean_context, max_running)))
-    tps = float(rm.tokens_per_s(b, mean_context))
-    return tps, rm.price_usd_per_hour / 3600.0 / tps * 1e6
-
-
-def group_replica_model(plan: Plan, g: GroupPlan, model: ModelSpec, catalog: Catalog,
-                        workload: WorkloadSpec, efficiency: Efficiency | None = None) -> ReplicaModel:
-    """The cost model of one replica of a plan group (KV budget: one max-context sequence; the group's layout and
-    the plan's cost backend)."""
-    return replica_model(model, g.accelerator, g.precision, g.kv_dtype, catalog=catalog, tp=g.tp or None,
-                         emulated=g.emulated, efficiency=efficiency,
-                         kv_budget_tokens=min(workload.max_context, model.max_context), layout=g.layout,
-                         backend=plan.cost_backend)
 
 
 @dataclass(frozen=True, kw_only=True)

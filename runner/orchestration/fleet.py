@@ -10,28 +10,29 @@ Three ways a group becomes replicas:
 - "attach": replicas already serving at given URLs (`attach={"H100-FP8": ["http://..."]}`).
 
 Routing weights: capacity-proportional routing needs each group's serving capacity. It comes from the
-cost model (costmodel/roofline.py) for the plan's accelerator / precision / KV dtype at the workload's
-mean decode context, exactly as the twin computes it. When a rehearsal scales a group of R planned replicas
-down to n, each local replica carries R / n replicas' weight, so the groups' routing shares stay the plan's.
+cost model for the plan's accelerator / precision / KV dtype / tp / emulated flag at the workload's mean
+decode context, by the very functions the twin uses (costmodel/planspec.py `group_replica_model`,
+`nominal_point`); a group the cost model refuses (a format its accelerator lacks without `emulated = true`,
+a tp too small for the model) is an error here as in the twin. When a rehearsal scales a group of R planned
+replicas down to n, each local replica carries R / n replicas' weight, so the groups' routing shares stay
+the plan's.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.formats import formats
 from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.roofline import replica_model
+from mixfleet.costmodel.planspec import group_replica_model, nominal_point
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import EmbeddedPlan, GroupPlan, Plan
 
 MODES = ("embedded", "sglang", "attach")
 ENGINE_PRECISIONS = formats().engine_precisions     # data/precisions.toml
 ENGINE_KV_DTYPES = formats().engine_kv_dtypes
-_MAX_BATCH = 256
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,22 +93,17 @@ class FleetSpec:
         return sum(g.replicas for g in self.groups)
 
 
-def _nominal(plan: Plan, g: GroupPlan) -> tuple[float, float, float, int]:
-    """(tokens/s, USD/hour, USD/Mtoken, tp) of one replica from the cost model; NaN-free fallbacks."""
-    try:
-        cat = load_catalog(plan.price_table or None).with_prices(plan.prices)
-        model = load_model_spec(plan.model)
-        workload = load_workload(plan.workload)
-        ctx = float(workload.mean_decode_context)
-        rm = replica_model(model, g.accelerator, g.precision, g.kv_dtype, catalog=cat, tp=g.tp or None,
-                           emulated=True, kv_budget_tokens=min(workload.max_context, model.max_context),
-                           layout=g.layout, backend=plan.cost_backend)
-        b = max(1, int(rm.max_batch(ctx, _MAX_BATCH * rm.dp_attention)))
-        tps = float(rm.tokens_per_s(b, ctx))
-        usd_h = float(rm.price_usd_per_hour)
-        return tps, usd_h, usd_h / 3600.0 / max(tps, 1e-12) * 1e6, int(rm.n_gpus)
-    except Exception:  # noqa: BLE001 - an accelerator / precision the catalog lacks: equal weights
-        return 1.0, 0.0, 0.0, max(1, g.tp)
+def _nominal(plan: Plan) -> Callable[[GroupPlan], tuple[float, float, float, int]]:
+    """(tokens/s, USD/hour, USD/Mtoken, GPUs) of one replica of a group, as the twin has them."""
+    cat = load_catalog(plan.price_table or None).with_prices(plan.prices)
+    model = load_model_spec(plan.model)
+    workload = load_workload(plan.workload)
+
+    def one(g: GroupPlan) -> tuple[float, float, float, int]:
+        rm = group_replica_model(plan, g, model, cat, workload)
+        tps, usd_m = nominal_point(rm, workload.mean_decode_context)
+        return tps, float(rm.price_usd_per_hour), usd_m, int(rm.n_gpus)
+    return one
 
 
 def fleet_from_plan(plan: Plan, *, mode: str = "embedded", attach: Mapping[str, Sequence[str]] | None = None,
@@ -122,8 +118,9 @@ def fleet_from_plan(plan: Plan, *, mode: str = "embedded", attach: Mapping[str, 
         plan.group(name)                                   # unknown names -> SpecError listing the groups
     groups = []
     resources: dict[str, float] = {}
+    nominal = _nominal(plan)
     for g in plan.groups:
-        tps, usd_h, usd_m, tp = _nominal(plan, g)
+        tps, usd_h, usd_m, tp = nominal(g)
         urls = tuple(attach.get(g.name, ()))
         if mode == "embedded":
             n = min(g.replicas, cap)
@@ -140,8 +137,7 @@ def fleet_from_plan(plan: Plan, *, mode: str = "embedded", attach: Mapping[str, 
         groups.append(GroupSpec(name=g.name, accelerator=g.accelerator, precision=g.precision, kv_dtype=g.kv_dtype,
                                 kernel=g.kernel or None, weight_noise=g.weight_noise, replicas=n,
                                 planned_replicas=g.replicas, min_replicas=lo, max_replicas=hi, tp=tp,
-                                capacity_tokens_per_s=tps if math.isfinite(tps) else 1.0,
-                                usd_per_hour=usd_h, usd_per_mtoken=usd_m, urls=urls,
+                                capacity_tokens_per_s=tps, usd_per_hour=usd_h, usd_per_mtoken=usd_m, urls=urls,
                                 dp_attention=g.dp_attention if mode == "sglang" else 1,
                                 ep=g.ep if mode == "sglang" else 1))
         resources[g.accelerator] = resources.get(g.accelerator, 0.0) + hi * tp
