@@ -117,9 +117,11 @@ class Replica:
     # ---- requests ---------------------------------------------------------------------------------
     def submit(self, req: Request, now_s: float) -> None:
         """Queue a request and admit what fits. The caller has advanced the clock to `now_s`."""
-        self.waiting.append(req)
+        waiting = self.waiting
+        blocked = bool(waiting)  # a waiting head stays blocked until a request leaves (which admits again)
+        waiting.append(req)
         self._waiting_tokens += req.reply_tokens
-        if self.up and not self.draining:
+        if not blocked and self.up and not self.draining:
             self._admit(now_s)
 
     def admit(self, now_s: float) -> None:
@@ -167,7 +169,17 @@ class Replica:
         heappop = heapq.heappop
         while running and running[0][0] <= limit:
             req = heappop(running)[2]
-            self._leave(req, req.finish_v)
+            # self._leave(req, req.finish_v), inlined (the same arithmetic)
+            finish = req.finish_v
+            tokens = round(finish - req.mark_v)
+            if tokens:
+                tbv, v = req.tokens_by_version, req.version
+                tbv[v] = tbv.get(v, 0) + tokens
+                req.generated += tokens
+                self.tokens_generated += tokens
+            self.kv_used_tokens -= req.context_tokens + req.reply_tokens
+            self._ctx_sum -= req.context_tokens + req.reply_tokens / 2
+            self._finish_sum -= finish
             done.append(req)
         n = len(running)
         if n:
