@@ -69,7 +69,11 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=OUT)
     ap.add_argument("--resume", action="store_true", help="keep the rows already in --out (same mixes), run the rest")
+    ap.add_argument("--rows-from", type=Path, nargs="*", default=[],
+                    help="also keep the finished rows of these files (e.g. shards' outputs)")
+    ap.add_argument("--shard", default="0/1", help="I/N: run only mixes i with i %% N == I (parallel shards)")
     args = ap.parse_args()
+    shard, shards = (int(x) for x in args.shard.split("/"))
     cfg = PlannerConfig()
     wl = load_workload(cfg.workload)
     types, cands = random_mixes(cfg, args.mixes, args.seed)
@@ -80,11 +84,13 @@ def main() -> None:
         jobs.append((name, plan, evaluate_plan(plan)))
     rows, c0 = [], time.process_time()
     done = {}
-    if args.resume and args.out.exists():
-        done = {r["mix"]: r for r in json.loads(args.out.read_text()).get("rows", [])}
-    for name, plan, est in jobs:
+    for f in ([args.out] if args.resume and args.out.exists() else []) + list(args.rows_from):
+        done.update({r["mix"]: r for r in json.loads(f.read_text()).get("rows", [])})
+    for j, (name, plan, est) in enumerate(jobs):
         if name in done and done[name]["replicas"] == est.replicas:
             rows.append(done[name])
+            continue
+        if j % shards != shard:
             continue
         kb = est.inflight_prompts / wl.prompts_per_update
         updates = int(12 + 3 * kb)

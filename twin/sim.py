@@ -64,14 +64,16 @@ def _json_safe(x: Any) -> Any:
 
 def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = None, out: str | Path | None = None,
              price_table: str | None = None, setup: Setup | None = None, overrides: Overrides | None = None,
-             progress: Callable[[int], None] | None = None) -> TwinResult:
+             progress: Callable[[int], None] | None = None, warm_start: bool = False) -> TwinResult:
     """Dry-run `plan` for `updates` trainer updates.
 
     plan: a Plan, a plan file path or a shipped plan name. seed: overrides the plan's. out: the run-log
     folder (None: a temporary one, removed after summarizing). price_table: overrides the plan's.
     setup: the world's numbers (default: from the cost model, `build_setup`); tests pass their own.
     overrides: measured values (calibration) in place of the cost model's priors, per plan group.
-    progress: called with each finished update's version.
+    progress: called with each finished update's number (1..updates).
+    warm_start: begin near the steady state (sessions and prompt-groups at the ages the workload implies,
+    `World.seed_steady_state`; update versions then start above 1) instead of from empty pipelines.
     """
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
     if updates < 1:
@@ -87,13 +89,14 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
     gc_thresholds = gc.get_threshold()
     gc.set_threshold(100_000, 50, 100)  # the run holds ~1e6 small live objects: collect cycles less often
     try:
-        header = {"source": "twin", "plan": plan.to_dict(), "seed": seed, "clock": "simulated"}
+        header = {"source": "twin", "plan": plan.to_dict(), "seed": seed, "clock": "simulated",
+                  **({"warm_start": True} if warm_start else {})}
         with RunLogWriter(folder, header, flush_every_rows=50_000, flush_every_s=None) as writer:
             world = World(groups=setup.groups, trainer=setup.trainer, workload=setup.workload,
                           policies=plan.build_policies(setup.workload), seed=seed, writer=writer,
                           run_id=writer.run_id, preemptions_per_replica_hour=plan.faults.preemptions_per_replica_hour,
                           on_loss=plan.faults.on_loss, progress=progress)
-            done = world.env.process(run_loop(world, updates))
+            done = world.env.process(run_loop(world, updates, warm_start=warm_start))
             world.env.run(until=done)
             if world.stalled is not None:
                 raise world.stalled

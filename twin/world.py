@@ -266,6 +266,56 @@ class World:
                 self.sessions_started += 1
                 self._begin(s)
 
+    def seed_steady_state(self) -> None:
+        """Warm start: begin near the steady state instead of with K fresh prompt-groups in lockstep.
+
+        In steady state the K prompt-groups in flight started at a constant rate, so their ages are uniform
+        over a group's lifetime, K / B updates (Little's law). Each group drawn here gets an age u x (its
+        longest sample's turns), u uniform: a sample with fewer turns has finished and waits for its siblings,
+        the others have done floor(age) turns (their context and prefix cache on their routed replica as if
+        served there) and resume after a uniform part of their tool call. Their earlier tokens get the versions
+        the lifetime implies: a token (age - t - 1/2) / longest x K / B updates old has version V0 - ceil(that),
+        with the run starting at version V0 = ceil(K / B) + 1 (so every version is >= 1; the first update is
+        V0 + 1; prompt ids start at V0 x B, as if V0 updates had been trained). The buffer starts empty (the
+        phase right after the trainer took a batch)."""
+        spp, ppu = self.prompts.samples_per_prompt, self.prompts.prompts_per_update
+        v0 = math.ceil(self.batcher.config.inflight_prompts / ppu) + 1
+        self.version = v0
+        self.prompts.started = self.prompts.taken = v0 * ppu  # as if v0 updates had been trained (admission limits)
+        groups = self.prompts.admit(v0)
+        life = len(groups) / ppu
+        for g in self.groups.values():
+            g.weight_version = v0
+            for rep in g.replicas:
+                rep.version = v0
+        for p in groups:
+            eps = draw_episodes(self.workload, self.rng, spp)
+            longest = max(ep.turns for ep in eps)
+            age = float(self.rng.random()) * longest
+            for i, ep in enumerate(eps):
+                smp = Session(sid=p.prompt_id * spp + i, prompt_id=p.prompt_id, sample=i, ep=ep)
+                self.sessions_started += 1
+                done = min(int(age), ep.turns)
+                if done == 0:
+                    self._begin(smp)
+                    continue
+                route = self.router.route(smp.sid, self.fleet_view())
+                rep = next(r for r in self.groups[route[0]].replicas if r.index == route[1])
+                tbv: dict[int, int] = {}
+                for t in range(done):
+                    v = v0 - math.ceil((age - t - 0.5) / longest * life)
+                    tbv[v] = tbv.get(v, 0) + ep.reply_tokens[t]
+                smp.tokens_by_version, smp.replica, smp.cached_on, smp.turn = tbv, rep, rep, done
+                smp.prompt_total = ep.prompt_tokens + sum(ep.tool_tokens[:done])
+                if done == ep.turns:  # finished before the start: waits for its siblings
+                    self.router.release(smp.sid)
+                    self.prompts.finish(p, smp, 0.0)
+                    continue
+                smp.context = ep.prompt_tokens + sum(ep.reply_tokens[:done]) + sum(ep.tool_tokens[:done - 1])
+                smp.pending_new, smp.remaining_reply = ep.tool_tokens[done - 1], ep.reply_tokens[done]
+                smp.callbacks = self._tool_cbs
+                self.env.push(float(self.rng.random()) * ep.tool_s[done - 1], smp)
+
     def _begin(self, s: Session) -> None:
         s.turn, s.context, s.pending_new = 0, 0, s.ep.prompt_tokens
         s.remaining_reply, s.prompt_total = s.ep.reply_tokens[0], s.ep.prompt_tokens
@@ -486,14 +536,19 @@ class World:
                 self.lose_replica(g, r, "preempt")
 
 
-def run_loop(w: World, updates: int) -> Generator:
+def run_loop(w: World, updates: int, warm_start: bool = False) -> Generator:
     """The algorithm of a fully asynchronous RL run, as the twin plays it:
-    keep the samplers busy; then, per update: wait for a batch, train on it, push the new weights."""
-    w.admit_prompts()
+    keep the samplers busy; then, per update: wait for a batch, train on it, push the new weights.
+    warm_start: begin near the steady state (`World.seed_steady_state`) instead of from empty pipelines."""
+    if warm_start:
+        w.seed_steady_state()  # the run starts at version V0 > 0 (see there)
+    else:
+        w.admit_prompts()
     w.env.process(w.autoscale_loop())
     if w.fault_rate_h > 0:
         w.env.process(w.fault_loop())
-    for version in range(1, updates + 1):
+    v0 = w.version
+    for version in range(v0 + 1, v0 + updates + 1):
         batch = yield from w.wait_for_batch()
         if batch is None:  # stalled: the batcher never forms an update (simulate raises w.stalled)
             return
@@ -507,4 +562,4 @@ def run_loop(w: World, updates: int) -> Generator:
         w.record_update(batch, version, start_s, train_s, sync_s)
         w.admit_prompts()
         if w.progress is not None:
-            w.progress(version)
+            w.progress(version - v0)
