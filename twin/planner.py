@@ -24,8 +24,9 @@
    the tokens it wastes. Candidates come from integer programs (`scipy.optimize.milp`: cheapest fleet
    reaching each of a sweep of throughput targets under the GPU caps and budget), their +-1 neighbours
    and single-type fleets, each with several K.
-3. Verify the best few (default 3) in the twin's steady state (`simulate`, then costmodel's steady-state
-   analysis: the pipeline fill and the MSER-5 warm-up left out, 95% batch-means intervals) and re-rank them by
+3. Verify the best few (default 3) in the twin's steady state (`simulate` from a warm start, then costmodel's
+   steady-state analysis: the pipeline fill and the MSER-5 warm-up left out, 95% batch-means intervals) and
+   re-rank them by
    it (those meeting the constraints in the twin first, then the objective); the chosen plan's figures are
    the twin's, the analytic ones beside them. Report the Pareto set (cost/update, time/update, staleness).
 """
@@ -471,11 +472,11 @@ def plan_mix(cfg: PlannerConfig, progress: Callable[[str], None] | None = None) 
 
 
 def verify_updates(c: Candidate, cfg: PlannerConfig, prompts_per_update: int) -> int:
-    """Updates of a verification run: `cfg.verify_updates`, or (0) 10 + 2 K / B: the pipeline fill and the
-    warm-up last about one prompt-group lifetime (K / B updates), then about 10 steady updates."""
+    """Updates of a verification run: `cfg.verify_updates`, or (0) 10 + K / B: a warm start (`simulate`'s
+    `warm_start`) still settles over about one prompt-group lifetime (K / B updates), then ~10 steady updates."""
     if cfg.verify_updates:
         return cfg.verify_updates
-    return int(10 + math.ceil(2 * c.inflight_prompts / prompts_per_update))
+    return int(10 + math.ceil(c.inflight_prompts / prompts_per_update))
 
 
 def verify_candidate(c: Candidate, types: list[GroupType], cfg: PlannerConfig) -> Candidate:
@@ -489,7 +490,7 @@ def verify_candidate(c: Candidate, types: list[GroupType], cfg: PlannerConfig) -
 
         setup = calibrated_setup(plan, cfg.calibration)[0]
     updates = verify_updates(c, cfg, load_workload(cfg.workload).prompts_per_update)
-    s = simulate(plan, updates=updates, seed=cfg.seed, setup=setup).summary
+    s = simulate(plan, updates=updates, seed=cfg.seed, setup=setup, warm_start=True).summary
     kept = 1.0 - s.extreme_share if math.isfinite(s.extreme_share) else c.kept_share
     v = {"time_per_update_s": s.steady_time_per_update_s, "time_per_update_ci_s": s.steady_time_per_update_ci_s,
          "cost_per_update_usd": s.steady_cost_per_update_usd, "cost_per_update_ci_usd": s.steady_cost_per_update_ci_usd,

@@ -94,7 +94,7 @@ def _progress(total: int, label: str):
 
 
 def _simulate(plan: str, updates: int, seed: int | None, out: str | None, price_table: str | None, label: str,
-              calibration: Path | None = None):
+              calibration: Path | None = None, warm_start: bool = False):
     from mixfleet.twin.sim import simulate
 
     with _progress(updates, label) as bar:
@@ -102,9 +102,9 @@ def _simulate(plan: str, updates: int, seed: int | None, out: str | None, price_
         if calibration is not None:  # fitted values (mixfleet calibrate) in place of the cost model's priors
             from mixfleet.twin.calibrated import simulate_calibrated
 
-            return simulate_calibrated(plan, calibration, updates=updates, seed=seed, out=out,
+            return simulate_calibrated(plan, calibration, updates=updates, seed=seed, out=out, warm_start=warm_start,
                                        price_table=price_table, progress=lambda v: bar.update(task, completed=v))
-        return simulate(plan, updates=updates, seed=seed, out=out, price_table=price_table,
+        return simulate(plan, updates=updates, seed=seed, out=out, price_table=price_table, warm_start=warm_start,
                         progress=lambda v: bar.update(task, completed=v))
 
 
@@ -135,7 +135,7 @@ def register(app: typer.Typer) -> None:
         verify: int = typer.Option(3, "--verify", help="Best candidates the twin verifies in steady state and "
                                    "re-ranks (0: none)."),
         verify_updates: int = typer.Option(0, "--verify-updates", help="Updates per twin verification "
-                                           "(0: 10 + 2 x prompts in flight / prompts per update)."),
+                                           "(0: 10 + prompts in flight / prompts per update; warm start)."),
         out: Path = typer.Option(None, "--out", "-o", help="Write the chosen plan here (TOML)."),
         pareto_n: int = typer.Option(12, "--pareto", help="Pareto rows to print."),
         layouts: str = typer.Option("smallest", "--layouts", help="smallest: the smallest TP that fits; cheapest: "
@@ -276,6 +276,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
         calibration: Path = typer.Option(None, "--calibration", "-c",
                                          help="Calibration TOML (mixfleet calibrate): replaces the priors."),
+        warm_start: bool = typer.Option(False, "--warm-start", help="Begin near the steady state (prompt-groups "
+                                        "at the ages the workload implies), so fewer updates measure it."),
     ) -> None:
         """Dry-run a plan in the twin: run log + summary."""
         from mixfleet.costmodel.errors import SpecError
@@ -284,7 +286,8 @@ def register(app: typer.Typer) -> None:
         try:
             if out is not None:
                 prepare_output_dir(out, "twin_runlog", where="mixfleet simulate", force=force)
-            r = _simulate(plan, updates, seed, str(out) if out else None, price_table, "simulating", calibration)
+            r = _simulate(plan, updates, seed, str(out) if out else None, price_table, "simulating", calibration,
+                          warm_start=warm_start)
         except (SpecError, FileNotFoundError) as e:
             _fail(e)
         if as_json:
@@ -303,13 +306,14 @@ def register(app: typer.Typer) -> None:
         updates: int = typer.Option(6, "--updates", "-n", help="Trainer updates to simulate each."),
         seed: int = typer.Option(None, "--seed", min=0, help="Override the plans' seed (an integer >= 0)."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
+        warm_start: bool = typer.Option(False, "--warm-start", help="Begin both near the steady state."),
     ) -> None:
         """Dry-run two plans and put them side by side."""
         from mixfleet.costmodel.errors import SpecError
 
         try:
-            ra = _simulate(a, updates, seed, None, None, f"simulating {Path(a).stem}")
-            rb = _simulate(b, updates, seed, None, None, f"simulating {Path(b).stem}")
+            ra = _simulate(a, updates, seed, None, None, f"simulating {Path(a).stem}", warm_start=warm_start)
+            rb = _simulate(b, updates, seed, None, None, f"simulating {Path(b).stem}", warm_start=warm_start)
         except (SpecError, FileNotFoundError) as e:
             _fail(e)
         if as_json:
