@@ -37,6 +37,9 @@ PACKAGE = "aiconfigurator-core"
 PINNED_VERSION = "0.12.0"          # the version this adapter was written and checked against
 ENGINES = ("sglang", "trtllm", "vllm")
 DEFAULT_ENGINE = "sglang"          # mixfleet's GPU samplers are SGLang servers
+# a replica's engines to try in order: SGLang's tables first; where SGLang's database lacks the model's shape
+# (e.g. NVFP4 MoE kernels for Qwen3-30B on B200), TensorRT-LLM's measured kernels (the source line says which)
+DEFAULT_ENGINES = ("sglang", "trtllm")
 
 # catalog accelerator -> aiconfigurator system name
 SYSTEMS = {"H100": "h100_sxm", "H200": "h200_sxm", "B200": "b200_sxm", "B300": "b300_sxm",

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 from mixfleet.costmodel.catalog import TP_SIZES, Accelerator, Catalog, KVDtype, Precision, load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.measured import Layout, NotCovered, StepTable, step_table
+from mixfleet.costmodel.measured import DEFAULT_ENGINES, Layout, NotCovered, StepTable, step_table
 from mixfleet.costmodel.model import ModelSpec, load_model_spec
 
 ACT_BYTES = 2                     # bytes per activation element in TP all-reduces (BF16)
@@ -369,7 +369,7 @@ def replica_model(model: ModelSpec | str, accelerator: Accelerator | str, precis
                   emulated: bool = False, efficiency: Efficiency | None = None,
                   kv_budget_tokens: int | None = None, layout: Layout | str | None = None,
                   mean_context: float | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                  backend: str = "roofline", engine: str = "sglang") -> ReplicaModel:
+                  backend: str = "roofline", engine: str | tuple[str, ...] = DEFAULT_ENGINES) -> ReplicaModel:
     """Build the cost model of one replica.
 
     tp=None picks the smallest of 1, 2, 4, 8 (up to the accelerator's max_tp) whose memory holds the
@@ -381,7 +381,8 @@ def replica_model(model: ModelSpec | str, accelerator: Accelerator | str, precis
     every candidate layout that fits, priced at its best batch (<= `max_batch` per attention-DP group) at
     `mean_context` (default: a quarter of the KV budget), lowest $/Mtoken wins. `backend`: "roofline",
     "aiconfigurator" (refused with the reason where not covered) or "auto" (measured where covered); `engine`
-    is the measured backend's serving engine (sglang, trtllm, vllm).
+    is the measured backend's serving engine (sglang, trtllm, vllm), or engines to try in order (default:
+    SGLang's tables, then TensorRT-LLM's where SGLang's database lacks the shape).
     """
     cat = catalog if catalog is not None else load_catalog()
     m = load_model_spec(model) if isinstance(model, str) else model
@@ -421,14 +422,20 @@ def replica_model(model: ModelSpec | str, accelerator: Accelerator | str, precis
             peak_flops_per_s=peak * 1e12, bw_bytes_per_s=acc.bandwidth_bytes_per_s, dp_attention=dp, ep=ep)
         if backend == "roofline":
             return rm
-        try:
-            table = step_table(m, acc, prec, kv, layout=rm.layout, engine=engine, emulated=is_emulated,
-                               max_batch=max(max_batch * dp, 2), max_context=max(budget, 2))
-        except NotCovered as e:
-            if backend == "aiconfigurator":
-                raise
-            return replace(rm, backend_source=f"roofline: not covered by the measured backend ({e.allowed})")
-        return replace(rm, backend="aiconfigurator", backend_source=table.source, measured=table)
+        engines = (engine,) if isinstance(engine, str) else tuple(engine)
+        err: NotCovered | None = None
+        for eng in engines:
+            try:
+                table = step_table(m, acc, prec, kv, layout=rm.layout, engine=eng, emulated=is_emulated,
+                                   max_batch=max(max_batch * dp, 2), max_context=max(budget, 2))
+            except NotCovered as e:
+                err = err or e
+                continue
+            return replace(rm, backend="aiconfigurator", backend_source=table.source, measured=table)
+        if backend == "aiconfigurator" and err is not None:
+            raise err
+        why = err.allowed if err is not None else "no engine"
+        return replace(rm, backend_source=f"roofline: not covered by the measured backend ({why})")
 
     if isinstance(lay, Layout):
         if lay.gpus > acc.max_tp or lay.tp not in TP_SIZES:
