@@ -6,7 +6,6 @@ a foreign file read, code run or an orphaned process.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -123,7 +122,9 @@ def test_trainer_state_loads_tensors_only(tmp_path: Path) -> None:
 
     state = tmp_path / "state"
     state.mkdir()
-    (state / STATE_FILE).write_bytes(pickle.dumps({"format": STATE_FORMAT, "model": Evil()}))
+    import torch
+
+    torch.save({"format": STATE_FORMAT, "model": Evil()}, state / STATE_FILE)   # the real file format
     from mixfleet.costmodel.model import load_model_spec
 
     spec = load_model_spec("tiny").to_dict()
