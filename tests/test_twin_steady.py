@@ -29,8 +29,8 @@ def _run(tmp_path: Path, updates: int, warm: bool):
     rates = FixedRates(step_s=0.01, per_seq_s=0.001, kv_capacity_tokens=4_000, price_usd_per_hour=2.0)
     groups = [GroupSetup(name=f"g{i}", rates=rates, replicas=1, min_replicas=1, max_replicas=1,
                          capacity_tokens_per_s=100.0, usd_per_mtoken=1.0, weight_sync_s=0.1) for i in range(2)]
-    plan = plan_from_dict({"name": "t", "groups": [{"name": g.name, "accelerator": "X", "precision": "bf16"}
-                                                   for g in groups],
+    plan = plan_from_dict({"name": "t", "model": "tiny", "workload": "tiny-cpu",
+                           "groups": [{"name": g.name, "accelerator": "H100", "precision": "bf16"} for g in groups],
                            "policies": {"batcher": {"inflight_prompts": 16}}})
     setup = Setup(groups=groups, trainer=TrainerSetup(train_step_s=lambda n: 0.5, usd_per_hour=3600.0),
                   workload=wl, models={})
