@@ -179,21 +179,22 @@ def init_ray(*, address: str | None = None, num_cpus: int | None = None,
 
     local_ray.stop_leftover_rays()
     local_ray.loopback_only()
-    token = local_ray.mark_next_ray()
+    token = local_ray.new_token()
     local_ray.record_local_ray(token)
-    for attempt in range(RAY_START_ATTEMPTS):
-        try:
-            # address="local": always a new Ray of our own; with None, Ray joins whatever cluster RAY_ADDRESS or
-            # /tmp/ray/ray_current_cluster (left by anyone's `ray start` on this machine) names
-            ctx = ray.init(address="local", num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 2),
-                           include_dashboard=False, _node_ip_address=local_ray.LOOPBACK,
-                           resources={k: float(v) for k, v in (resources or {}).items()}, runtime_env=env,
-                           log_to_driver=False, configure_logging=True, logging_level="ERROR")
-            break
-        except Exception as e:  # noqa: BLE001 - Ray's own "node timed out during startup" on a busy machine
-            if attempt == RAY_START_ATTEMPTS - 1 or "timed out during startup" not in str(e):
-                raise
-            ray.shutdown()
+    with local_ray.marking(token):
+        for attempt in range(RAY_START_ATTEMPTS):
+            try:
+                # address="local": always a new Ray of our own; with None, Ray joins whatever cluster RAY_ADDRESS
+                # or /tmp/ray/ray_current_cluster (left by anyone's `ray start` on this machine) names
+                ctx = ray.init(address="local", num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 2),
+                               include_dashboard=False, _node_ip_address=local_ray.LOOPBACK,
+                               resources={k: float(v) for k, v in (resources or {}).items()}, runtime_env=env,
+                               log_to_driver=False, configure_logging=True, logging_level="ERROR")
+                break
+            except Exception as e:  # noqa: BLE001 - Ray's own "node timed out during startup" on a busy machine
+                if attempt == RAY_START_ATTEMPTS - 1 or "timed out during startup" not in str(e):
+                    raise
+                ray.shutdown()
     local_ray.record_local_ray(token, started=True)
     node_ip = ctx.address_info.get("node_ip_address")
     if node_ip != local_ray.LOOPBACK:

@@ -27,6 +27,8 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,13 +48,25 @@ def loopback_only() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False   # this process already imported ray: the same switch, read per call
 
 
-def mark_next_ray() -> str:
-    """A fresh token in this process's environment, inherited by every process of the Ray started next."""
+def new_token() -> str:
     import uuid
 
-    token = uuid.uuid4().hex
+    return uuid.uuid4().hex
+
+
+@contextmanager
+def marking(token: str) -> Iterator[None]:
+    """`token` in this process's environment while Ray starts: gcs_server and raylet inherit it, and from the
+    raylet every agent and worker. Removed afterwards, so nothing else this driver starts later carries it."""
+    old = os.environ.get(TOKEN_ENV)
     os.environ[TOKEN_ENV] = token
-    return token
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(TOKEN_ENV, None)
+        else:
+            os.environ[TOKEN_ENV] = old
 
 
 def state_dir() -> Path:
