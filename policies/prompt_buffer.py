@@ -42,7 +42,10 @@ class PromptBuffer(Generic[S]):
 
     `sample_min_version(sample)` gives the oldest weight version a sample's tokens were drawn with (None:
     no token carries a version; the trainer's version stands in). Counters: `started` prompt ids handed out
-    so far (the next id), `taken` prompts handed to the trainer in updates.
+    so far (the next id), `taken` prompts handed to the trainer in updates, `lost` prompts started that no
+    update will ever train (dropped groups; groups in flight or buffered when the run was killed). The
+    batcher's admission counts the prompts that are or will be trained, `started - lost`: a prompt lost is
+    not in flight, and under `stale = "wait"` it must not hold a place under the staleness bound.
     """
 
     def __init__(self, batcher: Any, sample_min_version: Callable[[S], int | None]) -> None:
@@ -50,6 +53,7 @@ class PromptBuffer(Generic[S]):
         self._min_version = sample_min_version
         self.started = 0
         self.taken = 0
+        self.lost = 0
         self.inflight: dict[int, PromptGroup[S]] = {}
         self.complete: dict[int, PromptGroup[S]] = {}
 
@@ -64,7 +68,7 @@ class PromptBuffer(Generic[S]):
     # ---- admission -------------------------------------------------------------------------------------
     def admit(self, trainer_version: int) -> list[PromptGroup[S]]:
         """New prompt-groups to start now, as many as the batcher admits; they are in flight from here."""
-        n = self.batcher.admit(trainer_version, self.started, len(self.inflight))
+        n = self.batcher.admit(trainer_version, self.started - self.lost, len(self.inflight))
         spp = self.samples_per_prompt
         out = []
         for _ in range(n):
@@ -115,6 +119,7 @@ class PromptBuffer(Generic[S]):
             return None, []
         decision = self.batcher.decide(self.view(now_s, trainer_version))
         dropped = [self.complete.pop(pid) for pid in decision.drop]
+        self.lost += len(dropped)
         if not decision.ready:
             return None, dropped
         batch = [self.complete.pop(pid) for pid in decision.take]
@@ -127,8 +132,11 @@ class PromptBuffer(Generic[S]):
         return {"started_prompts": self.started, "taken_prompts": self.taken}
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint's `state()`: prompt ids go on from there; what was in flight is gone."""
+        """Continue from a checkpoint's `state()`: prompt ids go on from there; every prompt not trained by
+        then is lost (what was in flight or buffered died with the run). A checkpoint written before
+        `taken_prompts` was kept has `version` updates of `prompts_per_update` each."""
         self.started = int(state.get("started_prompts", 0))
-        self.taken = int(state.get("taken_prompts", 0))
+        self.taken = int(state.get("taken_prompts", int(state.get("version", 0)) * self.prompts_per_update))
+        self.lost = self.started - self.taken
         self.inflight.clear()
         self.complete.clear()

@@ -1,10 +1,10 @@
 """Child process of tests/test_run_faults.py: a small real run with fault drills, killed by the test.
 
-Usage: python tests/run_child.py PLAN.toml OUT INIT UPDATES. Prints "UPDATE <v> <n> <up>" after each update's
-checkpoint (the run log is flushed by then), n = trained trajectories so far that were re-routed after the
-replica loss, up = replicas of the first group that are up. Drills: the plan's
-second group fails its weight load of version 1 (a truncated checkpoint); after update 1 a replica of the
-first group is killed while it serves requests.
+Usage: python tests/run_child.py PLAN.toml OUT INIT UPDATES [--plain] [--resume]. Prints "UPDATE <v> <n> <up>"
+after each update's checkpoint (the run log is flushed by then), n = trained trajectories so far that were
+re-routed after the replica loss, up = replicas of the first group that are up. Drills (unless --plain): the
+plan's second group fails its weight load of version 1 (a truncated checkpoint); after update 1 a replica of
+the first group is killed while it serves requests. --resume continues the run log in OUT.
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
 def main() -> None:
     torch.set_num_threads(1)
     plan_path, out, init, updates = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    plain, resume = "--plain" in sys.argv[5:], "--resume" in sys.argv[5:]
     plan = load_plan(plan_path)
-    first, second = plan.groups[0].name, plan.groups[1].name
+    first = plan.groups[0].name
+    drills = {} if plain else {"inject_weight_load_failure": {plan.groups[1].name: [1]}}
     cfg = RunConfig(out_dir=out, updates=updates, init_checkpoint=init, eval_every=0, trainer_threads=1,
-                    inject_weight_load_failure={second: [1]}, ray_num_cpus=2)
+                    ray_num_cpus=2, resume=resume, **drills)
 
     async def on_update(view, orch) -> None:  # noqa: ANN001
-        if view.version == 1:
+        if view.version == 1 and not plain:
             for _ in range(200):                     # kill it while it serves (its sessions must move)
                 reps = [r for r in orch.replicas[first] if r.up and r.running > 0]
                 if reps:

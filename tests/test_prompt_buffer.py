@@ -56,3 +56,49 @@ def test_a_plan_without_batch_sizes_gets_the_workloads_in_both_worlds(tmp_path: 
     runner = Orchestrator(plan, RunConfig(out_dir=tmp_path, init_checkpoint="unused")).prompts.batcher.config
     assert (twin.prompts_per_update, twin.samples_per_prompt, twin.inflight_prompts) == (16, 8, 64)
     assert (runner.prompts_per_update, runner.samples_per_prompt, runner.inflight_prompts) == (16, 8, 64)
+
+
+def test_a_resume_at_the_staleness_bound_admits_again() -> None:
+    """Issue 13.1: prompts in flight when the run was killed are not in flight after `--resume`; under
+    `stale = "wait"` the restored count used to fill the bound (v + max_staleness + 1) x ppu and nothing started."""
+    settings = {"prompts_per_update": 2, "samples_per_prompt": 1, "inflight_prompts": 8, "max_staleness": 1,
+                "stale": "wait"}
+    buf = _buffer(**settings)
+    g = buf.admit(trainer_version=0)
+    assert len(g) == 4                                               # (0 + 1 + 1) x 2: at the bound
+    for p in g[:2]:
+        buf.finish(p, ("s", 0), 1.0)
+    batch, _ = buf.decide(1.0, trainer_version=0)
+    assert len(batch) == 2
+    assert len(buf.admit(trainer_version=1)) == 2                    # version 1: the bound moves to 6
+    state = buf.state()                                              # the checkpoint after update 1
+    assert state == {"started_prompts": 6, "taken_prompts": 2}
+    resumed = _buffer(**settings)
+    resumed.restore(state)
+    assert [p.prompt_id for p in resumed.admit(trainer_version=1)] == [6, 7, 8, 9]   # 2 trained + 4 <= 6
+    old = _buffer(**settings)                                        # a checkpoint without taken_prompts
+    old.restore({"version": 1, "started_prompts": 6})
+    assert len(old.admit(trainer_version=1)) == 4
+
+
+def test_a_finished_run_continued_to_more_updates_admits_again() -> None:
+    settings = {"prompts_per_update": 1, "samples_per_prompt": 1, "inflight_prompts": 4, "max_staleness": 0,
+                "stale": "wait"}
+    buf = _buffer(**settings)
+    for v in range(3):                                               # three updates, then the run stops
+        (p,) = buf.admit(trainer_version=v)
+        buf.finish(p, ("s", v), float(v))
+        assert len(buf.decide(float(v), trainer_version=v)[0]) == 1
+    assert len(buf.admit(trainer_version=3)) == 1                    # in flight when the run finished
+    resumed = _buffer(**settings)
+    resumed.restore({"version": 3, **buf.state()})
+    assert [p.prompt_id for p in resumed.admit(trainer_version=3)] == [4]
+
+
+def test_dropped_groups_do_not_hold_places_under_the_bound() -> None:
+    buf = _buffer(prompts_per_update=1, samples_per_prompt=1, inflight_prompts=4, max_staleness=0, stale="wait",
+                  partial="drop")
+    (p,) = buf.admit(trainer_version=0)
+    buf.abort(p, 1.0)                                                # its only sample failed
+    assert buf.decide(1.0, trainer_version=0) == (None, [p]) and buf.lost == 1
+    assert [q.prompt_id for q in buf.admit(trainer_version=0)] == [1]   # its place goes to the next prompt
