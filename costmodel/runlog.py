@@ -146,7 +146,7 @@ class UpdateRecord:
 
     TABLE: ClassVar[str] = "updates"
     METRICS: ClassVar[tuple[str, ...]] = (
-        "kl_k1", "kl_k3", "masked_share", "extreme_low_share", "extreme_high_share", "ess", "entropy",
+        "kl_k1", "kl_k3", "masked_share", "extreme_share", "extreme_low_share", "extreme_high_share", "ess", "entropy",
         "grad_norm", "loss", "reward_mean", "pass_at_k")
 
     version: int                     # weight version this update produced (1, 2, ...)
@@ -166,8 +166,9 @@ class UpdateRecord:
     kl_k1: float = _NAN              # mean log(p_sampler / p_trainer) over trained tokens
     kl_k3: float = _NAN              # mean (r - 1 - log r), r = p_trainer / p_sampler
     masked_share: float = _NAN       # share of trained tokens the correction masked
-    extreme_low_share: float = _NAN  # share of tokens with ratio < EXTREME_RATIO_LOW
-    extreme_high_share: float = _NAN  # share of tokens with ratio > EXTREME_RATIO_HIGH
+    extreme_share: float = _NAN      # share of tokens with ratio outside [EXTREME_RATIO_LOW, EXTREME_RATIO_HIGH]
+    extreme_low_share: float = _NAN  # its part with ratio < EXTREME_RATIO_LOW (NaN where the split is unknown)
+    extreme_high_share: float = _NAN  # its part with ratio > EXTREME_RATIO_HIGH (NaN where the split is unknown)
     ess: float = _NAN                # effective sample size of the importance weights, as a share (0..1]
     entropy: float = _NAN            # mean per-token entropy of the trainer policy, nats
     grad_norm: float = _NAN
@@ -182,11 +183,6 @@ class UpdateRecord:
                                     "cost_sampler_usd", "cost_trainer_usd"))
         if not self.end_s >= self.start_s:
             raise SpecError(where, "end_s", self.end_s, f">= start_s ({self.start_s})")
-
-    @property
-    def extreme_share(self) -> float:
-        """Share of tokens with ratio outside [EXTREME_RATIO_LOW, EXTREME_RATIO_HIGH]."""
-        return self.extreme_low_share + self.extreme_high_share
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -212,13 +208,16 @@ class GroupRecord:
     # MoE routing disagreement over its trained tokens (sampler's recorded top-k experts vs the trainer's):
     routing_token_share: float = _NAN   # share of tokens whose expert set differs in >= 1 layer, 0..1
     routing_layer_share: float = _NAN   # mean share of layers whose expert set differs, 0..1
+    kl_k3_on_policy: float = _NAN    # k3 / k1 over its staleness-0 tokens only: the precision mismatch alone
+    kl_k1_on_policy: float = _NAN
+    tokens_on_policy: int = 0        # its staleness-0 tokens in the batch
 
     def __post_init__(self) -> None:
         where = "GroupRecord"
         _nan_if_none(self, ("kl_k3", "extreme_share", "kl_k1", "masked_share", "staleness_mean",
-                            "routing_token_share", "routing_layer_share"))
+                            "routing_token_share", "routing_layer_share", "kl_k3_on_policy", "kl_k1_on_policy"))
         _check_nonneg(where, self, ("version", "replicas_up", "utilization", "tokens_generated", "samples",
-                                    "share_of_samples", "cost_usd", "tokens_trained"))
+                                    "share_of_samples", "cost_usd", "tokens_trained", "tokens_on_policy"))
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -667,6 +666,13 @@ class RunLog:
     def __repr__(self) -> str:
         sizes = ", ".join(f"{t}={len(self._frames[t])}" for t in TABLES)
         return f"RunLog({str(self.directory)!r}, run_id={self.run_id!r}, source={self.source!r}, {sizes})"
+
+
+def extreme_shares(updates: pd.DataFrame) -> pd.Series:
+    """`updates.extreme_share` (tokens with ratio outside [0.2, 5]); for rows written before that column
+    existed (NaN there), `extreme_low_share + extreme_high_share`."""
+    total = updates["extreme_share"]
+    return total.where(total.notna(), updates["extreme_low_share"] + updates["extreme_high_share"])
 
 
 def _conform(data: pa.Table, table: str) -> pa.Table:

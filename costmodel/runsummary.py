@@ -15,7 +15,7 @@ Definitions (the run clock starts at 0; seconds are simulated for the twin, wall
 - trainer_idle_share: 1 - sum(train_step_s + weight_sync_s) / elapsed_s.
 - tokens_per_s: generated tokens (groups table; trajectories if it is empty) / elapsed_s.
 - utilization: replicas_up-weighted mean of the groups' utilization.
-- kl_k1, kl_k3, masked_share, extreme_share (low + high, outside [0.2, 5]): token-weighted means over
+- kl_k1, kl_k3, masked_share, extreme_share (outside [0.2, 5]): token-weighted means over
   updates, NaN-skipping (NaN if no update has the metric).
 - per group: share of samples (its samples / all samples over the run), tokens/s, utilization,
   kl_k3 and extreme share (weighted by tokens_trained, or samples when tokens are unknown), cost.
@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from mixfleet.costmodel.runlog import FINISH_REASONS, RunLog
+from mixfleet.costmodel.runlog import FINISH_REASONS, RunLog, extreme_shares
 
 _NAN = float("nan")
 
@@ -289,7 +289,7 @@ def summarize(runlog: RunLog | str | os.PathLike[str]) -> RunSummary:
         tokens_gen = int(tr["generated_tokens"].sum()) if len(tr) else 0
     rate = (lambda x: x / elapsed) if elapsed > 0 else (lambda x: _NAN)
 
-    extreme = (up["extreme_low_share"] + up["extreme_high_share"]).to_numpy(dtype=float)
+    extreme = extreme_shares(up).to_numpy(dtype=float)
     rewards = up["reward_mean"].to_numpy(dtype=float)
     ok = ~np.isnan(rewards)
     slope = float(np.polyfit(up["version"].to_numpy(dtype=float)[ok], rewards[ok], 1)[0]) if ok.sum() >= 2 else _NAN

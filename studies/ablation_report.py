@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.runlog import RunLog, extreme_shares
 
 RUN_FILE = "ablation_run.json"          # the sidecar studies/ablation.py writes (kept in sync by name)
 ABLATION_FILE = "ablation.json"
@@ -68,7 +68,7 @@ class RunData:
     series: pd.DataFrame          # index version: reward, kl_k3, extreme_share, masked_share, grad_norm, entropy,
                                   # no_tool_share, tokens, staleness, kl_on_policy
     groups: pd.DataFrame          # the run log's groups table
-    on_policy: pd.DataFrame       # per (version, group): k3, tokens over staleness-0 tokens (the runner's notes)
+    on_policy: pd.DataFrame       # per (version, group): k3, tokens over staleness-0 tokens (groups table)
 
 
 def _window(n: int) -> int:
@@ -84,13 +84,13 @@ def load_run(path: str | Path) -> RunData:
     s = pd.DataFrame(index=up.index)
     s["reward"] = up["reward_mean"]
     s["kl_k3"] = up["kl_k3"]
-    s["extreme_share"] = up["extreme_low_share"].fillna(0.0) + up["extreme_high_share"].fillna(0.0)
+    s["extreme_share"] = extreme_shares(up).fillna(0.0)
     s["masked_share"] = up["masked_share"]
     s["grad_norm"] = up["grad_norm"]
     s["entropy"] = up["entropy"]
     s["tokens"] = up["tokens"]
     s["staleness"] = up["staleness_mean"]
-    on_policy = _on_policy(log.events)
+    on_policy = _on_policy(log.groups)
     if len(on_policy):
         w = on_policy.assign(kt=on_policy["k3"] * on_policy["tokens"]).groupby("version")[["kt", "tokens"]].sum()
         s["kl_on_policy"] = (w["kt"] / w["tokens"].where(w["tokens"] > 0)).reindex(s.index)
@@ -110,22 +110,12 @@ def load_run(path: str | Path) -> RunData:
                    series=s, groups=log.groups, on_policy=on_policy)
 
 
-def _on_policy(events: pd.DataFrame) -> pd.DataFrame:
-    """The runner's per-update notes {"on_policy_kl": {group: {k3, k1, tokens}}} (tokens sampled by the weights
-    being trained: the precision mismatch without staleness) as rows (version, group, k3, tokens)."""
-    rows = []
-    notes = events[events["kind"] == "note"] if len(events) else events
-    for version, detail in zip(notes.get("version", []), notes.get("detail", []), strict=False):
-        try:
-            data = json.loads(detail)
-        except (TypeError, ValueError):
-            continue
-        if not isinstance(data, dict) or "on_policy_kl" not in data:
-            continue
-        for g, m in (data["on_policy_kl"] or {}).items():
-            if m.get("tokens") and m.get("k3") is not None:
-                rows.append({"version": int(version), "group": g, "k3": float(m["k3"]), "tokens": float(m["tokens"])})
-    return pd.DataFrame(rows, columns=["version", "group", "k3", "tokens"])
+def _on_policy(groups: pd.DataFrame) -> pd.DataFrame:
+    """The groups table's on-policy KL (over tokens sampled by the weights being trained: the precision
+    mismatch without staleness) as rows (version, group, k3, tokens), where a group had such tokens."""
+    g = groups[(groups["tokens_on_policy"] > 0) & groups["kl_k3_on_policy"].notna()] if len(groups) else groups
+    return pd.DataFrame({"version": g["version"].astype(int), "group": g["group"], "k3": g["kl_k3_on_policy"],
+                         "tokens": g["tokens_on_policy"].astype(float)}).reset_index(drop=True)
 
 
 def find_runs(root: str | Path) -> list[RunData]:

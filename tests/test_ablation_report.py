@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from mixfleet.costmodel.runlog import EventRecord, GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
+from mixfleet.costmodel.runlog import GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
 from mixfleet.studies.ablation_report import RUN_FILE, VERDICT_RULE, build_report, find_runs, group_table, verdict
 from mixfleet.ui.commands import experiment
 from typer.testing import CliRunner
@@ -35,13 +35,12 @@ def _write_run(folder: Path, *, fleet: str, variant: str, seed: int, rewards: li
                                   cost_sampler_usd=0, cost_trainer_usd=0, kl_k3=kls[v - 1], extreme_low_share=0.1,
                                   extreme_high_share=0.06, masked_share=0.3, grad_norm=1.0 + v, entropy=1.0 - 0.05 * v,
                                   reward_mean=rewards[v - 1]))
-            for g, n, tok, ext, band in (("a", 3, 30, 0.1, 0.2), ("b", 1, 10, 0.4, 0.5)):
+            for g, n, tok, ext, band, k3_fresh, fresh in (("a", 3, 30, 0.1, 0.2, 1e-3, 10),
+                                                          ("b", 1, 10, 0.4, 0.5, 4e-3, 5)):
                 w.append(GroupRecord(version=v, group=g, replicas_up=1, utilization=1, tokens_generated=tok, samples=n,
                                      share_of_samples=n / 4, kl_k3=kls[v - 1], extreme_share=ext, masked_share=band,
-                                     tokens_trained=tok))
-            w.append(EventRecord(time_s=v, kind="note", version=v, detail=json.dumps(
-                {"on_policy_kl": {"a": {"k3": 1e-3, "k1": 0.0, "tokens": 10.0},
-                                  "b": {"k3": 4e-3, "k1": 0.0, "tokens": 5.0}}})))
+                                     tokens_trained=tok, kl_k3_on_policy=k3_fresh, kl_k1_on_policy=0.0,
+                                     tokens_on_policy=fresh))
             for i in range(4):
                 w.append(TrajectoryRecord(run_id=w.run_id, prompt_id=v, sample_index=i, group="a" if i < 3 else "b",
                                           replica=0, version_start=v - 1, version_end=v - 1, turns=3, prompt_tokens=5,

@@ -167,3 +167,19 @@ def test_metrics_by_group_and_staleness_are_recorded(killed_then_resumed: Path) 
     g = log.groups
     assert g[g["tokens_trained"] > 0]["kl_k3"].notna().all()
     assert (g.groupby("version")["samples"].sum().to_dict() == up.set_index("version")["trajectories"].to_dict())
+
+
+def test_the_ledgers_columns_mean_what_they_mean_in_the_twin(killed_then_resumed: Path) -> None:
+    log = RunLog.open(killed_then_resumed)
+    up, g = log.updates.sort_values("version"), log.groups
+    assert up["extreme_share"].notna().all()
+    assert (up["extreme_share"] - up["extreme_low_share"] - up["extreme_high_share"]).abs().max() < 1e-12
+    cost_t = up["cost_trainer_usd"].to_numpy()
+    assert (cost_t > 0).all() and (cost_t[1:] >= cost_t[:-1]).all()   # the plan's trainer price x run clock
+    bf16 = g[g["group"] == "cpu-bf16"]
+    # time-weighted, not a snapshot: the window with the kill and the replacement's start has less than 1 up
+    assert ((bf16["replicas_up"] > 0) & (bf16["replicas_up"] < 0.999)).any()
+    assert (g["cost_usd"] > 0).all()
+    fresh = g[g["tokens_on_policy"] > 0]
+    assert len(fresh) and fresh["kl_k3_on_policy"].notna().all()      # per-group on-policy KL is a column
+    assert not (log.events["kind"] == "note").any()                   # (no longer a note; no eval in this run)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 from mixfleet.costmodel.catalog import Catalog, load_catalog
+from mixfleet.costmodel.ledger import trainer_usd_per_hour
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.planspec import group_replica_model, nominal_point
@@ -146,5 +147,5 @@ def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog 
     gpus = plan.trainer.gpus
     trainer = TrainerSetup(
         train_step_s=lambda tokens: float(trainer_step_s(model, trainer_acc, gpus, tokens, efficiency=ov.trainer)),
-        usd_per_hour=gpus * trainer_acc.price_usd_per_gpu_hour)
+        usd_per_hour=trainer_usd_per_hour(trainer_acc.price_usd_per_gpu_hour, gpus))
     return Setup(groups=groups, trainer=trainer, workload=workload, models=models)

@@ -18,7 +18,8 @@ from typing import Any, ClassVar
 import numpy as np
 import simpy
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.runlog import EventRecord, GroupRecord, TrajectoryRecord, UpdateRecord
+from mixfleet.costmodel.ledger import GroupBatch, GroupTotals, Ledger, weight_push_detail
+from mixfleet.costmodel.runlog import EventRecord, TrajectoryRecord
 from mixfleet.costmodel.workload import WorkloadSpec
 from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
 from mixfleet.policies.views import FleetView, GroupView, ReplicaView
@@ -132,15 +133,13 @@ class World:
         self.parked: list[Session] = []  # sessions waiting for any replica to be up
         self._batch_waiter: simpy.Event | None = None
         self._fleet_view: FleetView | None = None
-        self._last_update_s = 0.0
-        self._last_group_marks: dict[str, tuple[float, float, int, float]] = {}
+        self.ledger = Ledger(list(self.groups), trainer.usd_per_hour)
         self.trainer_busy_s = 0.0
         self.stalled: SpecError | None = None
         self._wake_cbs, self._tool_cbs = [self._wake], [self._turn]  # shared by every queue entry of a kind
         for g in self.groups.values():
             for _ in range(g.setup.replicas):
                 self._new_replica(g, up=True)
-            self._last_group_marks[g.setup.name] = (0.0, 0.0, 0, 0.0)
 
     # ---- views for the policies ------------------------------------------------------------------
     def group_view(self, g: Group) -> GroupView:
@@ -408,8 +407,9 @@ class World:
                 continue
             sync_s = g.setup.weight_sync_s
             slowest = max(slowest, sync_s)
+            up = sum(1 for rep in g.replicas if rep.up)  # a replica still cold-starting loads them when ready
             self.event("weight_push", g.setup.name, version=version, duration_s=sync_s,
-                       detail="drain" if decision.drain else "in_flight")
+                       detail=weight_push_detail("drain" if decision.drain else "in_flight", up, up))
             if decision.drain:
                 for rep in g.replicas:
                     if rep.up:  # a replica still cold-starting loads the newest weights when it is ready
@@ -442,7 +442,7 @@ class World:
 
     def record_update(self, batch: list[PromptGroup[Session]], version: int, start_s: float, train_s: float,
                       sync_s: float) -> None:
-        """The update's row, its groups' rows and its trajectories' rows."""
+        """The update's row and its groups' rows (costmodel/ledger.py), and its trajectories' rows."""
         now = self.env.now
         sessions = [s for p in batch for s in p.samples]
         versions, counts, by_group = [], [], {}
@@ -451,10 +451,12 @@ class World:
             for v, n in s.tokens_by_version.items():
                 versions.append(v)
                 counts.append(n)
-                by_group.setdefault(g, [0, 0, 0.0])
+                by_group.setdefault(g, [0, 0, 0.0, 0])
                 by_group[g][1] += n
                 by_group[g][2] += n * ((version - 1) - v)
-            by_group.setdefault(g, [0, 0, 0.0])[0] += 1
+                if v == version - 1:
+                    by_group[g][3] += n       # on-policy
+            by_group.setdefault(g, [0, 0, 0.0, 0])[0] += 1
             self.write_trajectory(s, trained_version=version)
         stal = (version - 1) - np.asarray(versions, dtype=np.float64)
         w = np.asarray(counts, dtype=np.float64)
@@ -467,38 +469,32 @@ class World:
             g.accrue(now)
             for rep in g.replicas:
                 rep.advance_to(now)
+        totals, batches = {}, {}
         for name, g in self.groups.items():
             st = g.setup
-            n_samples, n_tok, stale_sum = by_group.get(name, (0, 0, 0.0))
+            n_samples, n_tok, stale_sum, n_fresh = by_group.get(name, (0, 0, 0.0, 0))
             g.samples += n_samples
             stale_mean = stale_sum / n_tok if n_tok else math.nan
             growth = 1.0 + st.kl_growth_per_version * (stale_mean if n_tok else 0.0)  # the prior's staleness growth
             kl, ext_g = st.kl_k3 * growth, min(1.0, st.extreme_share * growth)
             kl_sum += kl * n_tok if n_tok else 0.0
             ext_sum += ext_g * n_tok if n_tok else 0.0
-            busy = sum(r.busy_s for r in g.replicas + g.retired)
-            gen = sum(r.tokens_generated for r in g.replicas + g.retired)
-            c0, up0, gen0, busy0 = self._last_group_marks[name]
-            window = max(now - self._last_update_s, 1e-12)
-            up_s = g.up_s - up0
-            self.writer.append(GroupRecord(
-                version=version, group=name, replicas_up=up_s / window,
-                utilization=min(1.0, (busy - busy0) / up_s) if up_s > 0 else 0.0,
-                tokens_generated=int(gen - gen0), samples=n_samples, share_of_samples=n_samples / len(sessions),
-                kl_k3=kl if n_tok else math.nan, extreme_share=ext_g if n_tok else math.nan,
-                cost_usd=g.cost_usd - c0, staleness_mean=stale_mean, tokens_trained=int(n_tok)))
-            self._last_group_marks[name] = (g.cost_usd, g.up_s, gen, busy)
-        self._last_update_s = now
-        ext = ext_sum / tokens if tokens else math.nan
+            totals[name] = GroupTotals(up_replica_s=g.up_s, cost_usd=g.cost_usd,
+                                       busy_s=sum(r.busy_s for r in g.replicas + g.retired),
+                                       tokens_generated=sum(r.tokens_generated for r in g.replicas + g.retired))
+            batches[name] = GroupBatch(samples=n_samples, tokens_trained=int(n_tok), staleness_mean=stale_mean,
+                                       kl_k3=kl if n_tok else math.nan, extreme_share=ext_g if n_tok else math.nan,
+                                       kl_k3_on_policy=st.kl_k3 if n_fresh else math.nan, tokens_on_policy=n_fresh)
         self.trainer_busy_s += train_s + sync_s
-        self.writer.append(UpdateRecord(
-            version=version, start_s=start_s, end_s=now, train_step_s=train_s, weight_sync_s=sync_s, tokens=tokens,
-            trajectories=len(sessions), staleness_mean=float((stal * w).sum() / max(w.sum(), 1.0)),
-            staleness_p50=q(0.5), staleness_p95=q(0.95), staleness_max=float(stal.max()) if len(stal) else 0.0,
-            cost_sampler_usd=sum(g.cost_usd for g in self.groups.values()),
-            cost_trainer_usd=self.trainer.usd_per_hour * now / 3600.0,
-            kl_k3=kl_sum / tokens if tokens else math.nan, extreme_low_share=ext / 2, extreme_high_share=ext / 2,
-            reward_mean=float(np.mean([s.ep.reward for s in sessions]))))
+        update, rows = self.ledger.record(
+            version=version, now_s=now, start_s=start_s, totals=totals, batches=batches, train_step_s=train_s,
+            weight_sync_s=sync_s, tokens=tokens, trajectories=len(sessions),
+            staleness={"staleness_mean": float((stal * w).sum() / max(w.sum(), 1.0)), "staleness_p50": q(0.5),
+                       "staleness_p95": q(0.95), "staleness_max": float(stal.max()) if len(stal) else 0.0},
+            kl_k3=kl_sum / tokens if tokens else math.nan, extreme_share=ext_sum / tokens if tokens else math.nan,
+            reward_mean=float(np.mean([s.ep.reward for s in sessions])))
+        self.writer.extend(rows)
+        self.writer.append(update)
 
     # ---- background processes ----------------------------------------------------------------------
     def autoscale_loop(self) -> Generator:

@@ -53,9 +53,10 @@ def update_series(updates: pd.DataFrame, columns: Mapping[str, str], *, title: s
 
 
 def extreme_share_frame(updates: pd.DataFrame) -> pd.DataFrame:
-    """version + extreme_share: the share of tokens below 0.2 plus the share above 5 (both logged)."""
-    return pd.DataFrame({"version": updates["version"],
-                         "extreme_share": updates["extreme_low_share"] + updates["extreme_high_share"]})
+    """version + extreme_share: the share of tokens with ratio below 0.2 or above 5."""
+    from mixfleet.costmodel.runlog import extreme_shares
+
+    return pd.DataFrame({"version": updates["version"], "extreme_share": extreme_shares(updates)})
 
 
 def tokens_per_s_frame(updates: pd.DataFrame, groups: pd.DataFrame) -> pd.DataFrame:

@@ -42,7 +42,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from mixfleet.costmodel.runlog import EventRecord, GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
+from mixfleet.costmodel.catalog import load_catalog
+from mixfleet.costmodel.ledger import GroupBatch, GroupTotals, Ledger, trainer_usd_per_hour, weight_push_detail
+from mixfleet.costmodel.runlog import EventRecord, RunLogWriter, TrajectoryRecord
 from mixfleet.policies.plan import EmbeddedPlan, Plan
 from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
 from mixfleet.policies.views import FleetView, GroupView, ReplicaView
@@ -182,6 +184,23 @@ class Session:
     group: str = ""
 
 
+class ReplicaSeconds:
+    """One group's replica-seconds up and billed (up or starting), integrated over the run clock."""
+
+    def __init__(self, now: float) -> None:
+        self.t, self.up, self.billed, self.up_s, self.billed_s = now, 0, 0, 0.0, 0.0
+
+    def set(self, now: float, up: int, billed: int) -> None:
+        self.advance(now)
+        self.up, self.billed = up, billed
+
+    def advance(self, now: float) -> None:
+        dt = max(now - self.t, 0.0)
+        self.up_s += self.up * dt
+        self.billed_s += self.billed * dt
+        self.t = now
+
+
 Sample = tuple[Session, Episode]            # a prompt-group's finished sample: the session and its episode
 
 
@@ -277,13 +296,16 @@ class Orchestrator:
         self._loop_start_s = math.nan                 # run clock when the first prompts started
         self._busy_at_loop_start_s = 0.0
         self._last_update_end_s = 0.0
-        self._group_marks: dict[str, tuple[float, int, float]] = {}   # (busy_s, tokens, time) at last update
+        trainer_price = load_catalog(plan.price_table or None).with_prices(plan.prices).accelerator(
+            plan.trainer.accelerator).price_usd_per_gpu_hour
+        self.ledger = Ledger(self.fleet.group_names, trainer_usd_per_hour(trainer_price, plan.trainer.gpus))
+        self._replica_s = {g.name: ReplicaSeconds(0.0) for g in self.fleet.groups}
+        self._busy_gone_s = {g.name: 0.0 for g in self.fleet.groups}   # busy seconds of replicas no longer listed
         self.tokens_generated: dict[str, int] = {g.name: 0 for g in self.fleet.groups}
         self.restarts = 0                             # turns re-run on another replica after a replica loss
         self.trained_restarted = 0                    # trained trajectories that were re-routed at least once
         self.fresh_kl: dict[str, list[float]] = {}    # group -> [k3 * tokens, k1 * tokens, tokens], staleness 0
         self.trainer_busy_s = 0.0
-        self.cost_sampler_usd = 0.0
         self.last_pass_at_k = math.nan
         self.writer: RunLogWriter | None = None
         self.trainer: Any = None
@@ -374,18 +396,17 @@ class Orchestrator:
             self.prompts.restore(st)
             self.restarts = int(st.get("restarts", 0))
             self.trainer_busy_s = float(st.get("trainer_busy_s", 0.0))
-            self.cost_sampler_usd = float(st.get("cost_sampler_usd", 0.0))
             self.fresh_kl = {g: [float(x) for x in a] for g, a in st.get("fresh_kl", {}).items()}
             self.trained_restarted = int(st.get("trained_restarted", 0))
             self._t0 = time.monotonic() - float(st.get("elapsed_s", 0.0))
             self._last_update_end_s = float(st.get("elapsed_s", 0.0))
+            self.ledger.restore(st, self._last_update_end_s)
+            self._replica_s = {g.name: ReplicaSeconds(self.now()) for g in self.fleet.groups}
             self.event("resume", version=self.version, detail=json.dumps({"dropped_rows": dropped}))
             if self.version > 0:
                 self.weights_path, self.weights_version = await self._export(self.version), self.version
             await asyncio.gather(*starts())
         _ = ray
-        for g in self.fleet.groups:
-            self._group_marks[g.name] = (0.0, 0, self.now())
 
     async def _start_replica(self, g: GroupSpec, *, cold: bool, url: str | None = None) -> Replica | None:
         """Start (or attach) one replica of group `g`; logs cold_start / ready."""
@@ -394,6 +415,7 @@ class Orchestrator:
         index = self._next_index[g.name]
         self._next_index[g.name] += 1
         self._starting[g.name] += 1
+        self._recount(g.name)
         t0 = self.now()
         actor = None
         path, version = self.weights_path, self.weights_version
@@ -419,6 +441,7 @@ class Orchestrator:
         finally:
             self._starting[g.name] -= 1
             self._pinned_paths[path] -= 1
+            self._recount(g.name)
         client = SamplerClient(url, config=ClientConfig(max_retries=2, backoff_initial_s=0.05, connect_timeout_s=5.0))
         served = 0 if self.fleet.mode == "attach" else version   # an attached server serves what it was started on
         rep = Replica(group=g.name, index=index, url=url, client=client, actor=actor, version=served,
@@ -426,11 +449,24 @@ class Orchestrator:
         if self.weights_version > served:             # a push landed while it started (or attached): catch up
             await self._load_weights(rep, self.weights_path, self.weights_version)
         self.replicas[g.name].append(rep)
+        self._recount(g.name)
         if cold:
             self.event("cold_start", g.name, index, self.version, duration_s=self.now() - t0)
         self.event("ready", g.name, index, self.version, detail=url, duration_s=self.now() - t0)
         self._wake.set()
         return rep
+
+    def _recount(self, group: str) -> None:
+        """The group's replicas up / billed (up or starting) changed: integrate the old levels to now."""
+        up = sum(1 for r in self.replicas[group] if r.up)
+        self._replica_s[group].set(self.now(), up, up + self._starting[group])
+
+    def _group_totals(self, g: GroupSpec, now: float) -> GroupTotals:
+        rs = self._replica_s[g.name]
+        rs.advance(now)
+        return GroupTotals(up_replica_s=rs.up_s, cost_usd=g.usd_per_hour * rs.billed_s / 3600.0,
+                           busy_s=self._busy_gone_s[g.name] + sum(r.busy_until(now) for r in self.replicas[g.name]),
+                           tokens_generated=self.tokens_generated.get(g.name, 0))
 
     # ---- views for the policies ------------------------------------------------------------------------
     def group_view(self, g: GroupSpec) -> GroupView:
@@ -549,6 +585,7 @@ class Orchestrator:
         if not rep.up:
             return
         rep.up = False
+        self._recount(rep.group)
         self.event("crash", rep.group, rep.index, rep.version, detail=reason[:300])
         self._spawn(rep.client.aclose())
         if rep.actor is not None:                      # make sure a hung one does not linger
@@ -586,6 +623,7 @@ class Orchestrator:
                             self._replica_lost(rep, f"health check failed ({rep.failed_probes} probes)")
                 dead = [r for r in self.replicas[g.name] if not r.up]
                 for r in dead:
+                    self._busy_gone_s[g.name] += r.busy_until(now)
                     self.replicas[g.name].remove(r)
             if now - self._last_scale_check < interval:
                 continue
@@ -611,6 +649,7 @@ class Orchestrator:
         while rep.running:
             await asyncio.sleep(0.1)
         rep.up = False
+        self._recount(rep.group)
         if rep.actor is not None:
             with contextlib.suppress(Exception):
                 await rep.actor.stop.remote()
@@ -699,9 +738,8 @@ class Orchestrator:
             oks = await asyncio.gather(*[self._load_weights(r, src, version) for r in reps])
             for r in reps:
                 r.admitting.set()
-            self.event("weight_push", g.name, version=version, detail=json.dumps(
-                {"mode": "drain" if decision.drain else "in_flight", "replicas": len(reps), "loaded": sum(oks)}),
-                duration_s=self.now() - t1)
+            self.event("weight_push", g.name, version=version, duration_s=self.now() - t1,
+                       detail=weight_push_detail("drain" if decision.drain else "in_flight", len(reps), sum(oks)))
 
         await asyncio.gather(*[push_group(g) for g in self.fleet.groups])
         return self.now() - t0
@@ -740,7 +778,6 @@ class Orchestrator:
         assert self.writer is not None
         v = batch.trained_version
         now = self.now()
-        window = max(now - self._last_update_end_s, 1e-9)
         for p in prompts:
             for s, ep in p.samples:
                 self._write_trajectory(s, ep, trained_version=v)
@@ -751,43 +788,31 @@ class Orchestrator:
             acc[0] += m.get("k3", 0.0) * m.get("tokens", 0.0)
             acc[1] += m.get("k1", 0.0) * m.get("tokens", 0.0)
             acc[2] += m.get("tokens", 0.0)
-        self.event("note", version=v, detail=json.dumps({"on_policy_kl": {
-            g: {"k3": m.get("k3"), "k1": m.get("k1"), "tokens": m.get("tokens")} for g, m in fresh.items()}}))
-        n = batch.num_trajectories
-        window_cost = 0.0
+        nan = math.nan
+        batches = {}
         for g in self.fleet.groups:
-            reps = self.replicas[g.name]
-            up = sum(1 for r in reps if r.up)
-            busy = sum(r.busy_until(now) for r in reps)
-            b0, t0, _ = self._group_marks.get(g.name, (0.0, 0, self._last_update_end_s))
-            gen = self.tokens_generated.get(g.name, 0)
-            util = min(1.0, max(0.0, (busy - b0) / (window * max(up, 1))))
-            cost = g.usd_per_hour * up * window / 3600.0
-            window_cost += cost
-            gm = by_group.get(g.name, {})
-            samples = batch.samples_by_group.get(g.name, 0)
-            self.writer.append(GroupRecord(
-                version=v, group=g.name, replicas_up=float(up), utilization=util, tokens_generated=max(0, gen - t0),
-                samples=samples, share_of_samples=samples / max(n, 1), kl_k3=gm.get("k3", math.nan),
-                extreme_share=gm.get("out_diag_low_share", math.nan) + gm.get("out_diag_high_share", math.nan),
-                cost_usd=cost, kl_k1=gm.get("k1", math.nan), masked_share=gm.get("out_band_share", math.nan),
-                staleness_mean=batch.staleness_by_group.get(g.name, math.nan),
-                tokens_trained=batch.tokens_by_group.get(g.name, 0),
-                routing_token_share=gm.get("routing_token_share", math.nan),
-                routing_layer_share=gm.get("routing_layer_share", math.nan)))
-            self._group_marks[g.name] = (busy, gen, now)
-        self.cost_sampler_usd += window_cost
+            gm, fm = by_group.get(g.name, {}), fresh.get(g.name, {})
+            batches[g.name] = GroupBatch(
+                samples=batch.samples_by_group.get(g.name, 0), tokens_trained=batch.tokens_by_group.get(g.name, 0),
+                staleness_mean=batch.staleness_by_group.get(g.name, nan), kl_k3=gm.get("k3", nan),
+                kl_k1=gm.get("k1", nan), masked_share=gm.get("out_band_share", nan),
+                extreme_share=gm.get("out_diag_low_share", nan) + gm.get("out_diag_high_share", nan),
+                kl_k3_on_policy=fm.get("k3", nan), kl_k1_on_policy=fm.get("k1", nan),
+                tokens_on_policy=int(fm.get("tokens", 0)), routing_token_share=gm.get("routing_token_share", nan),
+                routing_layer_share=gm.get("routing_layer_share", nan))
         st = batch.staleness_stats()
         reward = sum(batch.rewards) / max(len(batch.rewards), 1)
-        self.writer.append(UpdateRecord(
-            version=v, start_s=start_s, end_s=now, train_step_s=train_s, weight_sync_s=sync_s, tokens=batch.num_tokens,
-            trajectories=n, **st, cost_sampler_usd=self.cost_sampler_usd, cost_trainer_usd=0.0,
-            kl_k1=metrics.get("k1", math.nan), kl_k3=metrics.get("k3", math.nan),
-            masked_share=metrics.get("out_band_share", math.nan),
-            extreme_low_share=metrics.get("out_diag_low_share", math.nan),
-            extreme_high_share=metrics.get("out_diag_high_share", math.nan), ess=metrics.get("ess", math.nan),
-            entropy=metrics.get("entropy", math.nan), grad_norm=metrics.get("grad_norm", math.nan),
-            loss=metrics.get("loss", math.nan), reward_mean=reward, pass_at_k=pass_at_k))
+        low, high = metrics.get("out_diag_low_share", nan), metrics.get("out_diag_high_share", nan)
+        totals = {g.name: self._group_totals(g, now) for g in self.fleet.groups}
+        update, rows = self.ledger.record(
+            version=v, now_s=now, start_s=start_s, totals=totals, batches=batches, train_step_s=train_s,
+            weight_sync_s=sync_s, tokens=batch.num_tokens, trajectories=batch.num_trajectories, staleness=st,
+            kl_k1=metrics.get("k1", nan), kl_k3=metrics.get("k3", nan), masked_share=metrics.get("out_band_share", nan),
+            extreme_share=low + high, extreme_low_share=low, extreme_high_share=high, ess=metrics.get("ess", nan),
+            entropy=metrics.get("entropy", nan), grad_norm=metrics.get("grad_norm", nan), loss=metrics.get("loss", nan),
+            reward_mean=reward, pass_at_k=pass_at_k)
+        self.writer.extend(rows)
+        self.writer.append(update)
         self.writer.flush()
         gen_total = sum(self.tokens_generated.values())
         self._last_update_end_s = now
@@ -806,7 +831,8 @@ class Orchestrator:
         tmp = state_dir / f".{ORCH_STATE_FILE}.tmp"
         tmp.write_text(json.dumps({"version": self.version, **self.prompts.state(),
                                    "restarts": self.restarts, "trainer_busy_s": self.trainer_busy_s,
-                                   "cost_sampler_usd": self.cost_sampler_usd, "elapsed_s": self.now(),
+                                   **self.ledger.state({g.name: self._group_totals(g, self.now())
+                                                        for g in self.fleet.groups}), "elapsed_s": self.now(),
                                    "fresh_kl": self.fresh_kl, "trained_restarted": self.trained_restarted}))
         os.replace(tmp, state_dir / ORCH_STATE_FILE)
 
