@@ -4,17 +4,37 @@ Usage: python tests/run_child.py PLAN.toml OUT INIT UPDATES [--plain] [--resume]
 after each update's checkpoint (the run log is flushed by then), n = trained trajectories so far that were
 re-routed after the replica loss, up = replicas of the first group that are up. Drills (unless --plain): the
 plan's second group fails its weight load of version 1 (a truncated checkpoint); after update 1 a replica of
-the first group is killed while it serves requests. --resume continues the run log in OUT.
+the first group is killed while it serves requests (the weight drill is a hook this file installs:
+`broken_load`).
+--resume continues the run log in OUT.
 """
 
 from __future__ import annotations
 
 import asyncio
+import shutil
 import sys
+from pathlib import Path
 
 import torch
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
+
+
+def broken_load(out: Path, group: str, version: int):  # noqa: ANN201
+    """A weight-source hook (WeightPublisher.source_for): `group` loads `version` from a copy of the export
+    whose weights file is truncated, so its engine refuses the load for real and keeps its old weights."""
+
+    def source_for(g: str, v: int, path: str) -> str:
+        if (g, v) != (group, version):
+            return path
+        dst = out / "weights" / f".broken-v{v:06d}-{g}"
+        shutil.copytree(path, dst, dirs_exist_ok=True)
+        for f in dst.glob("*.safetensors"):
+            f.write_bytes(f.read_bytes()[:64])
+        return str(dst)
+
+    return source_for
 
 
 def main() -> None:
@@ -23,9 +43,12 @@ def main() -> None:
     plain, resume = "--plain" in sys.argv[5:], "--resume" in sys.argv[5:]
     plan = load_plan(plan_path)
     first = plan.groups[0].name
-    drills = {} if plain else {"inject_weight_load_failure": {plan.groups[1].name: [1]}}
     cfg = RunConfig(out_dir=out, updates=updates, init_checkpoint=init, eval_every=0, trainer_threads=1,
-                    ray_num_cpus=2, resume=resume, **drills)
+                    ray_num_cpus=2, resume=resume)
+
+    def setup(orch) -> None:  # noqa: ANN001
+        if not plain:              # the test's hook: the second group loads version 1 from a truncated copy
+            orch.weights.source_for = broken_load(Path(out), plan.groups[1].name, 1)
 
     async def on_update(view, orch) -> None:  # noqa: ANN001
         if view.version == 1 and not plain:
@@ -38,7 +61,7 @@ def main() -> None:
         up = sum(1 for r in orch.replicas[first] if r.up)   # after the kill: has the replacement come up?
         print(f"UPDATE {view.version} {orch.trained_restarted} {up}", flush=True)
 
-    run_plan(plan, cfg, on_update=on_update)
+    run_plan(plan, cfg, on_update=on_update, setup=setup)
 
 
 if __name__ == "__main__":

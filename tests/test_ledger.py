@@ -78,3 +78,14 @@ def test_old_logs_read_their_extreme_share_from_low_and_high() -> None:
     up = pd.DataFrame({"extreme_share": [math.nan, 0.3], "extreme_low_share": [0.1, math.nan],
                        "extreme_high_share": [0.2, math.nan]})
     assert extreme_shares(up).tolist() == pytest.approx([0.3, 0.3])
+
+
+def test_the_runners_replica_seconds_are_integrated_over_the_clock() -> None:
+    from mixfleet.runner.orchestration.sampler_fleet import ReplicaSeconds
+
+    rs = ReplicaSeconds(0.0)
+    rs.set(0.0, up=0, billed=1)          # a replica starting (billed, not up)
+    rs.set(4.0, up=1, billed=1)          # ready after 4 s
+    rs.set(10.0, up=2, billed=3)         # a second one up, a third starting
+    rs.advance(12.0)
+    assert (rs.up_s, rs.billed_s) == (6.0 + 4.0, 4.0 + 6.0 + 6.0)

@@ -21,7 +21,7 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 from mixfleet.costmodel.model import load_model_spec  # noqa: E402
 from mixfleet.runner.orchestration.batching import BatchItem, build_batch  # noqa: E402
-from mixfleet.runner.orchestration.orchestrator import _routed_shape, result_from_response  # noqa: E402
+from mixfleet.runner.orchestration.rollouts import result_from_response, routed_shape  # noqa: E402
 from mixfleet.runner.rollout.agent import AgentConfig, run_episode  # noqa: E402
 from mixfleet.runner.rollout.tasks import make_task  # noqa: E402
 from mixfleet.runner.sampler.client import SamplerClient  # noqa: E402
@@ -45,7 +45,7 @@ def exported(tmp_path_factory) -> tuple[Trainer, Path]:
 
 
 def episodes(path: Path, precision: str, n: int = 3) -> list:
-    shape = _routed_shape(str(path))
+    shape = routed_shape(str(path))
     assert shape == (4, 2)
     engine = Engine(path, precision=precision, kv_cache_dtype="fp32" if precision == "fp32" else "bf16",
                     kernel="fp32", enable_return_routed_experts=True, seed=0)

@@ -1,0 +1,143 @@
+"""A real run's settings (`RunConfig`) and what every part of a run shares (`RunContext`: the clock, the
+trainer version, the run log's event stream, background tasks, one wake-up for the loops that wait).
+
+The parts of a run (runner/orchestration/): `sampler_fleet.py` starts, watches and scales the sampler
+replicas; `rollouts.py` keeps prompt-groups generating and routes every reply; `weights.py` exports and
+pushes each new version; `recorder.py` writes the run log's rows; `orchestrator.py` runs the update loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mixfleet.costmodel.runlog import EventRecord, RunLogWriter
+from mixfleet.policies.plan import Plan
+
+RUN_MODES = ("async", "sync")
+STATE_DIR = "trainer_state"
+WEIGHTS_DIR = "weights"
+ORCH_STATE_FILE = "orchestrator.json"
+
+
+MAX_SAME_REPLICA_RETRIES = 3       # per session: resends to a live replica after a dropped connection
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    """Everything a real run needs beyond the plan (validated on construction)."""
+
+    out_dir: Path
+    updates: int = 30                          # target trainer version
+    init_checkpoint: str = ""                  # HF layout checkpoint of the base policy (samplers + trainer)
+    mode: str = "async"                        # "async" (the seed) | "sync" (generate, then train)
+    fleet_mode: str = "embedded"               # "embedded" | "sglang" | "attach" (runner/orchestration/fleet.py)
+    attach: dict[str, list[str]] = field(default_factory=dict)
+    address: str | None = None                 # Ray cluster address; None: a local Ray
+    resume: bool = False
+    task: str = "guess"
+    task_options: dict[str, Any] = field(default_factory=dict)
+    max_turns: int | None = None               # None: the plan's embedded.max_turns
+    max_new_tokens: int | None = None          # None: the plan's embedded.max_new_tokens
+    temperature: float | None = None
+    top_k_record: int = 16                     # top-K log-probs recorded per sampled token (corrections' head)
+    lr: float = 1e-4
+    grad_clip_norm: float = 1.0
+    trainer_threads: int = 1
+    sampler_threads: int | None = None         # None: the plan's embedded.threads_per_replica
+    eval_every: int | None = None              # None: the plan's embedded.eval_every (0 = never)
+    eval_problems: int = 8
+    pass_k: int | None = None
+    eval_at_start: bool = True
+    batcher_overrides: dict[str, Any] = field(default_factory=dict)
+    seed: int = 0
+    ray_num_cpus: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "out_dir", Path(self.out_dir))
+        if self.mode not in RUN_MODES:
+            raise ValueError(f"RunConfig.mode = {self.mode!r}; allowed: {', '.join(RUN_MODES)}")
+        if not isinstance(self.updates, int) or self.updates < 1:
+            raise ValueError(f"RunConfig.updates = {self.updates!r}; allowed: an integer >= 1")
+        if not self.init_checkpoint:
+            raise ValueError("RunConfig.init_checkpoint: required (a Hugging Face layout checkpoint folder)")
+        for name in ("top_k_record", "trainer_threads", "eval_problems"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < (0 if name == "top_k_record" else 1):
+                lo = 0 if name == "top_k_record" else 1
+                raise ValueError(f"RunConfig.{name} = {v!r}; allowed: an integer >= {lo}")
+        if not self.lr > 0:
+            raise ValueError(f"RunConfig.lr = {self.lr!r}; allowed: > 0")
+
+    @classmethod
+    def for_plan(cls, plan: Plan, **kw: Any) -> RunConfig:
+        """A RunConfig from the plan's `[embedded.extra]` runner settings (e.g. lr, trainer_threads,
+        eval_problems, top_k_record), then `kw` (explicit arguments win; None values are ignored)."""
+        settable = {"lr", "grad_clip_norm", "trainer_threads", "sampler_threads", "eval_problems", "top_k_record",
+                    "task_options", "max_turns", "max_new_tokens", "temperature", "eval_at_start"}
+        extra = dict((plan.embedded.extra if plan.embedded is not None else {}) or {})
+        for key in extra:
+            if key not in settable:
+                raise ValueError(f"plan '{plan.name}' [embedded.extra]: unknown runner setting {key!r}; "
+                                 f"allowed: {', '.join(sorted(settable))}")
+        extra.update({k: v for k, v in kw.items() if v is not None})
+        return cls(**extra)
+
+
+
+
+class RunContext:
+    """Shared by the parts of one run. The clock is the run clock: wall seconds since the run started
+    (a resumed run continues from its checkpoint's `elapsed_s`, see `continue_clock`)."""
+
+    def __init__(self, config: RunConfig, on_event: Callable[[EventRecord], Any] | None = None) -> None:
+        self.config = config
+        self.out: Path = config.out_dir
+        self.on_event = on_event
+        self.writer: RunLogWriter | None = None
+        self.version = 0                              # the trainer's newest version
+        self.stopping = False
+        self.wake = asyncio.Event()                   # set when something a waiting loop may act on changed
+        self._tasks: set[asyncio.Task] = set()
+        self._t0 = time.monotonic()
+
+    def now(self) -> float:
+        return time.monotonic() - self._t0
+
+    def continue_clock(self, elapsed_s: float) -> None:
+        self._t0 = time.monotonic() - elapsed_s
+
+    def event(self, kind: str, group: str = "", replica: int = -1, version: int = -1, detail: str = "",
+              duration_s: float = math.nan) -> None:
+        rec = EventRecord(time_s=self.now(), kind=kind, group=group, replica=replica, version=version,
+                          detail=detail, duration_s=duration_s)
+        if self.writer is not None:
+            self.writer.append(rec)
+        if self.on_event is not None:
+            self.on_event(rec)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task:
+        """A background task of the run (cancelled by `cancel_tasks` when the run stops)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def cancel_tasks(self) -> None:
+        self.stopping = True
+        for t in list(self._tasks):
+            t.cancel()
+        await asyncio.gather(*list(self._tasks), return_exceptions=True)
+
+    async def wait_wake(self, timeout_s: float = 0.5) -> None:
+        """Wait for the next `wake.set()` (or `timeout_s`)."""
+        self.wake.clear()
+        try:
+            await asyncio.wait_for(self.wake.wait(), timeout=timeout_s)
+        except TimeoutError:
+            pass

@@ -1,0 +1,302 @@
+"""Fleet management: the sampler replicas of a run, started (Ray actors, or attached servers), watched and
+scaled to the plan's autoscaler.
+
+Every monitor tick (`MONITOR_INTERVAL_S`) a replica that looks idle is probed (`/health`): refused, or no
+answer `MAX_FAILED_PROBES` times in a row, is a loss (event "crash"); a lost replica is dropped from the
+list and the autoscaler's target brings a replacement ("restart", then "cold_start", "ready"). The fleet
+also keeps each group's replica-seconds up and billed for the run log (`totals`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from mixfleet.costmodel.ledger import GroupTotals
+from mixfleet.policies.views import FleetView, GroupView, ReplicaView
+from mixfleet.runner.orchestration.config import RunContext
+from mixfleet.runner.orchestration.fleet import FleetSpec, GroupSpec
+from mixfleet.runner.orchestration.weights import WeightPublisher
+from mixfleet.runner.sampler.client import ClientConfig, SamplerClient
+
+MONITOR_INTERVAL_S = 1.0           # the fleet monitor's tick; the autoscaler is asked every min(its interval, 5 s)
+PROBE_TIMEOUT_S = 10.0             # a /health probe; no answer in time is "undecided", refused is "dead"
+MAX_FAILED_PROBES = 5              # undecided probes in a row of an idle replica that count as a loss
+
+
+@dataclass
+class Replica:
+    group: str
+    index: int
+    url: str
+    client: SamplerClient
+    actor: Any = None                          # Ray actor handle (None when attached)
+    up: bool = True
+    version: int = 0
+    running: int = 0                           # requests in flight from this orchestrator
+    outstanding_tokens: float = 0.0
+    busy_s: float = 0.0
+    _busy_since: float | None = None
+    started_s: float = 0.0
+    failed_probes: int = 0                     # consecutive unanswered health probes
+    admitting: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def __post_init__(self) -> None:
+        self.admitting.set()
+
+    def begin(self, now: float, tokens: float) -> None:
+        if self.running == 0:
+            self._busy_since = now
+        self.running += 1
+        self.outstanding_tokens += tokens
+
+    def end(self, now: float, tokens: float) -> None:
+        self.running -= 1
+        self.outstanding_tokens = max(0.0, self.outstanding_tokens - tokens)
+        if self.running == 0 and self._busy_since is not None:
+            self.busy_s += now - self._busy_since
+            self._busy_since = None
+
+    def busy_until(self, now: float) -> float:
+        return self.busy_s + (now - self._busy_since if self._busy_since is not None else 0.0)
+
+
+class ReplicaSeconds:
+    """One group's replica-seconds up and billed (up or starting), integrated over the run clock."""
+
+    def __init__(self, now: float) -> None:
+        self.t, self.up, self.billed, self.up_s, self.billed_s = now, 0, 0, 0.0, 0.0
+
+    def set(self, now: float, up: int, billed: int) -> None:
+        self.advance(now)
+        self.up, self.billed = up, billed
+
+    def advance(self, now: float) -> None:
+        dt = max(now - self.t, 0.0)
+        self.up_s += self.up * dt
+        self.billed_s += self.billed * dt
+        self.t = now
+
+
+class SamplerFleet:
+    """The replicas of every group (`replicas[group]`, up or not yet noticed down) and their monitor."""
+
+    def __init__(self, ctx: RunContext, spec: FleetSpec, *, router: Any, autoscaler: Any, weights: WeightPublisher,
+                 top_p_replay: bool, routed_experts: bool = False) -> None:
+        self.ctx, self.spec, self.router, self.autoscaler, self.weights = ctx, spec, router, autoscaler, weights
+        self.top_p_replay, self.routed_experts = top_p_replay, routed_experts
+        self.groups: dict[str, GroupSpec] = {g.name: g for g in spec.groups}
+        self.names = tuple(self.groups)
+        self.replicas: dict[str, list[Replica]] = {n: [] for n in self.names}
+        self._next_index = dict.fromkeys(self.names, 0)
+        self._starting = dict.fromkeys(self.names, 0)
+        self._replica_s = {n: ReplicaSeconds(ctx.now()) for n in self.names}
+        self._busy_gone_s = dict.fromkeys(self.names, 0.0)   # busy seconds of replicas no longer listed
+        self._last_scale_check = -math.inf
+        self._probe_http: httpx.AsyncClient | None = None
+
+    def restart_clock(self) -> None:
+        """A resumed run: replica-seconds count from now (the run clock was set from the checkpoint)."""
+        self._replica_s = {n: ReplicaSeconds(self.ctx.now()) for n in self.names}
+
+    def start_planned(self) -> list[Any]:
+        """Coroutines that start every group's planned replicas."""
+        return [self.start(g, cold=False) for g in self.spec.groups for _ in range(g.replicas)]
+
+    async def start(self, g: GroupSpec, *, cold: bool) -> Replica | None:
+        """Start (or attach) one replica of group `g`; logs cold_start / ready."""
+        from mixfleet.runner.orchestration.actors import remote_sampler
+
+        ctx, cfg = self.ctx, self.ctx.config
+        index = self._next_index[g.name]
+        self._next_index[g.name] += 1
+        self._starting[g.name] += 1
+        self._recount(g.name)
+        t0 = ctx.now()
+        actor = None
+        path, version = self.weights.pin()
+        try:
+            if self.spec.mode == "attach":
+                url = g.urls[index % len(g.urls)]
+            else:
+                cls = remote_sampler(accelerator=g.accelerator, amount=g.tp)
+                actor = cls.remote(group=g.name, index=index, model_path=path, precision=g.precision,
+                                   kv_dtype=g.kv_dtype, kernel=g.kernel, weight_noise=g.weight_noise,
+                                   threads=cfg.sampler_threads or self.spec.threads_per_replica,
+                                   seed=cfg.seed * 1009 + zlib.crc32(f"{g.name}/{index}".encode()) % 1000,
+                                   weight_version=str(version),
+                                   mode="sglang" if self.spec.mode == "sglang" else "embedded",
+                                   top_p_replay=self.top_p_replay, tp=g.tp, dp_attention=g.dp_attention, ep=g.ep,
+                                   routed_experts=self.routed_experts)
+                info = await actor.info.remote()
+                url = info["url"]
+        except Exception as e:  # noqa: BLE001 - a replica that cannot start is logged; the run goes on
+            ctx.event("crash", g.name, index, ctx.version, detail=f"start failed: {type(e).__name__}: {e}")
+            return None
+        finally:
+            self._starting[g.name] -= 1
+            self.weights.unpin(path)
+            self._recount(g.name)
+        client = SamplerClient(url, config=ClientConfig(max_retries=2, backoff_initial_s=0.05, connect_timeout_s=5.0))
+        served = 0 if self.spec.mode == "attach" else version   # an attached server serves what it was started on
+        rep = Replica(group=g.name, index=index, url=url, client=client, actor=actor, version=served,
+                      started_s=ctx.now())
+        if self.weights.version > served:             # a push landed while it started (or attached): catch up
+            await self.weights.load(rep, self.weights.path, self.weights.version)
+        self.replicas[g.name].append(rep)
+        self._recount(g.name)
+        if cold:
+            ctx.event("cold_start", g.name, index, ctx.version, duration_s=ctx.now() - t0)
+        ctx.event("ready", g.name, index, ctx.version, detail=url, duration_s=ctx.now() - t0)
+        ctx.wake.set()
+        return rep
+
+    # ---- accounting and views ---------------------------------------------------------------------------
+    def _recount(self, group: str) -> None:
+        """The group's replicas up / billed (up or starting) changed: integrate the old levels to now."""
+        up = sum(1 for r in self.replicas[group] if r.up)
+        self._replica_s[group].set(self.ctx.now(), up, up + self._starting[group])
+
+    def totals(self, group: str, now: float, tokens_generated: int) -> GroupTotals:
+        """The group's running totals for the run log (costmodel/ledger.py)."""
+        rs = self._replica_s[group]
+        rs.advance(now)
+        return GroupTotals(up_replica_s=rs.up_s, cost_usd=self.groups[group].usd_per_hour * rs.billed_s / 3600.0,
+                           busy_s=self._busy_gone_s[group] + sum(r.busy_until(now) for r in self.replicas[group]),
+                           tokens_generated=tokens_generated)
+
+    def group_view(self, name: str) -> GroupView:
+        g, now = self.groups[name], self.ctx.now()
+        reps = tuple(ReplicaView(index=r.index, up=r.up and r.admitting.is_set(),
+                                 outstanding_tokens=r.outstanding_tokens, running=r.running,
+                                 sessions=self.router.pinned(name, r.index),
+                                 busy_s=r.busy_until(now)) for r in self.replicas[name])
+        starting = tuple(ReplicaView(index=-1 - i, up=False, starting=True) for i in range(self._starting[name]))
+        live_versions = [r.version for r in self.replicas[name] if r.up]
+        return GroupView(name=name, capacity_tokens_per_s=g.capacity_tokens_per_s, usd_per_hour=g.usd_per_hour,
+                         usd_per_mtoken=g.usd_per_mtoken, replicas=reps + starting, min_replicas=g.min_replicas,
+                         max_replicas=g.max_replicas, configured_replicas=g.replicas,
+                         weight_version=min(live_versions) if live_versions else self.ctx.version)
+
+    def fleet_view(self) -> FleetView:
+        return FleetView(now_s=self.ctx.now(), groups=tuple(self.group_view(n) for n in self.names))
+
+    # ---- faults -----------------------------------------------------------------------------------------
+    async def probe(self, rep: Replica) -> bool | None:
+        """True: /health answers 200; False: nothing listens (connection refused) or its actor is gone;
+        None: no answer in time (a busy machine), undecided."""
+        if self._probe_http is None:
+            self._probe_http = httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False)
+        try:
+            resp = await self._probe_http.get(f"{rep.url}/health")
+            return resp.status_code == 200 or None
+        except httpx.ConnectError:
+            return False
+        except httpx.HTTPError:
+            return None
+
+    def lost(self, rep: Replica, reason: str) -> None:
+        """Mark a replica down (event "crash"); its process is killed so a hung one does not linger."""
+        if not rep.up:
+            return
+        rep.up = False
+        self._recount(rep.group)
+        self.ctx.event("crash", rep.group, rep.index, rep.version, detail=reason[:300])
+        self.ctx.spawn(rep.client.aclose())
+        if rep.actor is not None:
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.kill(rep.actor, no_restart=True)
+        self.ctx.wake.set()
+
+    def kill(self, group: str, index: int | None = None) -> int:
+        """Kill one sampler replica's process (the CLI's --kill-at fault drill); returns its index."""
+        import ray
+
+        reps = [r for r in self.replicas[group] if r.up and (index is None or r.index == index)]
+        if not reps:
+            raise ValueError(f"kill_replica: no live replica {index} in group {group!r}")
+        rep = reps[0]
+        if rep.actor is not None:
+            ray.kill(rep.actor, no_restart=True)
+        return rep.index
+
+    # ---- the monitor: the autoscaler's target, lost replicas replaced -------------------------------------
+    async def monitor(self) -> None:
+        ctx = self.ctx
+        interval = min(max(float(getattr(self.autoscaler.config, "interval_s", 5.0)), MONITOR_INTERVAL_S), 5.0)
+        while not ctx.stopping:
+            await asyncio.sleep(MONITOR_INTERVAL_S)
+            now = ctx.now()
+            for name, reps in self.replicas.items():
+                for rep in list(reps):       # probe replicas that look idle-but-up so a dead idle one is noticed
+                    if rep.up and rep.actor is not None and rep.running == 0:
+                        ok = await self.probe(rep)
+                        rep.failed_probes = 0 if ok else rep.failed_probes + 1
+                        if ok is False or rep.failed_probes >= MAX_FAILED_PROBES:
+                            self.lost(rep, f"health check failed ({rep.failed_probes} probes)")
+                for r in [r for r in reps if not r.up]:
+                    self._busy_gone_s[name] += r.busy_until(now)
+                    reps.remove(r)
+            if now - self._last_scale_check < interval:
+                continue
+            self._last_scale_check = now
+            for g in self.spec.groups:
+                view = self.group_view(g.name)
+                want = self.autoscaler.target(view, now)
+                live = view.live_replicas
+                lost = g.replicas - live
+                if want > live:
+                    for _ in range(want - live):
+                        kind = "restart" if lost > 0 else "scale_up"
+                        lost -= 1
+                        ctx.event(kind, g.name, self._next_index[g.name], ctx.version)
+                        ctx.spawn(self.start(g, cold=True))
+                elif want < live:
+                    for rep in sorted(self.replicas[g.name], key=lambda r: (r.running, -r.index))[: live - want]:
+                        ctx.spawn(self.retire(rep))
+
+    async def retire(self, rep: Replica) -> None:
+        rep.admitting.clear()
+        self.ctx.event("scale_down", rep.group, rep.index, rep.version)
+        while rep.running:
+            await asyncio.sleep(0.1)
+        rep.up = False
+        self._recount(rep.group)
+        if rep.actor is not None:
+            with contextlib.suppress(Exception):
+                await rep.actor.stop.remote()
+            import ray
+
+            ray.kill(rep.actor, no_restart=True)
+        await rep.client.aclose()
+
+    # ---- the end ------------------------------------------------------------------------------------------
+    async def cpu_seconds(self) -> dict[str, float]:
+        """CPU seconds used so far by each live sampler process ("group#index")."""
+        out = {}
+        for g, reps in self.replicas.items():
+            for r in reps:
+                if r.up and r.actor is not None:
+                    with contextlib.suppress(Exception):
+                        out[f"{g}#{r.index}"] = float(await asyncio.wait_for(r.actor.cpu_s.remote(), 10))
+        return out
+
+    async def close(self) -> None:
+        import ray
+
+        for reps in self.replicas.values():
+            for r in reps:
+                with contextlib.suppress(Exception):
+                    await r.client.aclose()
+                if r.actor is not None:
+                    with contextlib.suppress(Exception):
+                        ray.kill(r.actor, no_restart=True)
+        if self._probe_http is not None:
+            await self._probe_http.aclose()
