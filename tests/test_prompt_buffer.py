@@ -50,7 +50,8 @@ def test_a_plan_without_batch_sizes_gets_the_workloads_in_both_worlds(tmp_path: 
 
     plan = plan_from_dict({"name": "p", "model": "tiny", "workload": "tiny-cpu",
                            "trainer": {"accelerator": "CPU-2core"},
-                           "groups": [{"name": "a", "accelerator": "CPU-2core", "precision": "bf16"}]})
+                           "groups": [{"name": "a", "accelerator": "CPU-2core", "precision": "bf16",
+                                       "emulated": True}]})
     wl = load_workload("tiny-cpu")
     twin = plan.build_policies(wl)["batcher"].config                 # what twin/sim.py builds
     runner = Orchestrator(plan, RunConfig(out_dir=tmp_path, init_checkpoint="unused")).prompts.batcher.config
