@@ -73,7 +73,7 @@ def summarize_run(path: Path) -> dict[str, Any]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path)
-    ap.add_argument("--out", type=Path, default=Path("benchmarks/results/tiny_moe_cpu_run.json"))
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "tiny_moe_cpu_run.json")
     ap.add_argument("--note", default="", help="machine / load note stored with the numbers")
     args = ap.parse_args()
     result = {"what": "benchmarks/moe_run_summary.py over real `mixfleet run` logs", "note": args.note,

@@ -1,7 +1,7 @@
 """How fast the run log takes a seed-scale run: build, write, read and summarize 200 updates x 1,024
 trajectories (plus updates / groups rows). Prints the numbers and writes them as JSON.
 
-    python benchmarks/runlog_speed.py [--updates 200] [--out benchmarks/runlog_speed.json]
+    python benchmarks/runlog_speed.py [--updates 200] [--out benchmarks/results/runlog_speed.json]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--updates", type=int, default=200)
     ap.add_argument("--per-update", type=int, default=1024)
-    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("runlog_speed.json"))
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "runlog_speed.json")
     args = ap.parse_args()
     n_traj = args.updates * args.per_update
     with tempfile.TemporaryDirectory() as tmp:

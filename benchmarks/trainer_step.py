@@ -2,7 +2,7 @@
 clip, AdamW) on a batch of B x S tokens, the HF export, and a resumable-state save. Prints the
 numbers and writes them as JSON (no assertions: speed depends on the machine and its load).
 
-    python benchmarks/trainer_step.py [--batch 128] [--seq 256] [--steps 3] [--out benchmarks/trainer_step.json]
+    python benchmarks/trainer_step.py [--batch 128] [--seq 256] [--steps 3] [--out benchmarks/results/trainer_step.json]
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--out", type=Path, default=Path(__file__).with_name("trainer_step.json"))
+    ap.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "trainer_step.json")
     args = ap.parse_args()
     spec = load_model_spec(args.model)
     t0 = time.perf_counter()

@@ -1,6 +1,6 @@
 """Twin and planner speed at the seed's scale (1,024 trajectories per update, ~68 turns each on average).
 
-Runs `simulate` on data/fleets/seed-mixed.toml for --updates updates and `mixfleet plan`'s default search
+Runs `simulate` on data/plans/seed-mixed.toml for --updates updates and `mixfleet plan`'s default search
 (the default pool, one DES-verified candidate), and prints and writes (benchmarks/results/twin_speed.json):
 simulated events per second, wall and CPU seconds per simulated update, the projected wall time of a
 200-update dry run, and the planner's wall time. Goal (issue 3): 200 updates < 60 s, plan < 60 s, one core.

@@ -7,7 +7,7 @@ from pathlib import Path
 
 
 def data_dir() -> Path:
-    """The folder holding accelerators.toml, precisions.toml, models/, workloads/, fleets/, plans/."""
+    """The folder holding accelerators.toml, precisions.toml, models/, workloads/, plans/."""
     return Path(str(resources.files("mixfleet.data")))
 
 

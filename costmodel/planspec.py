@@ -329,10 +329,6 @@ def plan_data_fields(raw: dict[str, Any], known: list[str]) -> tuple[dict[str, A
     if "name" not in raw:
         raise SpecError("plan", "name", None, "a value (the field is required)")
     where = f"plan '{raw['name']}'"
-    for key, what in (("model", "model"), ("workload", "workload")):
-        if key not in raw:
-            raise SpecError(where, key, None, f"a {what} (shipped name or spec TOML path), in this file or its base"
-                                              " (the field is required)")
     groups_raw = raw.pop("groups", [])
     if not isinstance(groups_raw, list):
         raise SpecError(where, "groups", groups_raw, "an array of tables ([[groups]])")
@@ -345,6 +341,10 @@ def plan_data_fields(raw: dict[str, Any], known: list[str]) -> tuple[dict[str, A
     for key in raw:
         if key not in known:
             raise SpecError(where, key, raw[key], "a known field: " + ", ".join(known + ["base"]))
+    for key in ("model", "workload"):
+        if key not in raw:
+            raise SpecError(where, key, None, f"a {key} (shipped name or spec TOML path), in this file or its base"
+                                              " (the field is required)")
     return {**raw, **kwargs, "groups": groups}, pol_raw
 
 
@@ -390,7 +390,7 @@ def _resolve(ref: str, near: Path | None) -> Path:
         candidates.append(near / p)
     candidates.append(p)
     if p.suffix != ".toml" and len(p.parts) == 1:
-        candidates += [data_path("plans", f"{ref}.toml"), data_path("fleets", f"{ref}.toml")]
+        candidates.append(data_path("plans", f"{ref}.toml"))
     for c in candidates:
         if c.is_file():
             return c
@@ -399,8 +399,8 @@ def _resolve(ref: str, near: Path | None) -> Path:
 
 
 def known_plans() -> list[str]:
-    """Shipped plan names (data/plans and data/fleets)."""
-    return sorted({p.stem for d in ("plans", "fleets") for p in data_path(d).glob("*.toml")})
+    """Shipped plan names (data/plans)."""
+    return sorted(p.stem for p in data_path("plans").glob("*.toml"))
 
 
 def load_plan_dict(path: str | Path, _depth: int = 0) -> dict[str, Any]:

@@ -103,3 +103,15 @@ def test_calibration_reads_a_plan_with_the_same_schema() -> None:
     assert [g.name for g in data.groups] == ["cpu-bf16", "cpu-fp8", "cpu-nvfp4"] and data.trainer.gpus == 1
     with pytest.raises(SpecError, match="kernel"):
         plan_data_from_dict({**raw, "groups": [{**raw["groups"][0], "kernel": "fp16"}]})
+
+
+def test_shipped_plans_live_in_one_place_and_benchmarks_write_under_results() -> None:
+    from pathlib import Path
+
+    from mixfleet.costmodel.paths import data_path
+    from mixfleet.policies.plan import known_plans
+
+    assert not data_path("fleets").exists()                   # data/fleets/seed-*.toml duplicated data/plans
+    assert {"seed-mixed", "seed-homogeneous", "tiny-cpu"} <= set(known_plans())
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    assert sorted(p.name for p in bench.iterdir() if p.is_file() and p.suffix != ".py") == []

@@ -13,7 +13,7 @@ SEED_GROUPS = ["B200-NVFP4", "B300-NVFP4", "H100-FP8", "H100-BF16", "H200-FP8", 
 
 
 def test_seed_fleets_load_with_the_seeds_groups_and_trainer() -> None:
-    mixed = load_plan("data/fleets/seed-mixed.toml")
+    mixed = load_plan("data/plans/seed-mixed.toml")
     assert [g.name for g in mixed.groups] == SEED_GROUPS
     assert {g.kv_dtype for g in mixed.groups} == {"fp8_e4m3"}
     assert (mixed.trainer.accelerator, mixed.trainer.precision) == ("B200", "bf16")

@@ -143,7 +143,7 @@ def known_plans() -> list[str]:
 
 @st.cache_data(show_spinner=False)
 def shipped_plan(name: str) -> PlanText:
-    """A shipped plan (data/plans, data/fleets) as complete TOML (base resolved)."""
+    """A shipped plan (data/plans) as complete TOML (base resolved)."""
     from mixfleet.policies.plan import load_plan
 
     plan = load_plan(name)

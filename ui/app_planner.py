@@ -43,7 +43,6 @@ DEFAULT_TWIN_UPDATES = 2            # updates per dry run of the chosen plan and
 OBJECTIVES = {"cost per update": "cost_per_update",
               "cost per effective update (masked tokens count as waste)": "cost_per_effective_update"}
 KV_DTYPES = formats().sglang_kv_dtypes   # the GPU servers' KV dtypes (data/precisions.toml)
-PLAN_NAME = "planned"
 
 
 @dataclass(frozen=True)

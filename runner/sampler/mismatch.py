@@ -22,7 +22,6 @@ These are the numbers the cost model's mismatch priors (kl_k3, extreme_share) st
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -203,7 +202,3 @@ def format_table(rows: list[MismatchRow]) -> str:
     return "\n".join("  ".join(c.rjust(w) if j >= 3 else c.ljust(w) for j, (c, w) in enumerate(zip(x, widths,
                                                                                                      strict=True)))
                      for x in lines)
-
-
-def is_finite_row(row: MismatchRow) -> bool:
-    return all(math.isfinite(getattr(row, f)) for f in ("k1", "k3", "kl_exact", "mean_abs_log_ratio"))
