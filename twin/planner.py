@@ -35,12 +35,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
 from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.limits import MAX_GPUS, check_count
 from mixfleet.costmodel.measured import Layout
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import load_model_spec
@@ -102,8 +104,35 @@ class PlannerConfig:
                 raise SpecError("plan", f, v, "a positive number (or none)")
         if self.verify < 0 or self.verify_updates < 0:
             raise SpecError("plan", "verify", self.verify, "verify >= 0 and verify_updates >= 0 (0: automatic)")
+        self._check_pool()
         if self.prices or self.precisions:
             self._check_overrides()
+
+    def _check_pool(self) -> None:
+        """Accelerator names in any case ('b200' is 'B200') or refused with the known ones; GPU caps and the
+        trainer's GPUs within 1..MAX_GPUS; KV dtypes from the format registry (data/precisions.toml)."""
+        cat = load_catalog(self.price_table)
+
+        def canon(f: str, name: Any) -> str:
+            try:
+                return cat.accelerator(name).name
+            except SpecError:
+                raise SpecError("plan", f, name, "a known accelerator: " + ", ".join(cat.accelerators)) from None
+
+        hint = " (to leave an accelerator out, name the others with --accelerators)"
+        caps = {}
+        for a, n in dict(self.max_gpus).items():
+            caps[canon("max_gpus", a)] = check_count("plan", f"max_gpus.{a}", n, 1, MAX_GPUS, hint)
+        check_count("plan", "default_max_gpus", self.default_max_gpus, 1, MAX_GPUS, hint)
+        check_count("plan", "trainer_gpus", self.trainer_gpus, 1, MAX_GPUS)
+        object.__setattr__(self, "max_gpus", caps)
+        object.__setattr__(self, "accelerators", tuple(canon("accelerators", a) for a in self.accelerators))
+        object.__setattr__(self, "trainer_accelerator", canon("trainer_accelerator", self.trainer_accelerator))
+        if not self.kv_dtypes:
+            raise SpecError("plan", "kv_dtypes", list(self.kv_dtypes), "at least one of " +
+                            ", ".join(formats().kv_dtypes))
+        for kv in self.kv_dtypes:
+            formats().check_kv_dtype("plan", kv, "kv_dtypes")
 
     def _check_overrides(self) -> None:
         """Per-accelerator prices and precisions: known accelerators (keys become the catalog's names), prices
@@ -397,6 +426,36 @@ def _feasible(m: dict[str, np.ndarray], cfg: PlannerConfig) -> np.ndarray:
     return ok
 
 
+_LIMITS = (("max_staleness", "staleness", "--max-staleness", "mean staleness", "versions"),
+           ("max_time_per_update_s", "time_per_update_s", "--max-time-per-update", "time per update", "s"),
+           ("max_usd_per_hour", "usd_per_hour", "--budget", "USD per hour", "USD/h"))
+
+
+def binding_constraints(m: dict[str, np.ndarray], cfg: PlannerConfig) -> str:
+    """Why no candidate is feasible: each limit with the best value any candidate reaches (it binds when that
+    is over the limit) and, for a limit met alone, the best within the other limits; the GPU caps the
+    candidates were built under."""
+    def fmt(v: float, unit: str) -> str:
+        return f"{v:,.3g} {unit}" if math.isfinite(v) else "none"
+
+    parts = []
+    for field_name, metric, flag, what, unit in _LIMITS:
+        limit = getattr(cfg, field_name)
+        if limit is None:
+            continue
+        best = float(m[metric].min())
+        if best > limit + 1e-9:
+            parts.append(f"{flag} {limit:g} binds: the best {what} of any candidate is {fmt(best, unit)}")
+            continue
+        within = m[metric][_feasible(m, replace(cfg, **{field_name: None}))]
+        parts.append(f"{flag} {limit:g} holds alone (best {fmt(best, unit)}) but not with the others: the best "
+                     f"{what} within them is {fmt(float(within.min()) if len(within) else math.inf, unit)}")
+    caps = ", ".join(f"{a}={c}" for a, c in cfg.max_gpus.items())
+    return (f"no candidate meets the constraints ({len(m['cost_per_update']):,} screened): " + "; ".join(parts)
+            + f". GPU caps: {caps + ', ' if caps else ''}{cfg.default_max_gpus} per other accelerator "
+            "(--max-gpus, --default-max-gpus); relax a limit that binds.")
+
+
 def pareto_mask(points: np.ndarray) -> np.ndarray:
     """Rows not dominated by another (all objectives minimized; inf allowed)."""
     keep = np.ones(len(points), dtype=bool)
@@ -451,7 +510,7 @@ def plan_mix(cfg: PlannerConfig, progress: Callable[[str], None] | None = None) 
     idx = np.flatnonzero(ok)
     if not len(idx):
         return PlanResult(best=None, plan=None, pareto=[], screened=len(n), feasible=0, types=types,
-                          note="no candidate meets the constraints; relax one (staleness, time, budget, caps)")
+                          note=binding_constraints(m, cfg))
     obj = m[cfg.objective][idx]
     order = idx[np.lexsort((m["time_per_update_s"][idx], obj))]
     pts = np.stack([m["cost_per_update"][idx], m["time_per_update_s"][idx], m["staleness"][idx]], axis=1)
