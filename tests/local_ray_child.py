@@ -1,7 +1,8 @@
 """Child process of tests/test_local_ray.py: a real run's local Ray with one embedded sampler replica, then idle.
 
 Usage: python tests/local_ray_child.py CHECKPOINT. Starts the Ray as the runner does (init_ray, the plan's
-accelerator as a resource), starts one sampler actor on CHECKPOINT, prints "READY <json>" and sleeps until killed.
+accelerator as a resource), one sampler actor and the trainer actor (Megatron-core, torch.distributed) on
+CHECKPOINT, prints "READY <json>" and sleeps until killed.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import sys
 import time
 
-from mixfleet.runner.orchestration.actors import init_ray, remote_sampler
+from mixfleet.runner.orchestration.actors import init_ray, remote_sampler, remote_trainer
 
 
 def main() -> None:
@@ -20,7 +21,10 @@ def main() -> None:
 
     actor = remote_sampler(accelerator="cpu").remote(group="cpu-bf16", index=0, model_path=sys.argv[1],
                                                      precision="bf16", kv_dtype="bf16", max_running_requests=4)
+    trainer = remote_trainer().remote(init_from=sys.argv[1], state_dir=None,
+                                      correction={"method": "sc_mis", "temperature": 1.0, "top_p_replay": False})
     info = ray.get(actor.info.remote(), timeout=300)
+    ray.get(trainer.version.remote(), timeout=300)
     print("READY " + json.dumps({"pid": os.getpid(), "url": info["url"], "actor_pid": info["pid"]}), flush=True)
     while True:
         time.sleep(60)

@@ -1,7 +1,8 @@
 """A local run's Ray listens on 127.0.0.1 only, and what a killed driver leaves behind is stopped.
 
 The real thing: a child process starts Ray as the runner does (runner/orchestration/actors.py init_ray) with one
-embedded sampler replica, and every socket its process tree listens on is listed (psutil). Then the child is
+embedded sampler replica and the trainer (Megatron-core on torch.distributed), and every socket its process tree
+listens on is listed (psutil). Then the child is
 killed with kill -9 and `mixfleet cleanup` stops whatever of its Ray outlived it (the agents do).
 """
 
@@ -67,6 +68,7 @@ def test_local_ray_binds_loopback_only_and_cleanup_stops_its_leftovers(tmp_path:
             print(f"  {s[0]:>7} {s[1]:<24} {s[2]}:{s[3]}")
         names = {s[1] for s in socks}
         assert {"gcs_server", "raylet"} <= names, socks          # the listing sees Ray's own servers
+        assert any("TrainerWorker" in n for n in names), socks  # and the trainer's (gloo)
         assert any(p == int(info["url"].rsplit(":", 1)[1]) for *_, p in socks)   # and the sampler's HTTP port
         exposed = [s for s in socks if s[2] not in LOOPBACK_ADDRESSES]
         assert exposed == [], f"listening beyond loopback: {exposed}"

@@ -4,8 +4,9 @@ Why this file: the trainer, its tests and the runner all need the same model, bu
 a CPU-only machine (this project's CI) and on GPUs (production). It owns three things:
 
 - `ensure_parallel_state(device)`: idempotent, process-wide initialization of torch.distributed
-  (gloo on CPU, NCCL on CUDA; world size 1 on 127.0.0.1 with a free port when nothing initialized
-  it) and of Megatron's global parallel state (TP = PP = 1). Safe to call any number of times.
+  (gloo on CPU, NCCL on CUDA; world size 1 with a private file store, so nothing listens beyond
+  127.0.0.1, when nothing initialized it) and of Megatron's global parallel state (TP = PP = 1). Safe
+  to call any number of times.
 - `build_gpt_model(spec, options)`: the `GPTModel` of the spec: RMSNorm, SwiGLU (`gated_linear_unit`
   + silu), GQA (`num_query_groups`), no biases, zero dropouts, learned absolute positions or RoPE
   (`rotary_base` = the spec's `rope_theta`, rotate-half as HF's Qwen3), per-head QK RMSNorm when
@@ -30,9 +31,11 @@ a CPU-only machine (this project's CI) and on GPUs (production). It owns three t
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import socket
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -43,7 +46,6 @@ from mixfleet.costmodel.model import ModelSpec
 
 DEVICES = ("auto", "cpu", "cuda")
 TE_CHOICES = ("auto", "yes", "no")
-_PORT_TRIES = 3
 
 
 def _import_megatron() -> Any:
@@ -87,6 +89,16 @@ def free_port() -> int:
 _free_port = free_port   # older name, used by runner/orchestration/actors.py
 
 
+def loopback_interface() -> str | None:
+    """The name of the network interface holding 127.0.0.1 ("lo" on Linux, "lo0" on macOS), None if unknown."""
+    import psutil
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and a.address == "127.0.0.1" for a in addrs):
+            return name
+    return None
+
+
 def ensure_parallel_state(device: str = "cpu") -> None:
     """Initialize torch.distributed (world size 1) and Megatron's parallel state once per process.
 
@@ -98,16 +110,21 @@ def ensure_parallel_state(device: str = "cpu") -> None:
         backend = "nccl" if device == "cuda" else "gloo"
         if device == "cuda":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        last: Exception | None = None
-        for _ in range(_PORT_TRIES):
-            try:
-                dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}",
-                                        world_size=1, rank=0)
-                break
-            except (RuntimeError, OSError) as e:   # the free port was taken in between: retry
-                last = e
-        else:
-            raise RuntimeError(f"could not initialize torch.distributed ({backend}) on 127.0.0.1: {last}")
+        # a file store, not tcp://: c10d's TCPStore server listens on every interface ("::") whatever host the
+        # URL names, and the trainer is one process; the store file is empty, private and removed at exit
+        if backend == "gloo" and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            # gloo binds the address the host name resolves to (often the LAN address): the loopback device instead
+            lo = loopback_interface()
+            if lo is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = lo
+        fd, store = tempfile.mkstemp(prefix="mixfleet-dist-")
+        os.close(fd)
+        atexit.register(lambda: os.path.exists(store) and os.unlink(store))
+        try:
+            dist.init_process_group(backend, init_method=f"file://{store}", world_size=1, rank=0)
+        except (RuntimeError, OSError) as e:
+            raise RuntimeError(f"could not initialize torch.distributed ({backend}) with the file store {store}: "
+                               f"{e}") from None
     if dist.get_world_size() != 1:
         raise ValueError(f"torch.distributed world size = {dist.get_world_size()}; allowed: 1 "
                          "(the trainer runs in one process, TP = PP = 1)")
