@@ -2,7 +2,7 @@
 
 Each is far above any real run (the seed runs 54 replicas, 128 x 8 samples per update, 256k context) and
 far below what exhausts a machine: a value beyond one is refused when it is read, with the limit in the
-message (docs/safety-and-limits.md lists them). Raise one here, with a reason, if a real run needs it.
+message (docs/safety.md lists them). Raise one here, with a reason, if a real run needs it.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ MAX_REPLICAS_PER_GROUP = 4096        # replicas of one sampler group (plan `repl
 MAX_GPUS = 65536                     # GPUs of one type (trainer `gpus`, `plan --max-gpus`)
 MAX_PROMPTS_PER_UPDATE = 65536       # prompts per trainer update (batcher, workload)
 MAX_SAMPLES_PER_PROMPT = 1024        # samples per prompt, the GRPO group (batcher, workload)
+MAX_TRAJECTORIES_PER_UPDATE = 1_048_576   # prompts per update x samples per prompt (the seed: 1,024)
 MAX_INFLIGHT_PROMPTS = 1_048_576     # prompts generating at once (batcher)
+MAX_TRAJECTORIES_IN_FLIGHT = 4_194_304    # prompts in flight x samples per prompt (the seed: 4,096)
+MAX_STALENESS = 1_000_000            # versions (batcher `max_staleness`)
 MAX_CONTEXT_TOKENS = 16_777_216      # tokens of one sequence (workload `max_context`, `capacity --contexts`)
 MAX_BATCH = 65536                    # sequences decoded together (`capacity --batches`)
 MAX_LOCAL_REPLICAS = 256             # embedded samplers of one group on this machine ([embedded])
@@ -23,6 +26,12 @@ MAX_THREADS = 1024                   # torch threads of one embedded sampler
 MAX_TURNS = 4096                     # turns of one episode
 MAX_NEW_TOKENS = 1_048_576           # reply tokens per turn
 MAX_PASS_K = 1024                    # samples per prompt of a pass@k evaluation
+
+
+def check_product(where: str, fields: str, value: int, hi: int) -> None:
+    """A product of counts (e.g. trajectories per update) within `hi`."""
+    if value > hi:
+        raise SpecError(where, fields, value, f"a product of at most {hi:,}")
 
 
 def check_count(where: str, field: str, value: Any, lo: int, hi: int, note: str = "") -> int:

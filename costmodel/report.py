@@ -14,6 +14,7 @@ from typing import Any
 from mixfleet.costmodel.catalog import Catalog, load_catalog
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.limits import MAX_BATCH, check_count
 from mixfleet.costmodel.measured import Layout
 from mixfleet.costmodel.model import ModelSpec, load_model_spec
 from mixfleet.costmodel.roofline import (
@@ -50,8 +51,7 @@ def catalog_report(model: ModelSpec | str = DEFAULT_MODEL, *, catalog: Catalog |
     accs = [cat.accelerator(a).name for a in (accelerators or cat.gpus())]
     precs = [cat.precision(p).name for p in (precisions or DEFAULT_PRECISIONS)]
     kv = cat.kv_dtype(kv_dtype).name
-    if mean_context < 1:
-        raise SpecError("catalog", "mean_context", mean_context, "a positive number of tokens")
+    _check_points(m, batches, (), mean_context)
     rows: list[dict[str, Any]] = []
     for a in accs:
         for p in precs:
@@ -105,6 +105,19 @@ def catalog_report(model: ModelSpec | str = DEFAULT_MODEL, *, catalog: Catalog |
                           for b in ("aiconfigurator", "roofline")}}
 
 
+def _check_points(m: ModelSpec, batches: tuple[int, ...], contexts: tuple[int, ...], mean_context: int | None) -> None:
+    """Batches within 1..MAX_BATCH, contexts within the model's own max context (beyond it no sequence exists)."""
+    if not batches:
+        raise SpecError("capacity", "batches", list(batches), f"at least one batch size in 1..{MAX_BATCH}")
+    for b in batches:
+        check_count("capacity", "batches", b, 1, MAX_BATCH)
+    note = f" ({m.name}'s max context)"
+    for c in contexts:
+        check_count("capacity", "contexts", c, 1, m.max_context, note)
+    if mean_context is not None:
+        check_count("capacity", "mean_context", mean_context, 1, m.max_context, note)
+
+
 def capacity_report(model: ModelSpec | str, accelerator: str, precision: str, kv_dtype: str = "fp8_e4m3", *,
                     catalog: Catalog | None = None, tp: int | None = None, emulated: bool = False,
                     batches: tuple[int, ...] = CAPACITY_BATCHES, contexts: tuple[int, ...] | None = None,
@@ -120,6 +133,7 @@ def capacity_report(model: ModelSpec | str, accelerator: str, precision: str, kv
     lay: Layout | str | None = layout
     if isinstance(layout, str) and layout not in ("smallest", "cheapest"):
         lay = Layout.parse(layout)
+    _check_points(m, batches, contexts or (), mean_context)
     budget = kv_budget_tokens if kv_budget_tokens is not None else m.max_context
     ctx_sel = mean_context if mean_context is not None else max(1, budget // 4)
     r = replica_model(m, accelerator, precision, kv_dtype, catalog=cat, tp=tp, emulated=emulated,

@@ -15,6 +15,14 @@ from typing import Any
 import numpy as np
 from mixfleet.costmodel.dist import Dist, dist_from_dict
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.limits import (
+    MAX_CONTEXT_TOKENS,
+    MAX_PROMPTS_PER_UPDATE,
+    MAX_SAMPLES_PER_PROMPT,
+    MAX_TRAJECTORIES_PER_UPDATE,
+    check_count,
+    check_product,
+)
 from mixfleet.costmodel.paths import resolve_shipped, shipped_names
 from mixfleet.costmodel.tomlread import check_keys, get_float, get_int, get_str, read_toml
 
@@ -40,10 +48,11 @@ class WorkloadSpec:
 
     def __post_init__(self) -> None:
         where = f"workload '{self.name}'"
-        for f in ("prompts_per_update", "samples_per_prompt", "max_context"):
-            v = getattr(self, f)
-            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-                raise SpecError(where, f, v, "a positive integer")
+        for f, hi in (("prompts_per_update", MAX_PROMPTS_PER_UPDATE), ("samples_per_prompt", MAX_SAMPLES_PER_PROMPT),
+                      ("max_context", MAX_CONTEXT_TOKENS)):
+            check_count(where, f, getattr(self, f), 1, hi)
+        check_product(where, "prompts_per_update x samples_per_prompt",
+                      self.prompts_per_update * self.samples_per_prompt, MAX_TRAJECTORIES_PER_UPDATE)
         for f in DIST_FIELDS:
             if not isinstance(getattr(self, f), Dist):
                 raise SpecError(where, f, getattr(self, f), "a Dist")
@@ -112,9 +121,9 @@ def workload_from_dict(raw: dict[str, Any], where: str = "workload") -> Workload
     return WorkloadSpec(
         name=get_str(where, raw, "name"), description=get_str(where, raw, "description", default=""),
         source=get_str(where, raw, "source", default=""), date=get_str(where, raw, "date", default=""),
-        prompts_per_update=get_int(where, raw, "prompts_per_update", lo=1),
-        samples_per_prompt=get_int(where, raw, "samples_per_prompt", lo=1),
-        max_context=get_int(where, raw, "max_context", lo=1),
+        prompts_per_update=get_int(where, raw, "prompts_per_update", lo=1, hi=MAX_PROMPTS_PER_UPDATE),
+        samples_per_prompt=get_int(where, raw, "samples_per_prompt", lo=1, hi=MAX_SAMPLES_PER_PROMPT),
+        max_context=get_int(where, raw, "max_context", lo=1, hi=MAX_CONTEXT_TOKENS),
         success_prob=get_float(where, raw, "success_prob", default=0.5, lo=0.0, hi=1.0),
         no_tool_call_prob=get_float(where, raw, "no_tool_call_prob", default=0.0, lo=0.0, hi=1.0),
         **dists,

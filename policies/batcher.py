@@ -13,6 +13,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.limits import (
+    MAX_INFLIGHT_PROMPTS,
+    MAX_PROMPTS_PER_UPDATE,
+    MAX_SAMPLES_PER_PROMPT,
+    MAX_STALENESS,
+    MAX_TRAJECTORIES_IN_FLIGHT,
+    MAX_TRAJECTORIES_PER_UPDATE,
+    check_count,
+    check_product,
+)
 from mixfleet.policies.registry import register
 from mixfleet.policies.views import BufferView
 
@@ -48,12 +58,16 @@ class Batcher:
 
         def __post_init__(self) -> None:
             w = "policies.batcher"
-            for f in ("prompts_per_update", "samples_per_prompt", "inflight_prompts"):
-                v = getattr(self, f)
-                if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                    raise SpecError(w, f, v, "an integer >= 1")
-            if self.max_staleness is not None and (not isinstance(self.max_staleness, int) or self.max_staleness < 0):
-                raise SpecError(w, "max_staleness", self.max_staleness, "an integer >= 0 (omit for unlimited)")
+            for f, hi in (("prompts_per_update", MAX_PROMPTS_PER_UPDATE),
+                          ("samples_per_prompt", MAX_SAMPLES_PER_PROMPT), ("inflight_prompts", MAX_INFLIGHT_PROMPTS)):
+                check_count(w, f, getattr(self, f), 1, hi)
+            spp = self.samples_per_prompt
+            check_product(w, "prompts_per_update x samples_per_prompt", self.prompts_per_update * spp,
+                          MAX_TRAJECTORIES_PER_UPDATE)
+            check_product(w, "inflight_prompts x samples_per_prompt", self.inflight_prompts * spp,
+                          MAX_TRAJECTORIES_IN_FLIGHT)
+            if self.max_staleness is not None:
+                check_count(w, "max_staleness", self.max_staleness, 0, MAX_STALENESS, " (omit for unlimited)")
             if self.stale not in STALE_ACTIONS:
                 raise SpecError(w, "stale", self.stale, STALE_ACTIONS)
             if self.partial not in PARTIAL_ACTIONS:
