@@ -200,7 +200,10 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
                      "replicas": g.replicas, "TP (GPUs/replica)": t.tp, "GPUs": g.replicas * t.tp,
                      "USD/h": fmt_usd(g.replicas * t.usd_per_hour), "tokens/s (planner)":
                      fmt_compact(g.replicas * t.tokens_per_s), "share of samples (twin)": fmt_pct(share.get(g.name)),
-                     "prior share outside [0.2, 5]": fmt_pct(t.masked_share, 3)})
+                     "prior share outside [0.2, 5]": fmt_pct(t.masked_share, 3),
+                     "layout": (f"TP{t.tp}" if t.dp_attention == 1 and t.ep == 1 else
+                                f"{t.tp} GPUs, DP {t.dp_attention}, EP {t.ep}"),
+                     "priced by": "measured (aiconfigurator)" if t.backend == "aiconfigurator" else t.backend})
     table = pd.DataFrame(rows)
     chosen = _point(best)
     points = pd.DataFrame([_point(c) for c in result.pareto])
