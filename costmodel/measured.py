@@ -65,7 +65,7 @@ KV_QUANT = {"bf16": "bfloat16", "fp8_e4m3": "fp8"}
 # the tabulation grid: replica batch x context for decode, new tokens x cached context for prefill
 DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 CONTEXTS = (1, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
-PREFILL_TOKENS = (1, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768)
+PREFILL_TOKENS = (1, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 PREFILL_CONTEXTS = (0, 1024, 4096, 16384, 65536)
 
 
@@ -315,6 +315,8 @@ def _table(cov: Coverage, max_batch: int, max_context: int) -> StepTable:
         for j, c in enumerate(ctx):
             dec[i, j] = h.predict_decode_latency(per_rank, max(1, int(c)), 2) / 1e3
     new = np.array([n for n in PREFILL_TOKENS if n <= max(max_context, 64)], dtype=np.float64)
+    if new[-1] < max_context:  # up to the longest prompt the replica holds: no extrapolation of attention
+        new = np.append(new, float(max_context))
     pctx = np.array([c for c in PREFILL_CONTEXTS if c < max(max_context, 1024)], dtype=np.float64)
     pre = np.empty((len(new), len(pctx)))
     for i, n in enumerate(new):
