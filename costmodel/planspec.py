@@ -384,18 +384,24 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
 
 # ---- files ----------------------------------------------------------------------------------------------
 def _resolve(ref: str, near: Path | None) -> Path:
+    """A plan file: `ref` as a path or a shipped name. As a `base` (near = the folder of the plan naming it),
+    only a shipped name or a .toml file inside that folder: an uploaded plan cannot make the server read (and
+    echo in its errors) any other TOML file."""
     p = Path(ref)
-    candidates = []
-    if near is not None:
-        candidates.append(near / p)
-    candidates.append(p)
-    if p.suffix != ".toml" and len(p.parts) == 1:
-        candidates.append(data_path("plans", f"{ref}.toml"))
+    shipped = [data_path("plans", f"{ref}.toml")] if p.suffix != ".toml" and len(p.parts) == 1 else []
+    if near is None:
+        candidates = [p, *shipped]
+    else:
+        inside = not p.is_absolute() and ".." not in p.parts and p.suffix == ".toml" \
+            and (near / p).resolve().is_relative_to(near.resolve())          # no symlink out either
+        candidates = [*shipped, *([near / p] if inside else [])]
     for c in candidates:
         if c.is_file():
             return c
-    raise SpecError("plan", "base" if near is not None else "path", ref, "a plan file path or a shipped plan: "
-                    + ", ".join(known_plans()))
+    if near is not None:
+        raise SpecError("plan", "base", ref, "a shipped plan or a .toml file in the plan's own folder (no absolute "
+                        "path, no '..'); shipped: " + ", ".join(known_plans()))
+    raise SpecError("plan", "path", ref, "a plan file path or a shipped plan: " + ", ".join(known_plans()))
 
 
 def known_plans() -> list[str]:
@@ -408,11 +414,15 @@ def load_plan_dict(path: str | Path, _depth: int = 0) -> dict[str, Any]:
     path = _resolve(str(path), None) if not Path(path).is_file() else Path(path)
     try:
         raw = tomllib.loads(path.read_text())
+    except UnicodeDecodeError:
+        raise SpecError(str(path), "<file>", "binary data", "a UTF-8 TOML plan file") from None
     except tomllib.TOMLDecodeError as e:
         raise SpecError(str(path), "<file>", "not TOML", f"valid TOML ({e})") from None
     base = raw.get("base")
     if base is None:
         return raw
+    if not isinstance(base, str):
+        raise SpecError(str(path), "base", base, "a string: a shipped plan name or a .toml file beside this plan")
     if _depth > 8:
         raise SpecError(str(path), "base", base, "a base chain shorter than 8 (is it circular?)")
     return merge(load_plan_dict(_resolve(base, path.parent), _depth + 1), raw)

@@ -144,8 +144,8 @@ def test_sigterm_to_mixfleet_ui_stops_the_streamlit_child(tmp_path: Path) -> Non
     child = None
     try:
         for _ in range(900):                                 # a loaded machine: up to 90 s
-            kids = psutil.Process(ui.pid).children()
-            if kids:
+            kids = [k for k in psutil.Process(ui.pid).children() if "streamlit" in " ".join(k.cmdline())]
+            if kids:                                          # (a child caught before its exec looks like us)
                 child = kids[0]
                 break
             time.sleep(0.1)
