@@ -32,11 +32,13 @@ accelerator = "CPU-2core"
 precision = "bf16"
 kv_dtype = "bf16"
 kernel = "fp32"
+emulated = true
 [[groups]]
 name = "cpu-nvfp4"
 accelerator = "CPU-2core"
 precision = "nvfp4"
 kv_dtype = "fp8_e4m3"
+emulated = true
 [policies.batcher]
 prompts_per_update = 2
 samples_per_prompt = 2
