@@ -250,6 +250,14 @@ def render() -> None:
                  "groups and trainer it covers.") if cals else None
         if calibration and calibration.startswith("none"):
             calibration = None
+        c1, c2 = st.columns(2)
+        backend = c1.selectbox("cost backend", ["roofline", "auto"], index=0, key="pl_backend",
+                               help="**auto**: replica step times from NVIDIA aiconfigurator-core's measured tables "
+                                    "where they cover the group (the chosen-mix table says which priced it), else "
+                                    "the roofline.")
+        layouts = c2.selectbox("replica layouts", ["smallest", "cheapest"], index=0, key="pl_layouts",
+                               help="**cheapest**: each group's layout (TP 1-8, attention DP + expert parallel for "
+                                    "MoE) with the lowest cost per token; **smallest**: the smallest TP that fits.")
     if mw is None or pool is None:
         return
     go = st.button("Run planner", type="primary", key="pl_go", disabled=not planner.available())
@@ -261,7 +269,8 @@ def render() -> None:
 
         try:
             inputs = {"model": mw[0], "workload": mw[1], "price_table": price_table, "kv_dtypes": kv, **cons,
-                      **trainer, "emulated": emulated, "calibration": calibration}
+                      **trainer, "emulated": emulated, "calibration": calibration, "backend": backend,
+                      "layouts": layouts}
             cols = pool[["use", "accelerator", "max_gpus", "usd_per_gpu_hour", "precisions"]]
             cols = cols.assign(precisions=[",".join(planner.precision_list(v)) for v in cols["precisions"]])
             view = _plan_cached(inputs, cols, progress)

@@ -137,7 +137,8 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
         trainer_accelerator: str, trainer_gpus: int, max_staleness: float | None,
         max_time_per_update_s: float | None, budget_usd_per_hour: float | None, objective: str,
         twin_updates: int = DEFAULT_TWIN_UPDATES, references: bool = True, seed: int = 0, emulated: bool = False,
-        calibration: str | None = None, progress: Callable[[float, str], None] | None = None) -> PlannerView:
+        calibration: str | None = None, progress: Callable[[float, str], None] | None = None,
+        backend: str = "roofline", layouts: str = "smallest") -> PlannerView:
     """Plan a mix; raises the planner's SpecError on bad inputs and ValueError when nothing is feasible.
     `pool`: columns use, accelerator, max_gpus and optionally usd_per_gpu_hour and precisions (edited prices
     and precision lists become the planner's per-accelerator overrides; `emulated` allows emulated ones)."""
@@ -154,7 +155,7 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
         max_staleness=max_staleness, max_time_per_update_s=max_time_per_update_s,
         max_usd_per_hour=budget_usd_per_hour, objective=OBJECTIVES.get(objective, objective), verify=0, seed=seed,
         prices=prices, precisions=precisions, emulated=emulated,
-        calibration=_load_calibration(calibration) if calibration else None)
+        calibration=_load_calibration(calibration) if calibration else None, backend=backend, layouts=layouts)
     if not cfg.accelerators:
         from mixfleet.costmodel.errors import SpecError
 
