@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import math
 import os
-import tomllib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -54,6 +53,7 @@ from mixfleet.costmodel.planspec import GroupPlan, PlanData, group_replica_model
 from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, Efficiency, ReplicaModel, trainer_step_s
 from mixfleet.costmodel.roofline import weight_sync_s as prior_sync
 from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.tomlread import read_toml
 from mixfleet.costmodel.workload import WorkloadSpec, load_workload, workload_from_dict
 
 SCHEMA = 1
@@ -292,11 +292,7 @@ class Calibration:
         path = Path(path)
         if not path.is_file():
             raise SpecError("calibration", "path", str(path), "an existing TOML file written by `mixfleet calibrate`")
-        try:
-            raw = tomllib.loads(path.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise SpecError(str(path), "<file>", "not TOML", f"valid TOML ({e})") from None
-        return cls.from_dict(raw, where=str(path))
+        return cls.from_dict(read_toml(path), where=str(path))
 
     def table(self) -> list[tuple[str, str, Fitted]]:
         """(scope, parameter, Fitted) rows for printing."""

@@ -7,13 +7,13 @@ expert width. Parameter counts here feed the roofline (bytes read per decode ste
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.paths import resolve_shipped, shipped_names
+from mixfleet.costmodel.tomlread import read_toml
 
 POSITION_EMBEDDINGS = ("learned_absolute", "rope")
 KINDS = ("dense", "moe")
@@ -178,8 +178,4 @@ def load_model_spec(name_or_path: str | Path) -> ModelSpec:
     path = resolve_shipped("models", name_or_path, "model")
     if not path.exists():
         raise FileNotFoundError(f"model spec file not found: {path}")
-    try:
-        raw = tomllib.loads(path.read_text())
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError(str(path), "<file>", "not TOML", f"valid TOML ({e})") from None
-    return model_spec_from_dict(raw, where=str(path))
+    return model_spec_from_dict(read_toml(path), where=str(path))

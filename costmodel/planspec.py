@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import copy
 import math
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,7 @@ from mixfleet.costmodel.limits import (
 from mixfleet.costmodel.model import ModelSpec, load_model_spec
 from mixfleet.costmodel.paths import data_path
 from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, Efficiency, ReplicaModel, replica_model
+from mixfleet.costmodel.tomlread import read_toml
 from mixfleet.costmodel.workload import WorkloadSpec
 
 LOSSES = ("grpo", "mis", "sc", "sc_mis")
@@ -412,12 +412,7 @@ def known_plans() -> list[str]:
 def load_plan_dict(path: str | Path, _depth: int = 0) -> dict[str, Any]:
     """The merged raw table of a plan file (its `base` chain resolved)."""
     path = _resolve(str(path), None) if not Path(path).is_file() else Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except UnicodeDecodeError:
-        raise SpecError(str(path), "<file>", "binary data", "a UTF-8 TOML plan file") from None
-    except tomllib.TOMLDecodeError as e:
-        raise SpecError(str(path), "<file>", "not TOML", f"valid TOML ({e})") from None
+    raw = read_toml(path)
     base = raw.get("base")
     if base is None:
         return raw
