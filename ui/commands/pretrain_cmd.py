@@ -45,6 +45,7 @@ def register_pretrain(app: typer.Typer) -> None:
 
         import torch
         from mixfleet.costmodel.errors import SpecError
+        from mixfleet.costmodel.formats import formats
         from mixfleet.costmodel.outdir import prepare_output_dir
         from mixfleet.runner.orchestration.pretrain import PretrainConfig, measure_reward, pretrain
         from mixfleet.runner.rollout.demos import DemoConfig
@@ -52,8 +53,9 @@ def register_pretrain(app: typer.Typer) -> None:
 
         if threads < 1:
             _fail(ValueError(f"--threads: {threads} must be an integer >= 1"))
-        if precision not in ("fp32", "bf16"):
-            _fail(ValueError(f"--precision: {precision!r}; allowed: fp32, bf16"))
+        unquantized = formats().kernels      # the formats the engine also computes in (data/precisions.toml)
+        if precision not in unquantized:
+            _fail(ValueError(f"--precision: {precision!r}; allowed: {', '.join(unquantized)}"))
         if eval_episodes < 0:
             _fail(ValueError(f"--eval-episodes: {eval_episodes} must be >= 0"))
         torch.set_num_threads(threads)
