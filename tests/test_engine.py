@@ -313,15 +313,15 @@ def test_fp8_scaled_mm_on_cuda_matches_cpu_path(ckpt: Path) -> None:
     assert all(math.isfinite(t.logprob) for t in gpu.tokens)
 
 
-def test_weight_noise_kernel_spelling_is_a_fixed_seeded_pattern(ckpt: Path) -> None:
-    eng = Engine(ckpt, precision="bf16", kernel="bf16+noise0.3", seed=5)
+def test_weight_noise_is_a_fixed_seeded_pattern(ckpt: Path) -> None:
+    eng = Engine(ckpt, precision="bf16", kernel="bf16", weight_noise=0.3, seed=5)
     assert eng.config.weight_noise == 0.3 and eng.kernel == "bf16"
     clean = load_weights(ckpt, precision="bf16", kernel="bf16")
     a, b = eng.weights.layers[0].wqkv.float(), clean.layers[0].wqkv.float()
     assert ((a - b).norm() / b.norm()).item() == pytest.approx(0.3, rel=0.05)
     assert eng.update_weights_from_disk(ckpt)[0]                        # the same pattern at every load
     assert torch.equal(eng.weights.layers[0].wqkv, a.to(torch.bfloat16))
-    other = Engine(ckpt, precision="bf16", kernel="bf16+noise0.3", seed=6)
+    other = Engine(ckpt, precision="bf16", kernel="bf16", weight_noise=0.3, seed=6)
     assert not torch.equal(other.weights.layers[0].wqkv, eng.weights.layers[0].wqkv)
-    with pytest.raises(ValueError, match="kernel"):
-        Engine(ckpt, kernel="bf16+noiseX")
+    with pytest.raises(ValueError, match="weight_noise=0.3"):          # the retired spelling names the setting
+        Engine(ckpt, kernel="bf16+noise0.3")
