@@ -64,11 +64,22 @@ def trainer_usd_per_hour(price_usd_per_gpu_hour: float, gpus: int) -> float:
     return gpus * price_usd_per_gpu_hour
 
 
-def weight_push_detail(mode: str, replicas: int, loaded: int) -> str:
-    """The `weight_push` event's detail, JSON in both worlds: the sync mode, replicas pushed to, loaded ok."""
+WEIGHT_PUSH_TIMINGS = ("publish_s", "transfer_s", "load_s", "fetch_wait_s", "nodes")
+
+
+def weight_push_detail(mode: str, replicas: int, loaded: int, **timings: float) -> str:
+    """The `weight_push` event's detail, JSON in both worlds: the sync mode, replicas pushed to, loaded ok;
+    a real run adds the version's `publish_s` (trainer -> object store, once), the group's `transfer_s` (its
+    nodes' one fetch each into their cache, the slowest), `load_s` (its replicas' loads from the node-local
+    folder), `fetch_wait_s` (what the group waited for its nodes' copies) and `nodes` (how many it spans)."""
     if mode not in WEIGHT_PUSH_MODES:
         raise ValueError(f"weight_push mode {mode!r}; allowed: {', '.join(WEIGHT_PUSH_MODES)}")
-    return json.dumps({"mode": mode, "replicas": int(replicas), "loaded": int(loaded)})
+    unknown = sorted(set(timings) - set(WEIGHT_PUSH_TIMINGS))
+    if unknown:
+        raise ValueError(f"weight_push detail: unknown {', '.join(unknown)}; allowed: {', '.join(WEIGHT_PUSH_TIMINGS)}")
+    return json.dumps({"mode": mode, "replicas": int(replicas), "loaded": int(loaded),
+                       **{k: float(timings[k]) if k != "nodes" else int(timings[k])
+                          for k in WEIGHT_PUSH_TIMINGS if k in timings}})
 
 
 class Ledger:

@@ -31,7 +31,7 @@ from mixfleet.costmodel.errors import SpecError
 RUNLOG_ENTRIES = frozenset({"run.json", "trajectories", "updates", "groups", "events"})
 # a real run folder also holds the trainer's state and the exported weights (runner/orchestration) and
 # a driver log (studies/ablation.py)
-RUN_ENTRIES = RUNLOG_ENTRIES | {"trainer_state", "weights", "driver.log"}
+RUN_ENTRIES = RUNLOG_ENTRIES | {"trainer_state", "weights", "driver.log", "node_cache"}
 CHECKPOINT_ENTRIES = frozenset({"config.json", "model.safetensors", "tokenizer.json", "pretrain.json"})
 # temp / old names our atomic writers leave behind when killed (".run.json.ab12cd34.tmp", ".ckpt.old.123")
 _OUR_TEMP = re.compile(r"^\..*(\.tmp|\.old\.\d+)$")

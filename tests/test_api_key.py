@@ -74,3 +74,12 @@ def test_key_settings_checked_and_masked():
     argv = launch_argv(spec)
     assert argv[argv.index("--api-key") + 1] == KEY          # real SGLang gets the key itself
     assert KEY not in describe(argv) and KEY not in repr(spec)
+
+
+def test_serve_host_binds_the_node_address_only_off_the_driver_node():
+    from mixfleet.runner.orchestration.actors import serve_host
+
+    assert serve_host("node-a", "node-a", "10.0.0.5") == "127.0.0.1"     # the driver's node: loopback
+    assert serve_host("node-b", "node-a", "10.0.0.6") == "10.0.0.6"      # another node: its own address
+    assert serve_host(None, "node-a", "10.0.0.6") == "127.0.0.1"         # outside Ray (in-process)
+    assert serve_host("node-b", None, "10.0.0.6") == "127.0.0.1"

@@ -89,3 +89,11 @@ def test_the_runners_replica_seconds_are_integrated_over_the_clock() -> None:
     rs.set(10.0, up=2, billed=3)         # a second one up, a third starting
     rs.advance(12.0)
     assert (rs.up_s, rs.billed_s) == (6.0 + 4.0, 4.0 + 6.0 + 6.0)
+
+
+def test_weight_push_detail_timings() -> None:
+    d = json.loads(weight_push_detail("in_flight", 2, 2, publish_s=0.1, transfer_s=0.2, load_s=0.3, nodes=2))
+    assert d == {"mode": "in_flight", "replicas": 2, "loaded": 2, "publish_s": 0.1, "transfer_s": 0.2,
+                 "load_s": 0.3, "nodes": 2}
+    with pytest.raises(ValueError, match="unknown bytes"):
+        weight_push_detail("drain", 1, 1, bytes=5)

@@ -8,10 +8,20 @@ an attached URL and an actor look the same to it. `TrainerWorker` owns the Megat
 (runner/trainer) and the corrected policy loss (runner/corrections): train one update, export the
 weights in the Hugging Face layout the samplers load, save / resume its state.
 
-Placement: each replica asks Ray for its group's accelerator as a custom resource (`{"H100": tp}`);
-a local Ray (the default) declares the plan's accelerators as logical resources so the same request
-is satisfied on one machine (the `--embedded` rehearsal). Actors take num_cpus=0 and one torch thread
-each by default, so a 2-core machine can hold several of them.
+Placement: each replica asks Ray for its group's accelerator as a custom resource (`{"H100": tp}`),
+spread over the nodes that carry it (a node lost takes as few replicas as it can); a local Ray (the
+default) declares the plan's accelerators as logical resources so the same request is satisfied on one
+machine (the `--embedded` rehearsal). Actors take num_cpus=0 and one torch thread each by default, so a
+2-core machine can hold several of them.
+
+Addresses: a replica on the driver's node (every replica of a local run) serves on 127.0.0.1; a replica on
+another node serves on that node's Ray address (the only address the driver can reach it on), and only
+then (`serve_host`). Every replica requires the run's API key (`api_key`, SGLang's `--api-key`).
+
+Weights: a replica given `weights` (a published version, runner/orchestration/distribution.py) starts
+from its node's local copy, fetched once for the node by the node's cache; it never reads the trainer's
+folder. `TrainerWorker.export_and_publish` exports a version, puts it into Ray's object store and deletes
+the export.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 SAMPLER_MODES = ("embedded", "sglang")
+LOOPBACK = "127.0.0.1"
 RAY_START_ATTEMPTS = 3      # a local Ray whose raylet does not register within Ray's 30 s (busy machine) is retried
 
 
@@ -32,6 +43,23 @@ def _free_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
+
+
+def _this_node() -> tuple[str | None, str]:
+    """(Ray node id, node address) of this process; (None, 127.0.0.1) outside Ray (in-process tests)."""
+    import ray
+
+    if not ray.is_initialized():
+        return None, LOOPBACK
+    return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+
+def serve_host(node_id: str | None, driver_node: str | None, node_ip: str) -> str:
+    """The address a sampler binds: 127.0.0.1 on the driver's node (or when the driver's node is not
+    known), the node's own address on any other node (where the driver must reach it)."""
+    if node_id is None or driver_node is None or node_id == driver_node:
+        return LOOPBACK
+    return node_ip
 
 
 def _set_threads(threads: int) -> None:
@@ -51,13 +79,23 @@ class SamplerWorker:
                  kernel: str | None = None, weight_noise: float = 0.0, threads: int = 1, seed: int = 0,
                  weight_version: str = "0",
                  mode: str = "embedded", max_running_requests: int = 256, top_p_replay: bool = False,
-                 tp: int = 1, routed_experts: bool = False, dp_attention: int = 1, ep: int = 1) -> None:
+                 tp: int = 1, routed_experts: bool = False, dp_attention: int = 1, ep: int = 1,
+                 api_key: str | None = None, weights: Mapping[str, Any] | None = None, run: str = "",
+                 driver_node: str | None = None) -> None:
         if mode not in SAMPLER_MODES:
             raise ValueError(f"SamplerWorker.mode = {mode!r}; allowed: {', '.join(SAMPLER_MODES)}")
         self.group, self.index, self.mode = group, index, mode
         self._handle: Any = None
         self._proc: Any = None
         self.started_s = time.time()
+        self.node_id, node_ip = _this_node()
+        self.host = serve_host(self.node_id, driver_node, node_ip)
+        self.transfer_s = 0.0
+        if weights is not None:                  # the pinned version, from this node's own cache
+            from mixfleet.runner.orchestration.distribution import local_path
+
+            model_path, self.transfer_s = local_path(weights, run)
+        self.model_path = model_path
         if mode == "embedded":
             _set_threads(threads)
             from mixfleet.runner.sampler.engine import Engine
@@ -68,19 +106,17 @@ class SamplerWorker:
                             weight_version=weight_version, max_running_requests=max_running_requests,
                             max_total_tokens=max_running_requests * 1024,
                             enable_return_routed_experts=routed_experts)
-            self._handle = start_in_thread(engine, server_args=ServerArgs(port=0, kernel=kernel,
-                                                                          max_running_requests=max_running_requests))
+            self._handle = start_in_thread(engine, server_args=ServerArgs(
+                host=self.host, port=0, kernel=kernel, max_running_requests=max_running_requests, api_key=api_key))
             self.url = self._handle.url
         else:
-            import ray
             from mixfleet.runner.sampler.sglang_launch import launch, spec_for_group
-            from mixfleet.runner.trainer.megatron_model import _free_port
 
-            host = ray.util.get_node_ip_address()
             spec = spec_for_group({"name": group, "precision": precision, "kv_dtype": kv_dtype, "tp": tp,
                                    "dp_attention": dp_attention, "ep": ep},
-                                  model_path=model_path, port=_free_port(), host=host, top_p_replay=top_p_replay,
-                                  weight_version=weight_version, enable_return_routed_experts=routed_experts)
+                                  model_path=model_path, port=_free_port(self.host), host=self.host,
+                                  top_p_replay=top_p_replay, weight_version=weight_version,
+                                  enable_return_routed_experts=routed_experts, api_key=api_key)
             self._proc, attached = launch(spec)
             self.url = attached.url
         self.ready_s = time.time() - self.started_s
@@ -92,7 +128,8 @@ class SamplerWorker:
 
     def info(self) -> dict[str, Any]:
         return {"group": self.group, "index": self.index, "url": self.url, "pid": os.getpid(),
-                "ready_s": self.ready_s, "mode": self.mode}
+                "ready_s": self.ready_s, "mode": self.mode, "node_id": self.node_id, "host": self.host,
+                "model_path": str(self.model_path), "transfer_s": self.transfer_s}
 
     def stop(self) -> None:
         if self._handle is not None:
@@ -149,6 +186,21 @@ class TrainerWorker:
         """Write the current weights (HF layout) to `directory`; returns its path."""
         return str(self.trainer.export_hf(directory, version))
 
+    def export_and_publish(self, directory: str, version: int) -> dict[str, Any]:
+        """Export version `version` to `directory`, publish it into Ray's object store (once), delete the
+        export: samplers fetch it per node (runner/orchestration/distribution.py). Returns the published
+        version with its "export_s" and "publish_s"."""
+        import shutil
+
+        from mixfleet.runner.orchestration.distribution import publish_folder
+
+        t0 = time.perf_counter()
+        path = self.export(directory, version)
+        export_s = time.perf_counter() - t0
+        published = publish_folder(path, version=version)
+        shutil.rmtree(path, ignore_errors=True)
+        return {**published, "export_s": export_s}
+
     def save_state(self, directory: str | None = None) -> str:
         target = Path(directory) if directory else self.state_dir
         if target is None:
@@ -204,10 +256,12 @@ def init_ray(*, address: str | None = None, num_cpus: int | None = None,
 
 
 def remote_sampler(*, accelerator: str, amount: float = 1.0) -> Any:
-    """The Ray actor class of a sampler replica placed on `amount` of `accelerator` (a custom resource)."""
+    """The Ray actor class of a sampler replica placed on `amount` of `accelerator` (a custom resource),
+    spread over the nodes carrying it."""
     import ray
 
-    return ray.remote(num_cpus=0, resources={accelerator: float(amount)}, max_restarts=0)(SamplerWorker)
+    return ray.remote(num_cpus=0, resources={accelerator: float(amount)}, max_restarts=0,
+                      scheduling_strategy="SPREAD")(SamplerWorker)
 
 
 def remote_trainer(*, accelerator: str | None = None, amount: float = 1.0) -> Any:

@@ -85,7 +85,8 @@ class Orchestrator:
         self.eval_every = config.eval_every if config.eval_every is not None else emb.eval_every
         self.pass_k = config.pass_k or emb.pass_k
         # the parts
-        self.weights = WeightPublisher(ctx, policies["weight_sync"], config.init_checkpoint)
+        self.weights = WeightPublisher(ctx, policies["weight_sync"], config.init_checkpoint,
+                                       distributed=self.spec.mode != "attach")
         self.fleet = SamplerFleet(ctx, self.spec, router=self.router, autoscaler=policies["autoscaler"],
                                   weights=self.weights, top_p_replay=self.top_p_replay,
                                   routed_experts=self.routed_shape is not None)
@@ -163,12 +164,26 @@ class Orchestrator:
             init_ray(num_cpus=cfg.ray_num_cpus, resources=dict(self.spec.resources))
         else:
             init_ray(address=cfg.address)
-        self.trainer = remote_trainer().remote(
+        # on a cluster the trainer goes to a node carrying the plan's trainer accelerator (`{"H100": gpus}`)
+        placement = {"accelerator": self.plan.trainer.accelerator, "amount": self.plan.trainer.gpus} \
+            if cfg.address else {}
+        if placement:
+            import ray
+
+            best = max((float((n.get("Resources") or {}).get(placement["accelerator"], 0.0))
+                        for n in ray.nodes() if n.get("Alive")), default=0.0)
+            if best < placement["amount"]:
+                raise ValueError(f"plan '{self.plan.name}' trainer.accelerator = {placement['accelerator']!r} x "
+                                 f"{placement['amount']}: no live node of the Ray cluster carries that many (most: "
+                                 f"{best:g}); label the trainer's node with ray start --resources (docs/runner.md)")
+        reserved = {placement["accelerator"]: float(placement["amount"])} if placement else {}
+        self.trainer = remote_trainer(**placement).remote(
             init_from=cfg.init_checkpoint, state_dir=str(state_dir), correction=self.correction,
             optimizer={"lr": cfg.lr, "grad_clip_norm": cfg.grad_clip_norm},
             threads=cfg.trainer_threads, resume=resuming, routing=self.plan.trainer.routing)
         if not resuming:                  # samplers load the base policy: start them while the trainer builds
-            ctx.version, *_ = await asyncio.gather(self.trainer.version.remote(), *self.fleet.start_planned())
+            await self.weights.begin()
+            ctx.version, *_ = await asyncio.gather(self.trainer.version.remote(), *self.fleet.start_planned(reserved))
             return
         ctx.version = await self.trainer.version.remote()
         dropped = writer.truncate_after_version(ctx.version, tables=("updates", "groups", "trajectories"))
@@ -180,9 +195,10 @@ class Orchestrator:
         self.recorder.restore(st, float(st.get("elapsed_s", 0.0)))
         self.fleet.restart_clock()
         ctx.event("resume", version=ctx.version, detail=json.dumps({"dropped_rows": dropped}))
+        await self.weights.begin(publish_base=ctx.version == 0)
         if ctx.version > 0:
             await self.weights.export(self.trainer, ctx.version)
-        await asyncio.gather(*self.fleet.start_planned())
+        await asyncio.gather(*self.fleet.start_planned(reserved))
 
     # ---- the trainer's side ----------------------------------------------------------------------------
     async def next_batch(self) -> list[PromptGroup[Sample]]:
@@ -214,7 +230,7 @@ class Orchestrator:
                          k=self.pass_k, max_turns=self.agent_config.max_turns,
                          max_new_tokens=self.sampling.max_new_tokens, temperature=self.sampling.temperature,
                          seed=self.config.seed)
-        res = await pass_at_k_eval(self.weights.path, cfg)
+        res = await pass_at_k_eval(await self.weights.local_copy(), cfg)
         self.ctx.event("note", version=version, detail=json.dumps({
             "eval": "pass_at_k", "k": cfg.k, "version": version, "pass_at_k": res.pass_at_k,
             "reward": res.reward_mean, "problems": cfg.problems}), duration_s=res.wall_s)
@@ -292,6 +308,7 @@ class Orchestrator:
         await self.ctx.cancel_tasks()
         cpu = await self._cpu_seconds() if self.trainer is not None else {}
         await self.fleet.close()
+        await self.weights.close()
         if self.trainer is not None:
             import ray
 

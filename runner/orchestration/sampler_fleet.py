@@ -5,13 +5,21 @@ Every monitor tick (`MONITOR_INTERVAL_S`) a replica that looks idle is probed (`
 answer `MAX_FAILED_PROBES` times in a row, is a loss (event "crash"); a lost replica is dropped from the
 list and the autoscaler's target brings a replacement ("restart", then "cold_start", "ready"). The fleet
 also keeps each group's replica-seconds up and billed for the run log (`totals`).
+
+On a cluster: every replica is placed (Ray) on a node carrying its group's accelerator, and says where
+(event "placed": node, bound address, the node-local folder it started from); lost nodes, and how many
+replicas still fit, are placement.py's (`ClusterWatch`). Every replica requires the run's API key
+(`api_key`, fresh per run, never logged); attached servers get `$MIXFLEET_API_KEY` if set.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import math
+import os
+import secrets
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +29,7 @@ from mixfleet.costmodel.ledger import GroupTotals
 from mixfleet.policies.views import FleetView, GroupView, ReplicaView
 from mixfleet.runner.orchestration.config import RunContext
 from mixfleet.runner.orchestration.fleet import FleetSpec, GroupSpec
+from mixfleet.runner.orchestration.placement import ClusterWatch
 from mixfleet.runner.orchestration.weights import WeightPublisher
 from mixfleet.runner.sampler.client import ClientConfig, SamplerClient
 
@@ -36,6 +45,7 @@ class Replica:
     url: str
     client: SamplerClient
     actor: Any = None                          # Ray actor handle (None when attached)
+    node: str | None = None                    # Ray node id (None when attached)
     up: bool = True
     version: int = 0
     running: int = 0                           # requests in flight from this orchestrator
@@ -99,14 +109,22 @@ class SamplerFleet:
         self._busy_gone_s = dict.fromkeys(self.names, 0.0)   # busy seconds of replicas no longer listed
         self._last_scale_check = -math.inf
         self._probe_http: httpx.AsyncClient | None = None
+        # the run's sampler key: fresh per run (actors), or the attached servers' own
+        self.api_key = (os.environ.get("MIXFLEET_API_KEY") or None) if spec.mode == "attach" \
+            else secrets.token_urlsafe(32)
+        self.cluster = ClusterWatch(self)
 
     def restart_clock(self) -> None:
         """A resumed run: replica-seconds count from now (the run clock was set from the checkpoint)."""
         self._replica_s = {n: ReplicaSeconds(self.ctx.now()) for n in self.names}
 
-    def start_planned(self) -> list[Any]:
-        """Coroutines that start every group's planned replicas."""
-        return [self.start(g, cold=False) for g in self.spec.groups for _ in range(g.replicas)]
+    def start_planned(self, reserved: dict[str, float] | None = None) -> list[Any]:
+        """Coroutines that start every group's planned replicas (with Ray actors: as many as the cluster holds,
+        less `reserved`, the trainer's; see placement.py)."""
+        if self.spec.mode == "attach":
+            return [self.start(g, cold=False) for g in self.spec.groups for _ in range(g.replicas)]
+        fit = self.cluster.fit_planned(reserved or {})
+        return [self.start(g, cold=False) for g in self.spec.groups for _ in range(fit[g.name])]
 
     async def start(self, g: GroupSpec, *, cold: bool) -> Replica | None:
         """Start (or attach) one replica of group `g`; logs cold_start / ready."""
@@ -118,12 +136,14 @@ class SamplerFleet:
         self._starting[g.name] += 1
         self._recount(g.name)
         t0 = ctx.now()
-        actor = None
+        actor, info = None, {}
         path, version = self.weights.pin()
         try:
             if self.spec.mode == "attach":
                 url = g.urls[index % len(g.urls)]
             else:
+                if self.weights.caches is not None:
+                    self.weights.caches.ensure()         # a cache on every live node, before Ray places it
                 cls = remote_sampler(accelerator=g.accelerator, amount=g.tp)
                 actor = cls.remote(group=g.name, index=index, model_path=path, precision=g.precision,
                                    kv_dtype=g.kv_dtype, kernel=g.kernel, weight_noise=g.weight_noise,
@@ -132,22 +152,32 @@ class SamplerFleet:
                                    weight_version=str(version),
                                    mode="sglang" if self.spec.mode == "sglang" else "embedded",
                                    top_p_replay=self.top_p_replay, tp=g.tp, dp_attention=g.dp_attention, ep=g.ep,
-                                   routed_experts=self.routed_experts)
+                                   routed_experts=self.routed_experts, api_key=self.api_key,
+                                   weights=self.weights.starting_weights(version), run=self.weights.run_id,
+                                   driver_node=self.weights.driver_node)
                 info = await actor.info.remote()
                 url = info["url"]
         except Exception as e:  # noqa: BLE001 - a replica that cannot start is logged; the run goes on
+            self._starting[g.name] -= 1
+            self._recount(g.name)
             ctx.event("crash", g.name, index, ctx.version, detail=f"start failed: {type(e).__name__}: {e}")
             return None
         finally:
-            self._starting[g.name] -= 1
-            self.weights.unpin(path)
-            self._recount(g.name)
-        client = SamplerClient(url, config=ClientConfig(max_retries=2, backoff_initial_s=0.05, connect_timeout_s=5.0))
+            self.weights.unpin(version)
+        client = SamplerClient(url, config=ClientConfig(max_retries=2, backoff_initial_s=0.05, connect_timeout_s=5.0),
+                               api_key=self.api_key)
         served = 0 if self.spec.mode == "attach" else version   # an attached server serves what it was started on
         rep = Replica(group=g.name, index=index, url=url, client=client, actor=actor, version=served,
-                      started_s=ctx.now())
+                      started_s=ctx.now(), node=info.get("node_id"))
+        if info:
+            if info.get("transfer_s") and self.weights.caches is not None:
+                self.weights.caches.note_fetched(rep.node, version, info["transfer_s"])
+            ctx.event("placed", g.name, index, version, detail=json.dumps(
+                {"node": rep.node, "host": info.get("host"), "url": url, "accelerator": g.accelerator,
+                 "amount": g.tp, "model_path": info.get("model_path"), "transfer_s": info.get("transfer_s")}))
         if self.weights.version > served:             # a push landed while it started (or attached): catch up
-            await self.weights.load(rep, self.weights.path, self.weights.version)
+            await self.weights.catch_up(rep)          # (still counted as starting: the monitor starts no other)
+        self._starting[g.name] -= 1
         self.replicas[g.name].append(rep)
         self._recount(g.name)
         if cold:
@@ -234,6 +264,8 @@ class SamplerFleet:
         while not ctx.stopping:
             await asyncio.sleep(MONITOR_INTERVAL_S)
             now = ctx.now()
+            if self.spec.mode != "attach":
+                self.cluster.check_nodes()
             for name, reps in self.replicas.items():
                 for rep in list(reps):       # probe replicas that look idle-but-up so a dead idle one is noticed
                     if rep.up and rep.actor is not None and rep.running == 0:
@@ -252,6 +284,8 @@ class SamplerFleet:
                 want = self.autoscaler.target(view, now)
                 live = view.live_replicas
                 lost = g.replicas - live
+                if want > live and self.spec.mode != "attach":
+                    want = min(want, live + self.cluster.room(g))
                 if want > live:
                     for _ in range(want - live):
                         kind = "restart" if lost > 0 else "scale_up"

@@ -1,0 +1,118 @@
+"""The cluster under a run's sampler fleet: which nodes are alive, how many replicas still fit.
+
+A node gone from Ray (its raylet dead) takes its replicas with it at the fleet monitor's next tick
+(`check_nodes`: event "node_lost" naming the node and its replicas, each replica then a "crash" and its
+sessions re-routed). A replica is started only where the live nodes still have its group's accelerator
+free (`room`: their units of it, less what this run's replicas of every group on that accelerator hold
+or are starting with), so a request Ray could never satisfy is not left pending; a group held below its
+planned size logs "shrink" (planned, now, why), once per change. At the start (`fit_planned`) the
+planned replicas are fitted the same way, the trainer's units reserved.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from mixfleet.runner.orchestration.fleet import GroupSpec
+    from mixfleet.runner.orchestration.sampler_fleet import Replica, SamplerFleet
+
+
+def live_nodes() -> list[dict]:
+    import ray
+
+    return [n for n in ray.nodes() if n.get("Alive")]
+
+
+def live_units(nodes: list[dict] | None = None) -> dict[str, float]:
+    """Each resource's units over the live nodes of the Ray cluster."""
+    total: dict[str, float] = {}
+    for n in live_nodes() if nodes is None else nodes:
+        for k, v in (n.get("Resources") or {}).items():
+            total[k] = total.get(k, 0.0) + float(v)
+    return total
+
+
+class ClusterWatch:
+    """Node loss and room for replicas, for one `SamplerFleet` (Ray actor modes only)."""
+
+    def __init__(self, fleet: SamplerFleet) -> None:
+        self.fleet = fleet
+        self.lost_nodes: set[str] = set()
+        self._shrunk: dict[str, int] = {}            # group -> the size its last "shrink" event named
+
+    def _shrink(self, g: GroupSpec, now: int, reason: str) -> None:
+        if self._shrunk.get(g.name) == now:
+            return
+        self._shrunk[g.name] = now
+        self.fleet.ctx.event("shrink", g.name, -1, self.fleet.ctx.version, detail=json.dumps(
+            {"planned": g.replicas, "now": now, "accelerator": g.accelerator, "per_replica": g.tp,
+             "reason": reason}))
+
+    def fit_planned(self, reserved: dict[str, float]) -> dict[str, int]:
+        """How many of each group's planned replicas to start: the live nodes' units, less `reserved`."""
+        total = live_units()
+        free = dict(total)
+        for acc, units in reserved.items():
+            free[acc] = free.get(acc, 0.0) - units
+        fit: dict[str, int] = {}
+        for g in self.fleet.spec.groups:
+            n = 0
+            while n < g.replicas and free.get(g.accelerator, 0.0) >= g.tp:
+                free[g.accelerator] -= g.tp
+                n += 1
+            fit[g.name] = n
+            if n < g.replicas:
+                self._shrink(g, n, f"the Ray cluster's live nodes hold {total.get(g.accelerator, 0.0):g} "
+                                   f"{g.accelerator} ({reserved.get(g.accelerator, 0.0):g} for the trainer)")
+        if not any(fit.values()):
+            need = ", ".join(sorted({f"{g.accelerator} >= {g.tp}" for g in self.fleet.spec.groups}))
+            raise ValueError(f"no sampler replica fits the Ray cluster: no live node has {need} free "
+                             "(label nodes with ray start --resources; docs/runner.md)")
+        return fit
+
+    def check_nodes(self) -> None:
+        """Replicas on a node Ray no longer has are lost (event "node_lost" per node, "crash" per replica)."""
+        fleet = self.fleet
+        try:
+            alive = {n["NodeID"] for n in live_nodes()}
+        except Exception:  # noqa: BLE001 - the GCS did not answer this tick: decide next tick
+            return
+        gone: dict[str, list[Replica]] = {}
+        for reps in fleet.replicas.values():
+            for r in reps:
+                if r.up and r.node is not None and r.node not in alive:
+                    gone.setdefault(r.node, []).append(r)
+        for node, reps in gone.items():
+            if node not in self.lost_nodes:
+                self.lost_nodes.add(node)
+                fleet.ctx.event("node_lost", detail=json.dumps(
+                    {"node": node, "replicas": [f"{r.group}#{r.index}" for r in reps]}))
+                if fleet.weights.caches is not None:
+                    fleet.weights.caches.forget(node)
+            for r in reps:
+                fleet.lost(r, f"node {node} lost")
+
+    def room(self, g: GroupSpec) -> int:
+        """How many more replicas of `g` the live nodes can hold now (logs "shrink" when that keeps the group
+        below its planned size)."""
+        fleet = self.fleet
+        try:
+            nodes = live_nodes()
+        except Exception:  # noqa: BLE001 - no answer: no room this tick
+            return 0
+        per_node = [float((n.get("Resources") or {}).get(g.accelerator, 0.0)) for n in nodes]
+
+        def held(name: str) -> int:
+            return fleet._starting[name] + sum(1 for r in fleet.replicas[name] if r.up)
+
+        used = sum(o.tp * held(o.name) for o in fleet.spec.groups if o.accelerator == g.accelerator)
+        room = max(0, min(int((sum(per_node) - used) // g.tp), sum(int(u // g.tp) for u in per_node)))
+        capacity = held(g.name) + room
+        if capacity < g.replicas:
+            self._shrink(g, capacity, f"the live nodes hold {sum(per_node):g} {g.accelerator}, "
+                                      f"{used:g} in use by this run")
+        else:
+            self._shrunk.pop(g.name, None)
+        return room
