@@ -54,6 +54,7 @@ name = "a100-fp8"
 accelerator = "A100-80GB"
 precision = "fp8"
 kv_dtype = "fp8_e4m3"
+emulated = true
 replicas = 2
 [policies.autoscaler]
 name = "fixed"
@@ -93,11 +94,12 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
                 "env_vars": {CACHE_ENV: str(scratch[name]), "OMP_NUM_THREADS": "1"}}
 
     local_ray.loopback_only()                 # every raylet, worker and agent binds 127.0.0.1
-    token = local_ray.mark_next_ray()
+    token = local_ray.new_token()
     local_ray.record_local_ray(token)         # a killed test's cluster is stopped by the next start / cleanup
-    cluster = Cluster(initialize_head=True, head_node_args={**node_args("head"), "include_dashboard": False})
-    nodes = {"head": cluster.head_node, "n2": cluster.add_node(**node_args("n2")),
-             "n3": cluster.add_node(**node_args("n3"))}
+    with local_ray.marking(token):            # every process of the cluster carries the token
+        cluster = Cluster(initialize_head=True, head_node_args={**node_args("head"), "include_dashboard": False})
+        nodes = {"head": cluster.head_node, "n2": cluster.add_node(**node_args("n2")),
+                 "n3": cluster.add_node(**node_args("n3"))}
     local_ray.record_local_ray(token, started=True)
     ids = {name: n.node_id for name, n in nodes.items()}
     events: list = []
@@ -117,7 +119,8 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
             killer[0].start()
         if view.version == 2:                      # a node joins (Ray's node start must run on the main thread)
             killer[0].join(120)
-            nodes["n4"] = cluster.add_node(**node_args("n4"))
+            with local_ray.marking(token):
+                nodes["n4"] = cluster.add_node(**node_args("n4"))
             ids["n4"] = nodes["n4"].node_id
         if view.version == UPDATES - 1:            # the replacement must be up before the run ends
             for _ in range(REPLACEMENT_WAIT_S * 10):

@@ -40,6 +40,7 @@ class ClusterWatch:
     def __init__(self, fleet: SamplerFleet) -> None:
         self.fleet = fleet
         self.lost_nodes: set[str] = set()
+        self.on_node: dict[str, set[str]] = {}       # node -> "group#index" placed there and not retired
         self._shrunk: dict[str, int] = {}            # group -> the size its last "shrink" event named
 
     def _shrink(self, g: GroupSpec, now: int, reason: str) -> None:
@@ -72,27 +73,30 @@ class ClusterWatch:
                              "(label nodes with ray start --resources; docs/runner.md)")
         return fit
 
+    def placed(self, rep: Replica) -> None:
+        if rep.node is not None:
+            self.on_node.setdefault(rep.node, set()).add(f"{rep.group}#{rep.index}")
+
+    def retired(self, rep: Replica) -> None:
+        if rep.node is not None:
+            self.on_node.get(rep.node, set()).discard(f"{rep.group}#{rep.index}")
+
     def check_nodes(self) -> None:
-        """Replicas on a node Ray no longer has are lost (event "node_lost" per node, "crash" per replica)."""
+        """A node Ray no longer has: event "node_lost" naming it and the replicas it held (some may have
+        been found dead by their own requests a moment before); those still up are lost ("crash")."""
         fleet = self.fleet
         try:
             alive = {n["NodeID"] for n in live_nodes()}
         except Exception:  # noqa: BLE001 - the GCS did not answer this tick: decide next tick
             return
-        gone: dict[str, list[Replica]] = {}
-        for reps in fleet.replicas.values():
-            for r in reps:
-                if r.up and r.node is not None and r.node not in alive:
-                    gone.setdefault(r.node, []).append(r)
-        for node, reps in gone.items():
-            if node not in self.lost_nodes:
-                self.lost_nodes.add(node)
-                fleet.ctx.event("node_lost", detail=json.dumps(
-                    {"node": node, "replicas": [f"{r.group}#{r.index}" for r in reps]}))
-                if fleet.weights.caches is not None:
-                    fleet.weights.caches.forget(node)
-            for r in reps:
-                fleet.lost(r, f"node {node} lost")
+        for node in [n for n in self.on_node if n not in alive and n not in self.lost_nodes]:
+            self.lost_nodes.add(node)
+            fleet.ctx.event("node_lost", detail=json.dumps({"node": node, "replicas": sorted(self.on_node[node])}))
+            if fleet.weights.caches is not None:
+                fleet.weights.caches.forget(node)
+            for reps in fleet.replicas.values():
+                for r in [r for r in reps if r.up and r.node == node]:
+                    fleet.lost(r, f"node {node} lost")
 
     def room(self, g: GroupSpec) -> int:
         """How many more replicas of `g` the live nodes can hold now (logs "shrink" when that keeps the group

@@ -179,6 +179,7 @@ class SamplerFleet:
             await self.weights.catch_up(rep)          # (still counted as starting: the monitor starts no other)
         self._starting[g.name] -= 1
         self.replicas[g.name].append(rep)
+        self.cluster.placed(rep)
         self._recount(g.name)
         if cold:
             ctx.event("cold_start", g.name, index, ctx.version, duration_s=ctx.now() - t0)
@@ -297,6 +298,7 @@ class SamplerFleet:
                         ctx.spawn(self.retire(rep))
 
     async def retire(self, rep: Replica) -> None:
+        self.cluster.retired(rep)
         rep.admitting.clear()
         self.ctx.event("scale_down", rep.group, rep.index, rep.version)
         while rep.running:
