@@ -108,6 +108,7 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 
     async def on_update(view, orch) -> None:  # noqa: ANN001
+        seen["api_key"] = orch.fleet.api_key
         if view.version == 1:
             on_n2 = [r for reps in orch.replicas.values() for r in reps if r.node == ids["n2"]]
             for _ in range(200):                   # remove it while its replicas serve
@@ -178,6 +179,14 @@ def test_placement_by_resource_and_addresses(cluster_run: dict) -> None:
     first = {(r["group"], r["replica"]): r["node"] for r in rows if r["replica"] < 2}
     assert sorted(n for (g, _), n in first.items() if g == "h100-bf16") == ["head", "n2"]
     assert sorted(n for (g, _), n in first.items() if g == "a100-fp8") == ["n2", "n3"]
+
+
+def test_api_key_never_in_the_run_log(cluster_run: dict) -> None:
+    key = cluster_run["seen"]["api_key"]
+    assert len(key) >= 32
+    for p in cluster_run["out"].rglob("*"):
+        if p.is_file():
+            assert key.encode() not in p.read_bytes(), p
 
 
 def test_weights_only_from_node_local_caches(cluster_run: dict) -> None:

@@ -40,6 +40,7 @@ from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
 from mixfleet.runner.orchestration.batching import BatchItem, BatchOptions, build_batch
 from mixfleet.runner.orchestration.config import ORCH_STATE_FILE, STATE_DIR, RunConfig, RunContext
 from mixfleet.runner.orchestration.fleet import fleet_from_plan
+from mixfleet.runner.orchestration.placement import trainer_placement
 from mixfleet.runner.orchestration.recorder import RunRecorder, UpdateView
 from mixfleet.runner.orchestration.rollouts import (
     Rollouts,
@@ -165,17 +166,8 @@ class Orchestrator:
         else:
             init_ray(address=cfg.address)
         # on a cluster the trainer goes to a node carrying the plan's trainer accelerator (`{"H100": gpus}`)
-        placement = {"accelerator": self.plan.trainer.accelerator, "amount": self.plan.trainer.gpus} \
+        placement = trainer_placement(self.plan.name, self.plan.trainer.accelerator, self.plan.trainer.gpus) \
             if cfg.address else {}
-        if placement:
-            import ray
-
-            best = max((float((n.get("Resources") or {}).get(placement["accelerator"], 0.0))
-                        for n in ray.nodes() if n.get("Alive")), default=0.0)
-            if best < placement["amount"]:
-                raise ValueError(f"plan '{self.plan.name}' trainer.accelerator = {placement['accelerator']!r} x "
-                                 f"{placement['amount']}: no live node of the Ray cluster carries that many (most: "
-                                 f"{best:g}); label the trainer's node with ray start --resources (docs/runner.md)")
         reserved = {placement["accelerator"]: float(placement["amount"])} if placement else {}
         self.trainer = remote_trainer(**placement).remote(
             init_from=cfg.init_checkpoint, state_dir=str(state_dir), correction=self.correction,

@@ -34,6 +34,17 @@ def live_units(nodes: list[dict] | None = None) -> dict[str, float]:
     return total
 
 
+def trainer_placement(plan: str, accelerator: str, amount: float) -> dict[str, object]:
+    """The trainer's placement on a cluster (`remote_trainer` keywords): one live node must carry `amount`
+    of `accelerator`, else a clear refusal (a request no node can satisfy would wait forever)."""
+    best = max((float((n.get("Resources") or {}).get(accelerator, 0.0)) for n in live_nodes()), default=0.0)
+    if best < amount:
+        raise ValueError(f"plan '{plan}' trainer.accelerator = {accelerator!r} x {amount}: no live node of the Ray "
+                         f"cluster carries that many (most: {best:g}); label the trainer's node with "
+                         "ray start --resources (docs/runner.md)")
+    return {"accelerator": accelerator, "amount": amount}
+
+
 class ClusterWatch:
     """Node loss and room for replicas, for one `SamplerFleet` (Ray actor modes only)."""
 
