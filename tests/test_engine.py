@@ -23,13 +23,7 @@ TOK = ByteTokenizer()
 PROMPT = TOK.encode("<|user|>Hello, world!<|assistant|>")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on a shared CPU, more threads make these small ops much slower."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")

@@ -32,12 +32,7 @@ PROMPTS = [TOK.encode(f"<|user|>{t}<|assistant|>") for t in ("Name a color.", "W
 LAYERS, TOP_K, EXPERTS = 4, 2, 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")   # tests/conftest.py
 
 
 @pytest.fixture(scope="module")
