@@ -58,7 +58,7 @@ FORMAT_VERSION = 1
 HEADER_FILE = "run.json"
 TABLES = ("trajectories", "updates", "groups", "events")
 SOURCES = ("twin", "runner")
-STATUSES = ("running", "finished", "failed")
+STATUSES = ("running", "finished", "stopped", "failed")   # stopped: ended on request, resumable
 FINISH_REASONS = ("done", "max_turns", "no_tool_call_3x", "aborted", "error", "restarted")
 EVENT_KINDS = ("scale_up", "scale_down", "cold_start", "ready", "preempt", "crash", "restart",
                "weight_push", "weight_push_failed", "resume", "note", "placed", "node_lost", "shrink")

@@ -139,3 +139,106 @@ def test_click_through_the_three_pages(app_url: str, tmp_path: Path) -> None:
             browser.close()
     for name in ("plan-page.png", "dry-run-page.png", "runs-page.png"):
         assert (shots / name).stat().st_size > 10_000
+
+
+@pytest.fixture()
+def loop_app(tmp_path: Path):
+    """The app on a fresh runs folder, with a seeded tiny base policy for real runs (no pretraining)."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"chromium not installed at {CHROMIUM} (apt-get install chromium; .ci/run does)")
+    pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install -e '.[test]')")
+    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.runner.checkpoint.init_model import init_model
+
+    init = tmp_path / "init"
+    init_model(load_model_spec("tiny"), init, seed=0)
+    exe = shutil.which("mixfleet")
+    argv = [exe] if exe else [sys.executable, "-m", "mixfleet.ui.cli"]
+    port = _free_port()
+    runs = tmp_path / "runs"
+    env = dict(os.environ, MIXFLEET_UI_UPDATES="2", MIXFLEET_UI_WORKLOAD="tiny-cpu", MIXFLEET_UI_RUN_UPDATES="3",
+               MIXFLEET_UI_RUN_INIT=str(init))
+    log = (tmp_path / "ui.log").open("w")
+    proc = subprocess.Popen(argv + ["ui", "--port", str(port), "--runs-dir", str(runs)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait_healthy(url, proc, START_TIMEOUT_S)
+        yield url, runs
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+        from mixfleet.ui import run_manager as rm
+
+        for m in rm.find(runs):             # never leave a run (and its Ray) behind
+            if m.alive():
+                rm.kill(m)
+    out = (tmp_path / "ui.log").read_text()
+    assert "Traceback" not in out, out[-4000:]
+
+
+RUN_TIMEOUT_MS = 900_000    # a 3-update tiny run with a stop and a resume, on a loaded 2-core machine
+
+
+def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_path: Path) -> None:
+    """The product's loop in the app: a shipped tiny CPU plan -> Run for real (3 updates) -> watch it live ->
+    Stop after an update -> Resume -> finished, each update exactly once -> calibrate from it -> the Plan page
+    planning with that calibration."""
+    import pandas as pd
+    from playwright.sync_api import expect, sync_playwright
+
+    url, runs = loop_app
+    shots = tmp_path / "screenshots"
+    expect.set_options(timeout=PAGE_TIMEOUT_MS)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport=VIEWPORT)
+            page.set_default_timeout(PAGE_TIMEOUT_MS)
+            page.goto(url + "/dry-run")
+            expect(page.get_by_role("heading", name="Dry-run", exact=True)).to_be_visible()
+            page.get_by_test_id("stRadio").first.get_by_text("Shipped plan", exact=True).click()
+            _settled(page)
+            box = page.get_by_test_id("stSelectbox").filter(has_text="Shipped plan").first
+            box.click()
+            page.get_by_role("option", name="tiny-cpu", exact=True).click()
+            _settled(page)
+            page.get_by_text("Run for real", exact=True).click()
+            name = page.get_by_label("Run name (a folder under the runs folder)")
+            name.fill("loop")
+            page.get_by_role("button", name="Start the run").click()
+            # the Runs page follows it live
+            expect(page.get_by_role("heading", name="Runs", exact=True)).to_be_visible()
+            expect(page.get_by_text("Managed run `loop`")).to_be_visible(timeout=RUN_TIMEOUT_MS)
+            expect(page.get_by_text("1 / 3 updates")).to_be_visible(timeout=RUN_TIMEOUT_MS)
+            _settled(page)
+            _shot(page, "run-live.png", shots)
+            page.get_by_role("button", name="Stop (after this update)").click()
+            expect(page.get_by_text("Managed run `loop`: stopped")).to_be_visible(timeout=RUN_TIMEOUT_MS)
+            page.get_by_role("button", name="Resume").click()
+            expect(page.get_by_text("Managed run `loop`: finished")).to_be_visible(timeout=RUN_TIMEOUT_MS)
+            u = pd.read_parquet(runs / "loop" / "run" / "updates")
+            assert sorted(u["version"].tolist()) == [1, 2, 3]       # each update exactly once
+            # calibrate from it, then plan with the calibration
+            _settled(page)
+            page.get_by_role("button", name="Fit a calibration from this run").click()
+            expect(page.get_by_text("written to")).to_be_visible()
+            _settled(page)
+            _shot(page, "run-calibration.png", shots)
+            page.get_by_role("button", name="Plan with this calibration").click()
+            expect(page.get_by_role("heading", name="Plan", exact=True)).to_be_visible()
+            expect(page.get_by_text("calibration.toml").first).to_be_visible()
+            page.get_by_role("button", name="Run planner").click()
+            expect(page.get_by_role("heading", name="Chosen mix")).to_be_visible()
+            _settled(page)
+            _shot(page, "replan.png", shots)
+        finally:
+            browser.close()
+    assert (runs / "loop" / "calibration.toml").is_file()
+    for name in ("run-live.png", "run-calibration.png", "replan.png"):
+        assert (shots / name).stat().st_size > 10_000

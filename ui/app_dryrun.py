@@ -172,6 +172,9 @@ def render() -> None:
     if len(plans) > 1 and plans[0].digest == plans[1].digest:
         labels[1] = "B: " + plans[1].name + " (same plan)"
     paths = [finished_dry_run(p, n, seed, cal) for p in plans]
+    from mixfleet.ui.app_launch import run_for_real
+
+    run_for_real(plans[0], "dr")
     go = st.button("Simulate", type="primary", key="dr_go", disabled=all(p is not None for p in paths))
     if go:
         paths = [_simulate(p, n, seed, lab, cal) if path is None else path

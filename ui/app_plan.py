@@ -224,6 +224,9 @@ def _show(view: planner.PlannerView) -> None:
                        mime="application/toml", type="primary", key="pl_download")
     d2.caption("The Dry-run page simulates this plan (choose **Plan page** there); "
                f"`mixfleet simulate {view.plan.name}.toml` does the same from a shell.")
+    from mixfleet.ui.app_launch import run_for_real
+
+    run_for_real(view.plan, "pl")
 
 
 def render() -> None:

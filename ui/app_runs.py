@@ -15,6 +15,7 @@ import pandas as pd
 import streamlit as st
 from mixfleet.costmodel.runlog import FIND_MAX_DEPTH, FIND_MAX_DIRS
 from mixfleet.ui import app_charts as charts
+from mixfleet.ui import app_launch as launch
 from mixfleet.ui.app_common import (
     REFRESH_EVERY_S,
     RunData,
@@ -234,19 +235,40 @@ def _fidelity_section(path: Path, header: dict) -> None:
                + " ".join(rep.get("notes", [])))
 
 
+def _folder(top: Path) -> Path | None:
+    """The folder to list: the configured runs folder or a folder inside it (never outside)."""
+    sub = st.text_input("Runs folder", value=str(top),
+                        help=f"Run logs (twin or real) are listed from this folder and below it (up to "
+                             f"{FIND_MAX_DEPTH} folders deep, {FIND_MAX_DIRS:,} folders searched at most); it stays "
+                             f"inside the runs folder {top} (`mixfleet ui --runs-dir`).")
+    p = Path(sub).expanduser()
+    p = (top / p) if not p.is_absolute() else p
+    try:
+        p.resolve().relative_to(top)
+    except ValueError:
+        st.error(f"Runs folder {sub!r}: allowed the runs folder {top} or a folder inside it.")
+        return None
+    return p.resolve()
+
+
 def render() -> None:
     st.title("Runs")
-    root = Path(st.text_input("Runs folder", value=str(runs_dir()),
-                              help="Run logs (twin or real) are listed from this folder and below it (up to "
-                                   f"{FIND_MAX_DEPTH} folders deep, {FIND_MAX_DIRS:,} folders searched at most)."
-                              )).expanduser()
+    top = runs_dir()
+    root = _folder(top)
+    if root is None:
+        return
     runs = find_runs(root)
+    listed = {str(p) for p, _ in runs}
+    for m in launch.pending_runs(root, listed):
+        show_pending_fragment(m)
     if not runs:
         st.info(f"No run log under `{root}` yet. Start one with `mixfleet run PLAN` or `mixfleet simulate PLAN -o "
                 f"{root}/NAME`, dry-run a plan on the Dry-run page, or:")
         _demo_button(root if root.is_absolute() else root.resolve())
         return
     by_path = {str(p): (p, h) for p, h in runs}
+    if st.session_state.get("runs_pick") not in by_path:   # e.g. a run just started whose log is not written yet
+        st.session_state.pop("runs_pick", None)
     pick = st.selectbox("Run log", list(by_path), format_func=lambda k: run_label(*by_path[k]), key="runs_pick")
     path, header = by_path.get(str(pick), runs[0])
     preds = twin_predictions_for(header, root, exclude=path) if header.get("source") != "twin" else []
@@ -262,9 +284,17 @@ def render() -> None:
             st.caption("No twin prediction for this plan in the folder yet (see Twin fidelity below).")
     with c2:
         auto = st.toggle(f"Auto-refresh every {REFRESH_EVERY_S:.0f} s", value=header.get("status") == "running")
+    managed = launch.managed_for(path)
+    if managed is not None:
+        st.fragment(run_every=REFRESH_EVERY_S if auto else None)(launch.managed_panel)(managed, overlay)
     st.fragment(run_every=REFRESH_EVERY_S if auto else None)(_view)(str(path), overlay)
     if header.get("source") != "twin":
         _fidelity_section(path, header)
+        launch.calibrate_and_replan(path, header, top, runs)
+
+
+def show_pending_fragment(m) -> None:  # type: ignore[no-untyped-def]
+    st.fragment(run_every=REFRESH_EVERY_S)(launch.show_pending)(m)
 
 
 if __name__ == "__main__":

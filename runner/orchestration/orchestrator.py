@@ -74,6 +74,7 @@ class Orchestrator:
         policies = plan.build_policies()
         self.router = policies["router"]
         self.prompts: PromptBuffer[Sample] = PromptBuffer(self._make_batcher(policies["batcher"]), sample_min_version)
+        self.stop_requested = False   # set (e.g. on SIGTERM): end after the current update, status 'stopped'
         trainer_top_p = plan.trainer.top_p
         self.top_p_replay = bool(plan.trainer.top_p_replay and trainer_top_p < 1.0)
         self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens or emb.max_new_tokens,
@@ -249,7 +250,7 @@ class Orchestrator:
                 self.last_pass_at_k = await self.evaluate(0)
             self._loop_start_s, self._busy_at_loop_start_s = self.now(), self.trainer_busy_s
             ctx.spawn(self.rollouts.feeder())
-            while self.version < self.target:
+            while self.version < self.target and not self.stop_requested:
                 prompts = await self.next_batch()                      # generate (continuously) -> batch
                 start_s = self.now()
                 batch, metrics, train_s = await self.train(prompts)    # train (samplers keep sampling)
@@ -271,7 +272,7 @@ class Orchestrator:
                     r = self.on_update(view, self)
                     if asyncio.iscoroutine(r):
                         await r
-            status = "finished"
+            status = "stopped" if self.version < self.target else "finished"
         finally:
             await self._stop(status)
         return {"version": self.version, "elapsed_s": self.now(), "restarts": self.restarts,

@@ -171,9 +171,39 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
             view.on_event(type("E", (), {"kind": "note", "time_s": v.elapsed_s, "group": g, "replica": idx,
                                          "detail": "killed by --kill-at"})())
 
+    # SIGTERM (the app's Stop, a scheduler's stop): finish the update under way, checkpoint, close the run log
+    # as "stopped" (resumable with --resume). The flag is read at each update; the orchestrator does the rest.
+    import signal
+    import threading
+
+    stop = {"asked": False, "orch": None}
+
+    def on_sigterm(_sig: int, _frame: Any) -> None:
+        stop["asked"] = True
+        if stop["orch"] is not None:
+            stop["orch"].stop_requested = True
+        print("SIGTERM: stopping after the current update (checkpointed, resumable)", flush=True)
+
+    def ours() -> None:
+        # ray.init installs its own SIGTERM handler (exit at once, log "failed"): take it back after it did
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is not on_sigterm:
+            signal.signal(signal.SIGTERM, on_sigterm)
+
+    def on_update_checked(v: Any, orch: Any) -> None:
+        ours()
+        stop["orch"] = orch
+        if stop["asked"]:
+            orch.stop_requested = True
+        on_update(v, orch)
+
+    def on_event_checked(rec: Any) -> None:
+        ours()
+        view.on_event(rec)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     with view:
         try:
-            res = run_plan(plan, cfg, on_update=on_update, on_event=view.on_event)
+            res = run_plan(plan, cfg, on_update=on_update_checked, on_event=on_event_checked)
         except (SpecError, ValueError) as e:
             cause = getattr(e, "cause", None) or e      # an actor's error arrives wrapped by Ray (with its traceback)
             if isinstance(cause, NonFiniteWeightsError):   # a diverged update: the run stopped, resumable
@@ -182,7 +212,10 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
                 raise typer.Exit(1) from None
             typer.secho(f"error: {cause}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from None
-    typer.echo(f"done: version {res['version']} in {res['elapsed_s']:.0f} s, trainer idle "
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+    word = "stopped" if stop["asked"] and res["version"] < cfg.updates else "done"
+    typer.echo(f"{word}: version {res['version']} in {res['elapsed_s']:.0f} s, trainer idle "
                f"{res['trainer_idle_share']:.0%}, restarts {res['restarts']}; run log: {res['out']}")
 
 

@@ -1,0 +1,275 @@
+"""The app's real-run pieces: "Run for real" (from the Plan and Dry-run pages), and on the Runs page a managed
+run's progress, events, log tail and its Stop / Kill / Resume buttons, then "Calibrate and re-plan".
+
+The process side is `mixfleet.ui.run_manager` (no Streamlit); the fit is `mixfleet.costmodel.calibration`.
+Nothing here runs a plan inside Streamlit's script thread: a run is a `mixfleet run` process of its own.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import streamlit as st
+from mixfleet.ui import run_manager as rm
+from mixfleet.ui.app_common import PlanText, fmt_s, runs_dir, show_error
+
+UPDATES_ENV = "MIXFLEET_UI_RUN_UPDATES"      # default target updates of a real run from the app (tests: 2)
+INIT_ENV = "MIXFLEET_UI_RUN_INIT"            # default base-policy checkpoint ("" = the cached pretrain)
+DEFAULT_RUN_UPDATES = 10
+PICK_KEY = "runs_pick"                       # the Runs page's run-log selectbox (its value: the run log path)
+PLAN_CAL_KEY = "pl_cal"                      # the Plan page's calibration selectbox
+RUNS_PAGE = "app_runs.py"
+PLAN_PAGE = "app_plan.py"
+EMBEDDED, CLUSTER, ATTACH = ("embedded rehearsal on this machine", "Ray cluster (real SGLang servers)",
+                             "attach running SGLang servers")
+
+
+def _default_updates() -> int:
+    try:
+        return max(1, int(os.environ.get(UPDATES_ENV, DEFAULT_RUN_UPDATES)))
+    except ValueError:
+        return DEFAULT_RUN_UPDATES
+
+
+def _default_name(pt: PlanText) -> str:
+    base = "".join(c if c.isalnum() or c in "._-" else "-" for c in pt.name)[:40].strip("-.") or "run"
+    return f"{base}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def run_for_real(pt: PlanText, key: str) -> None:
+    """A form that starts `mixfleet run` on this plan as a managed background process, then opens the Runs page."""
+    root = runs_dir()
+    with st.expander("Run for real", expanded=False):
+        st.caption(f"Starts `mixfleet run` on this plan in the background, in a run folder under `{root}` with the "
+                   "plan written beside it; the Runs page follows it, stops it and resumes it. By default every group "
+                   "is rehearsed on this machine as embedded samplers in its precision and KV dtype, on the base "
+                   "policy (the tiny model).")
+        with st.form(f"{key}_run_form"):
+            c1, c2 = st.columns([3, 1])
+            name = c1.text_input("Run name (a folder under the runs folder)", value=_default_name(pt),
+                                 key=f"{key}_run_name")
+            updates = c2.number_input("Updates", min_value=1, max_value=rm.MAX_UPDATES, value=_default_updates(),
+                                      step=1, key=f"{key}_run_updates")
+            where = st.radio("Samplers", [EMBEDDED, CLUSTER, ATTACH], horizontal=True, key=f"{key}_run_where")
+            address = st.text_input("Ray address (for a cluster)", value="", key=f"{key}_run_address",
+                                    placeholder="ray://head:10001 or host:6379")
+            attach = st.text_input("Attach (GROUP=URL, comma-separated)", value="", key=f"{key}_run_attach")
+            init = st.text_input("Base policy checkpoint (empty: the cached `mixfleet pretrain`, trained if missing)",
+                                 value=os.environ.get(INIT_ENV, ""), key=f"{key}_run_init")
+            go = st.form_submit_button("Start the run", type="primary")
+        if not go:
+            return
+        try:
+            if where == CLUSTER and not address.strip():
+                raise rm.RunManagerError("a Ray cluster run needs its address")
+            att = [a.strip() for a in attach.split(",") if a.strip()] if where == ATTACH else []
+            if where == ATTACH and not att:
+                raise rm.RunManagerError("attach needs GROUP=URL for at least one group")
+            if init.strip() and not Path(init.strip()).expanduser().is_dir():
+                raise rm.RunManagerError(f"base policy checkpoint {init!r}: no such folder")
+            m = rm.start(root, name.strip(), pt.toml, int(updates),
+                         init=str(Path(init.strip()).expanduser().resolve()) if init.strip() else None,
+                         address=address.strip() if where == CLUSTER else None, attach=att,
+                         embedded=where == EMBEDDED)
+        except Exception as e:  # bad name, busy folder, invalid plan: say so on the page, start nothing
+            show_error("cannot start the run", e)
+            return
+        st.session_state[PICK_KEY] = str(m.run_dir)
+        st.success(f"Started `{m.name}` (pid {m.pid}).")
+        st.switch_page(RUNS_PAGE)
+
+
+# ---- the Runs page --------------------------------------------------------------------------------
+def managed_for(run_path: Path) -> rm.ManagedRun | None:
+    """The managed run whose run log is `run_path` (RUNS/<name>/run), if the app started it."""
+    if run_path.name != rm.RUN_SUBDIR:
+        return None
+    return rm.load(run_path.parent)
+
+
+def pending_runs(root: Path, listed: set[str]) -> list[rm.ManagedRun]:
+    """Managed runs whose run log does not exist yet (still starting: Ray, samplers, the base policy)."""
+    return [m for m in rm.find(root) if str(m.run_dir) not in listed]
+
+
+def _rerun_on_change(m: rm.ManagedRun, state: str) -> None:
+    """Rerun the whole page (not just this fragment) when a managed run's state changes, so the run-log list,
+    the run's status line and the calibration section follow it."""
+    seen = st.session_state.setdefault("managed_states", {})
+    before = seen.get(m.name)
+    seen[m.name] = state
+    if before is not None and before != state:
+        st.rerun(scope="app")
+
+
+def show_pending(m: rm.ManagedRun) -> None:
+    if (m.run_dir / "run.json").exists():
+        st.rerun(scope="app")            # its run log is there now: list it
+    st.info(f"Run `{m.name}` is **{m.state()}**: starting (Ray, samplers, the base policy); its run log appears "
+            "when the first sampler is up.")
+    _controls(m, None)
+    _log_tail(m)
+
+
+def _predicted_s_per_update(twin_path: str | None) -> float | None:
+    if not twin_path:
+        return None
+    from mixfleet.ui.app_common import load_run
+
+    try:
+        s = load_run(twin_path).summary
+    except Exception:
+        return None
+    for k in ("steady_time_per_update_s", "time_per_update_mean_s"):
+        v = s.get(k)
+        if isinstance(v, (int, float)) and math.isfinite(v) and v > 0:
+            return float(v)
+    return None
+
+
+def managed_panel(m: rm.ManagedRun, twin_path: str | None) -> None:
+    """Progress (updates done / target, elapsed, ETA), events, log tail and the controls of a managed run."""
+    state = m.state()
+    _rerun_on_change(m, state)
+    p = rm.progress(m, _predicted_s_per_update(twin_path))
+    st.markdown(f"**Managed run `{m.name}`**: {state} · pid {m.pid} · started {m.started_utc}"
+                + (f" · resumed {m.resumes}x" if m.resumes else ""))
+    frac = min(1.0, p["done"] / p["target"]) if p["target"] else 0.0
+    eta = (f", ETA {fmt_s(p['eta_s'])} ({p['eta_basis']})" if p["eta_s"] is not None and state == "running" else "")
+    st.progress(frac, text=f"{p['done']} / {p['target']} updates · elapsed {fmt_s(p['elapsed_s'])}{eta}")
+    _controls(m, p)
+    _events(m)
+    _log_tail(m)
+
+
+def _controls(m: rm.ManagedRun, p: dict[str, Any] | None) -> None:
+    state = m.state()
+    c = st.columns(4)
+    key = f"mr_{m.name}"
+    if state == "running":
+        if c[0].button("Stop (after this update)", key=f"{key}_stop",
+                       help="SIGTERM: the run finishes the update under way, checkpoints and closes its log "
+                            "as 'stopped'. Resume continues it."):
+            _act(lambda: rm.stop(m))
+        if c[1].button("Kill now", key=f"{key}_kill", help="SIGKILL to the run and its Ray; resumable from the "
+                                                           "last checkpoint."):
+            _act(lambda: rm.kill(m))
+    elif state == "stopping":
+        c[0].caption("stopping after the current update...")
+        if c[1].button("Kill now", key=f"{key}_kill"):
+            _act(lambda: rm.kill(m))
+    elif state in ("stopped", "killed", "exited", "failed", "finished"):
+        more = c[1].number_input("to updates", min_value=1, max_value=rm.MAX_UPDATES,
+                                 value=max(m.updates, (p or {}).get("done", 0) + (1 if state == "finished" else 0)),
+                                 key=f"{key}_more", label_visibility="collapsed")
+        label = "Continue" if state == "finished" else "Resume"
+        if c[0].button(label, key=f"{key}_resume", type="primary",
+                       help="`mixfleet run ... --resume`: from the last trainer checkpoint, each update once"):
+            _act(lambda: rm.resume(m, int(more)))
+
+
+def _act(fn: Any) -> None:
+    try:
+        fn()
+    except Exception as e:
+        show_error("managed run", e)
+        return
+    st.rerun()
+
+
+def _events(m: rm.ManagedRun) -> None:
+    try:
+        from mixfleet.costmodel.runlog import RunLog
+
+        ev = RunLog.open(m.run_dir).events
+    except Exception:
+        return
+    if len(ev):
+        keep = ev[ev["kind"].isin(["cold_start", "ready", "crash", "restart", "weight_push_failed", "resume",
+                                   "scale_up", "scale_down", "preempt"])]
+        cols = [c for c in ("time_s", "kind", "group", "replica", "detail") if c in keep.columns]
+        with st.expander(f"Events ({len(keep)})", expanded=False):
+            st.dataframe(pd.DataFrame(keep[cols]).tail(200), hide_index=True, width="stretch")
+
+
+def _log_tail(m: rm.ManagedRun) -> None:
+    with st.expander("Driver log (tail)", expanded=m.state() in ("exited", "failed")):
+        st.code(m.log_tail()[-6000:] or "(empty)", language=None)
+
+
+# ---- calibrate and re-plan -------------------------------------------------------------------------
+CAL_RESULT_KEY = "runs_calibration_result"   # session state: {run path: (calibration file, rows)}
+
+
+def _calibration_path(root: Path, run_path: Path) -> Path:
+    m = managed_for(run_path)
+    if m is not None:
+        return Path(m.folder) / "calibration.toml"
+    return root / "calibrations" / f"{run_path.name}-calibration.toml"
+
+
+def _fitted_rows(cal: Any) -> list[dict[str, Any]]:
+    """One row per fitted value: where, parameter, fitted, 1-sigma, prior, unit, fitted or kept, note."""
+    import dataclasses
+
+    from mixfleet.costmodel.calibration import Fitted
+
+    rows = []
+
+    def add(where: str, obj: Any) -> None:
+        for f in dataclasses.fields(obj):
+            v = getattr(obj, f.name)
+            if isinstance(v, Fitted):
+                rows.append({"where": where, "parameter": f.name, "fitted": v.value, "± (1σ)": v.stderr,
+                             "prior": v.prior, "unit": v.unit, "kept at prior": not v.fitted, "note": v.note})
+
+    add("shared", cal)
+    for g in cal.groups:
+        add(g.name, g)
+    return rows
+
+
+def calibrate_and_replan(run_path: Path, header: dict[str, Any], root: Path,
+                         others: list[tuple[Path, dict[str, Any]]]) -> None:
+    """Fit a calibration from this run's log (and others picked), show it beside the priors, then open the
+    Plan page with it selected."""
+    st.subheader("Calibrate and re-plan")
+    if header.get("status") == "running":
+        st.caption("Available once the run has finished or stopped.")
+        return
+    same = [str(p) for p, h in others if p != run_path and h.get("source") == "runner"]
+    extra = st.multiselect("Also fit on", same, key="runs_cal_extra", format_func=lambda s: Path(s).parent.name
+                           if Path(s).name == rm.RUN_SUBDIR else Path(s).name)
+    results = st.session_state.setdefault(CAL_RESULT_KEY, {})
+    if st.button("Fit a calibration from this run", key="runs_cal_fit", type="primary"):
+        from mixfleet.costmodel.calibration import calibrate
+
+        out = _calibration_path(root, run_path)
+        with st.spinner("fitting..."):
+            try:
+                cal = calibrate([run_path, *[Path(s) for s in extra]])
+                out.parent.mkdir(parents=True, exist_ok=True)
+                cal.save(out)
+            except Exception as e:
+                show_error("calibration failed", e)
+                return
+        results[str(run_path)] = (str(out), _fitted_rows(cal))
+    res = results.get(str(run_path))
+    if res is None:
+        st.caption("Fits the cost model's free parameters to this run log by bounded least squares (per group the "
+                   "roofline time scale, weight-sync time, mismatch; shared turn latency and trainer time), each "
+                   "with its 1σ uncertainty, and writes a calibration file the Plan page can use.")
+        return
+    path, rows = res
+    st.dataframe(pd.DataFrame(rows).style.format({"fitted": "{:.4g}", "± (1σ)": "{:.2g}", "prior": "{:.4g}"},
+                                                 na_rep="—"),
+                 hide_index=True, width="stretch", key="runs_cal_table")
+    st.caption(f"written to `{path}`")
+    if st.button("Plan with this calibration", key="runs_replan", type="primary"):
+        st.session_state[PLAN_CAL_KEY] = path
+        st.switch_page(PLAN_PAGE)
