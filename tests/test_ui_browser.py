@@ -152,8 +152,7 @@ def loop_app(tmp_path: Path):
 
     init = tmp_path / "init"
     init_model(load_model_spec("tiny"), init, seed=0)
-    exe = shutil.which("mixfleet")
-    argv = [exe] if exe else [sys.executable, "-m", "mixfleet.ui.cli"]
+    argv = [sys.executable, "-m", "mixfleet.ui.cli"]      # this interpreter's mixfleet (and its runs' too)
     port = _free_port()
     runs = tmp_path / "runs"
     env = dict(os.environ, MIXFLEET_UI_UPDATES="2", MIXFLEET_UI_WORKLOAD="tiny-cpu", MIXFLEET_UI_RUN_UPDATES="3",
@@ -208,20 +207,20 @@ def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_p
             box.click()
             page.get_by_role("option", name="tiny-cpu", exact=True).click()
             _settled(page)
-            page.get_by_text("Run for real", exact=True).click()
+            page.get_by_test_id("stExpander").filter(has_text="Run for real").locator("summary").click()
             name = page.get_by_label("Run name (a folder under the runs folder)")
             name.fill("loop")
             page.get_by_role("button", name="Start the run").click()
             # the Runs page follows it live
             expect(page.get_by_role("heading", name="Runs", exact=True)).to_be_visible()
-            expect(page.get_by_text("Managed run `loop`")).to_be_visible(timeout=RUN_TIMEOUT_MS)
+            expect(page.get_by_text("Managed run loop")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             expect(page.get_by_text("1 / 3 updates")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             _settled(page)
             _shot(page, "run-live.png", shots)
             page.get_by_role("button", name="Stop (after this update)").click()
-            expect(page.get_by_text("Managed run `loop`: stopped")).to_be_visible(timeout=RUN_TIMEOUT_MS)
+            expect(page.get_by_text("Managed run loop: stopped")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             page.get_by_role("button", name="Resume").click()
-            expect(page.get_by_text("Managed run `loop`: finished")).to_be_visible(timeout=RUN_TIMEOUT_MS)
+            expect(page.get_by_text("Managed run loop: finished")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             u = pd.read_parquet(runs / "loop" / "run" / "updates")
             assert sorted(u["version"].tolist()) == [1, 2, 3]       # each update exactly once
             # calibrate from it, then plan with the calibration

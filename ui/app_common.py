@@ -260,7 +260,10 @@ class RunData:
 
 def run_label(path: str | Path, header: dict[str, Any]) -> str:
     plan = (header.get("plan") or {}).get("name", "?")
-    return f"{Path(path).name} · {header.get('source', '?')} · {plan} · {header.get('status', '?')}"
+    p = Path(path)
+    # a run the app started lives in RUNS/<name>/run: show its name, not "run"
+    name = p.parent.name if p.name == "run" and (p.parent / "managed.json").is_file() else p.name
+    return f"{name} · {header.get('source', '?')} · {plan} · {header.get('status', '?')}"
 
 
 def _stamp(path: Path) -> tuple[float, int]:
