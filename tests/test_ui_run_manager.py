@@ -21,6 +21,19 @@ from mixfleet.policies.plan import load_plan
 from mixfleet.ui import run_manager as rm
 
 
+def _group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes whose process group is `pgid`."""
+    out = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            rest = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if rest[0] != "Z" and int(rest[2]) == pgid:
+            out.append(int(stat.parent.name))
+    return out
+
+
 def _plan_text() -> str:
     return tomli_w.dumps(load_plan("tiny-cpu").to_dict())
 
@@ -90,9 +103,11 @@ def test_start_find_refuse_twice_kill(tmp_path: Path) -> None:
         back = rm.load(root / "r1")
         assert back is not None and back.state() == "killed"
         assert json.loads((m.run_dir / "run.json").read_text())["format"] == "mixfleet-runlog"
-        # nothing of the run's process group is left (its local Ray included)
-        out = subprocess.run(["ps", "-o", "pid=", "-g", str(m.pid)], capture_output=True, text=True)
-        assert out.stdout.strip() == ""
+        # nothing of the run's process group is left (its local Ray included; zombies wait for their reaper)
+        deadline = time.monotonic() + 30
+        while _group_members(m.pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert _group_members(m.pid) == []
     finally:
         if m.alive():
             os.killpg(m.pid, 9)
