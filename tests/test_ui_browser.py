@@ -155,7 +155,7 @@ def loop_app(tmp_path: Path):
     argv = [sys.executable, "-m", "mixfleet.ui.cli"]      # this interpreter's mixfleet (and its runs' too)
     port = _free_port()
     runs = tmp_path / "runs"
-    env = dict(os.environ, MIXFLEET_UI_UPDATES="2", MIXFLEET_UI_WORKLOAD="tiny-cpu", MIXFLEET_UI_RUN_UPDATES="3",
+    env = dict(os.environ, MIXFLEET_UI_UPDATES="2", MIXFLEET_UI_WORKLOAD="tiny-cpu", MIXFLEET_UI_RUN_UPDATES="8",
                MIXFLEET_UI_RUN_INIT=str(init))
     log = (tmp_path / "ui.log").open("w")
     proc = subprocess.Popen(argv + ["ui", "--port", str(port), "--runs-dir", str(runs)], env=env,
@@ -181,11 +181,26 @@ def loop_app(tmp_path: Path):
     assert "Traceback" not in out, out[-4000:]
 
 
-RUN_TIMEOUT_MS = 900_000    # a 3-update tiny run with a stop and a resume, on a loaded 2-core machine
+RUN_TIMEOUT_MS = 900_000
+
+
+def _click_until(page, button: str, shows: str, tries: int = 6) -> None:  # type: ignore[no-untyped-def]
+    """Click a button of the auto-refreshing managed-run panel until the page shows `shows` (a click that lands
+    while the panel re-renders can be dropped by the browser; the action itself is idempotent)."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for _ in range(tries):
+        page.get_by_role("button", name=button).first.click()
+        try:
+            page.get_by_text(shows).first.wait_for(timeout=45_000)
+            return
+        except PlaywrightTimeout:
+            continue
+    raise AssertionError(f"clicking {button!r} never showed {shows!r}")    # an 8-update tiny run with a stop and a resume, on a loaded 2-core machine
 
 
 def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_path: Path) -> None:
-    """The product's loop in the app: a shipped tiny CPU plan -> Run for real (3 updates) -> watch it live ->
+    """The product's loop in the app: a shipped tiny CPU plan -> Run for real (8 updates) -> watch it live ->
     Stop after an update -> Resume -> finished, each update exactly once -> calibrate from it -> the Plan page
     planning with that calibration."""
     import pandas as pd
@@ -214,15 +229,16 @@ def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_p
             # the Runs page follows it live
             expect(page.get_by_role("heading", name="Runs", exact=True)).to_be_visible()
             expect(page.get_by_text("Managed run loop")).to_be_visible(timeout=RUN_TIMEOUT_MS)
-            expect(page.get_by_text("1 / 3 updates")).to_be_visible(timeout=RUN_TIMEOUT_MS)
+            expect(page.get_by_text("1 / 8 updates")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             _settled(page)
             _shot(page, "run-live.png", shots)
-            page.get_by_role("button", name="Stop (after this update)").click()
+            _click_until(page, "Stop (after this update)", "Managed run loop: stopp")    # stopping / stopped
             expect(page.get_by_text("Managed run loop: stopped")).to_be_visible(timeout=RUN_TIMEOUT_MS)
-            page.get_by_role("button", name="Resume").click()
+            _click_until(page, "Resume", "Managed run loop: running")
             expect(page.get_by_text("Managed run loop: finished")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             u = pd.read_parquet(runs / "loop" / "run" / "updates")
-            assert sorted(u["version"].tolist()) == [1, 2, 3]       # each update exactly once
+            assert sorted(u["version"].tolist()) == list(range(1, 9))       # each update exactly once
+            assert "stopped: version" in (runs / "loop" / "driver.log").read_text()   # it did stop, then resume
             # calibrate from it, then plan with the calibration
             _settled(page)
             page.get_by_role("button", name="Fit a calibration from this run").click()

@@ -283,8 +283,10 @@ def render() -> None:
         elif header.get("source") != "twin":
             st.caption("No twin prediction for this plan in the folder yet (see Twin fidelity below).")
     with c2:
-        auto = st.toggle(f"Auto-refresh every {REFRESH_EVERY_S:.0f} s", value=header.get("status") == "running")
-    managed = launch.managed_for(path)
+        # live: the log says running, or the app's own process for it is (a resume not yet in the log)
+        managed = launch.managed_for(path)
+        live = header.get("status") == "running" or (managed is not None and managed.alive())
+        auto = st.toggle(f"Auto-refresh every {REFRESH_EVERY_S:.0f} s", value=live)
     if managed is not None:
         st.fragment(run_every=REFRESH_EVERY_S if auto else None)(launch.managed_panel)(managed, overlay)
     st.fragment(run_every=REFRESH_EVERY_S if auto else None)(_view)(str(path), overlay)
