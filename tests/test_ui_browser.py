@@ -181,7 +181,7 @@ def loop_app(tmp_path: Path):
     assert "Traceback" not in out, out[-4000:]
 
 
-RUN_TIMEOUT_MS = 900_000
+RUN_TIMEOUT_MS = 900_000    # an 8-update tiny run with a stop and a resume, on a loaded 2-core machine
 
 
 def _click_until(page, button: str, shows: str, tries: int = 6) -> None:  # type: ignore[no-untyped-def]
@@ -196,7 +196,7 @@ def _click_until(page, button: str, shows: str, tries: int = 6) -> None:  # type
             return
         except PlaywrightTimeout:
             continue
-    raise AssertionError(f"clicking {button!r} never showed {shows!r}")    # an 8-update tiny run with a stop and a resume, on a loaded 2-core machine
+    raise AssertionError(f"clicking {button!r} never showed {shows!r}")
 
 
 def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_path: Path) -> None:
