@@ -22,7 +22,7 @@ UPDATES_ENV = "MIXFLEET_UI_RUN_UPDATES"      # default target updates of a real 
 INIT_ENV = "MIXFLEET_UI_RUN_INIT"            # default base-policy checkpoint ("" = the cached pretrain)
 DEFAULT_RUN_UPDATES = 10
 PICK_KEY = "runs_pick"                       # the Runs page's run-log selectbox (its value: the run log path)
-PLAN_CAL_KEY = "pl_cal"                      # the Plan page's calibration selectbox
+PLAN_CAL_KEY = "plan_calibration_request"    # read (and cleared) by the Plan page before its calibration box
 RUNS_PAGE = "app_runs.py"
 PLAN_PAGE = "app_plan.py"
 EMBEDDED, CLUSTER, ATTACH = ("embedded rehearsal on this machine", "Ray cluster (real SGLang servers)",

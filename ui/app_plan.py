@@ -30,6 +30,7 @@ from mixfleet.ui.app_common import (
     show_error,
 )
 
+CALIBRATION_REQUEST_KEY = "plan_calibration_request"   # set by the Runs page: plan with this calibration file
 PLAN_PAGE_KEY = "planned_plan"      # session state: the chosen plan as PlanText (read by the Dry-run page)
 RESULT_KEY = "plan_result"          # session state: the last PlannerView
 DEFAULT_MODEL = "qwen3.6-35b-a3b"
@@ -247,6 +248,9 @@ def render() -> None:
         st.markdown("**Trainer and twin check**")
         trainer = _trainer()
         cals = calibration_files()
+        asked = st.session_state.pop(CALIBRATION_REQUEST_KEY, None)   # "Plan with this calibration" (Runs page)
+        if asked in cals:
+            st.session_state["pl_cal"] = asked
         calibration = st.selectbox(
             "calibration", ["none (cost-model priors)", *cals], index=0, key="pl_cal",
             help="A calibration file (mixfleet calibrate): its fitted values replace the priors for the "
