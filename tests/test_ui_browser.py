@@ -247,7 +247,7 @@ def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_p
             _shot(page, "run-calibration.png", shots)
             page.get_by_role("button", name="Plan with this calibration").click()
             expect(page.get_by_role("heading", name="Plan", exact=True)).to_be_visible()
-            expect(page.get_by_text("calibration.toml").first).to_be_visible()
+            expect(page.get_by_text("Planning with the calibration fitted on the Runs page")).to_be_visible()
             page.get_by_role("button", name="Run planner").click()
             expect(page.get_by_role("heading", name="Chosen mix")).to_be_visible()
             _settled(page)

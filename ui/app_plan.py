@@ -257,6 +257,9 @@ def render() -> None:
                  "groups and trainer it covers.") if cals else None
         if calibration and calibration.startswith("none"):
             calibration = None
+        if asked in cals and calibration == asked:
+            st.success(f"Planning with the calibration fitted on the Runs page: `{asked}` (its fitted values "
+                       "replace the priors for the groups and trainer it covers). Press **Run planner**.")
         c1, c2 = st.columns(2)
         backend = c1.selectbox("cost backend", ["roofline", "auto"], index=0, key="pl_backend",
                                help="**auto**: replica step times from NVIDIA aiconfigurator-core's measured tables "
