@@ -278,7 +278,7 @@ def test_update_header_is_atomic_and_validated(tmp_path: Path) -> None:
     w.update_header(status="finished", wall_s=1.25)
     h = json.loads((d / "run.json").read_text())
     assert h["status"] == "finished" and h["wall_s"] == 1.25 and h["extra_key"] == [1, 2]
-    with pytest.raises(SpecError, match="'running', 'finished', 'failed'"):
+    with pytest.raises(SpecError, match="'running', 'finished', 'stopped', 'failed'"):
         w.update_header(status="done")
     assert json.loads((d / "run.json").read_text())["status"] == "finished"
     assert [p.name for p in d.iterdir() if p.name.startswith(".")] == []
