@@ -10,6 +10,7 @@ Uses Debian's chromium (/usr/bin/chromium; `.ci/run` installs it) and the Playwr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import socket
@@ -63,8 +64,15 @@ def app_url(tmp_path: Path):
     env = dict(os.environ)  # small dry runs by default; set these to take screenshots on other defaults
     env.setdefault("MIXFLEET_UI_UPDATES", "2")
     env.setdefault("MIXFLEET_UI_WORKLOAD", "tiny-cpu")
-    log = (tmp_path / "ui.log").open("w")
     runs = env.get("MIXFLEET_RUNS_DIR") or str(tmp_path / "runs")  # a warm runs folder makes dry runs instant
+    with _serving(argv, port, runs, env, tmp_path / "ui.log") as url:
+        yield url
+
+
+@contextlib.contextmanager
+def _serving(argv: list[str], port: int, runs: str, env: dict[str, str], log_path: Path):  # type: ignore[no-untyped-def]
+    """`mixfleet ui` on `port` until the block ends; its log must hold no traceback."""
+    log = log_path.open("w")
     proc = subprocess.Popen(argv + ["ui", "--port", str(port), "--runs-dir", runs], env=env,
                             stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -79,7 +87,7 @@ def app_url(tmp_path: Path):
             proc.kill()
             proc.wait()
         log.close()
-    out = (tmp_path / "ui.log").read_text()
+    out = log_path.read_text()
     assert "Traceback" not in out, out[-4000:]
 
 
@@ -157,28 +165,15 @@ def loop_app(tmp_path: Path):
     runs = tmp_path / "runs"
     env = dict(os.environ, MIXFLEET_UI_UPDATES="2", MIXFLEET_UI_WORKLOAD="tiny-cpu", MIXFLEET_UI_RUN_UPDATES="8",
                MIXFLEET_UI_RUN_INIT=str(init))
-    log = (tmp_path / "ui.log").open("w")
-    proc = subprocess.Popen(argv + ["ui", "--port", str(port), "--runs-dir", str(runs)], env=env,
-                            stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(url, proc, START_TIMEOUT_S)
-        yield url, runs
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        log.close()
-        from mixfleet.ui import run_manager as rm
+    from mixfleet.ui import run_manager as rm
 
+    try:
+        with _serving(argv, port, str(runs), env, tmp_path / "ui.log") as url:
+            yield url, runs
+    finally:
         for m in rm.find(runs):             # never leave a run (and its Ray) behind
             if m.alive():
                 rm.kill(m)
-    out = (tmp_path / "ui.log").read_text()
-    assert "Traceback" not in out, out[-4000:]
 
 
 RUN_TIMEOUT_MS = 900_000    # an 8-update tiny run with a stop and a resume, on a loaded 2-core machine
