@@ -185,6 +185,8 @@ def _click_until(page, button: str, shows: str, tries: int = 6) -> None:  # type
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
 
     for _ in range(tries):
+        if page.get_by_text(shows).count():
+            return
         page.get_by_role("button", name=button).first.click()
         try:
             page.get_by_text(shows).first.wait_for(timeout=45_000)
@@ -220,8 +222,9 @@ def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_p
             page.get_by_test_id("stExpander").filter(has_text="Run for real").locator("summary").click()
             name = page.get_by_label("Run name (a folder under the runs folder)")
             name.fill("loop")
-            page.get_by_role("button", name="Start the run").click()
-            # the Runs page follows it live
+            _settled(page)
+            # the Runs page follows it live (a click that lands while the page re-renders can be dropped)
+            _click_until(page, "Start the run", "Managed run loop", tries=4)
             expect(page.get_by_role("heading", name="Runs", exact=True)).to_be_visible()
             expect(page.get_by_text("Managed run loop")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             expect(page.get_by_text("1 / 8 updates")).to_be_visible(timeout=RUN_TIMEOUT_MS)
