@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -179,7 +180,7 @@ def loop_app(tmp_path: Path):
 RUN_TIMEOUT_MS = 900_000    # an 8-update tiny run with a stop and a resume, on a loaded 2-core machine
 
 
-def _click_until(page, button: str, shows: str, tries: int = 6) -> None:  # type: ignore[no-untyped-def]
+def _click_until(page, button: str, shows: str | re.Pattern[str], tries: int = 6) -> None:  # type: ignore[no-untyped-def]
     """Click a button of the auto-refreshing managed-run panel until the page shows `shows` (a click that lands
     while the panel re-renders can be dropped by the browser; the action itself is idempotent)."""
     from playwright.sync_api import TimeoutError as PlaywrightTimeout
@@ -224,7 +225,7 @@ def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_p
             name.fill("loop")
             _settled(page)
             # the Runs page follows it live (a click that lands while the page re-renders can be dropped)
-            _click_until(page, "Start the run", "Managed run loop", tries=4)
+            _click_until(page, "Start the run", re.compile(r"Run loop is \w+: starting|Managed run loop"), tries=4)
             expect(page.get_by_role("heading", name="Runs", exact=True)).to_be_visible()
             expect(page.get_by_text("Managed run loop")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             expect(page.get_by_text("1 / 8 updates")).to_be_visible(timeout=RUN_TIMEOUT_MS)
