@@ -169,17 +169,7 @@ class Replica:
         heappop = heapq.heappop
         while running and running[0][0] <= limit:
             req = heappop(running)[2]
-            # self._leave(req, req.finish_v), inlined (the same arithmetic)
-            finish = req.finish_v
-            tokens = round(finish - req.mark_v)
-            if tokens:
-                tbv, v = req.tokens_by_version, req.version
-                tbv[v] = tbv.get(v, 0) + tokens
-                req.generated += tokens
-                self.tokens_generated += tokens
-            self.kv_used_tokens -= req.context_tokens + req.reply_tokens
-            self._ctx_sum -= req.context_tokens + req.reply_tokens / 2
-            self._finish_sum -= finish
+            self._leave(req, req.finish_v)
             done.append(req)
         n = len(running)
         if n:
