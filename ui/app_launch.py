@@ -136,14 +136,15 @@ def managed_panel(m: rm.ManagedRun, twin_path: str | None) -> None:
     """Progress (updates done / target, elapsed, ETA), events, log tail and the controls of a managed run."""
     state = m.state()
     _rerun_on_change(m, state)
-    p = rm.progress(m, _predicted_s_per_update(twin_path))
+    run = _run_log(m)                   # one cached read for progress and events (the page's own cache)
+    p = rm.progress(m, _predicted_s_per_update(twin_path), updates=run.updates if run is not None else None)
     st.markdown(f"**Managed run `{m.name}`**: {state} · pid {m.pid} · started {m.started_utc}"
                 + (f" · resumed {m.resumes}x" if m.resumes else ""))
     frac = min(1.0, p["done"] / p["target"]) if p["target"] else 0.0
     eta = (f", ETA {fmt_s(p['eta_s'])} ({p['eta_basis']})" if p["eta_s"] is not None and state == "running" else "")
     st.progress(frac, text=f"{p['done']} / {p['target']} updates · elapsed {fmt_s(p['elapsed_s'])}{eta}")
     _controls(m, p)
-    _events(m)
+    _events(run)
     _log_tail(m)
 
 
@@ -182,14 +183,19 @@ def _act(fn: Any) -> None:
     st.rerun()
 
 
-def _events(m: rm.ManagedRun) -> None:
-    try:
-        from mixfleet.costmodel.runlog import RunLog
+def _run_log(m: rm.ManagedRun) -> Any:
+    """The managed run's log as the Runs page reads it (cached until a file changes), or None before it exists."""
+    from mixfleet.ui.app_common import load_run
 
-        ev = RunLog.open(m.run_dir).events
-    except Exception:
-        return
-    if len(ev):
+    try:
+        return load_run(m.run_dir)
+    except Exception:  # not written yet, or being written
+        return None
+
+
+def _events(run: Any) -> None:
+    ev = run.events if run is not None else None
+    if ev is not None and len(ev):
         keep = ev[ev["kind"].isin(["cold_start", "ready", "crash", "restart", "weight_push_failed", "resume",
                                    "scale_up", "scale_down", "preempt"])]
         cols = [c for c in ("time_s", "kind", "group", "replica", "detail") if c in keep.columns]

@@ -328,18 +328,21 @@ def resume(m: ManagedRun, updates: int | None = None) -> ManagedRun:
     return new
 
 
-def progress(m: ManagedRun, predicted_s_per_update: float | None = None) -> dict[str, Any]:
+def progress(m: ManagedRun, predicted_s_per_update: float | None = None, updates: Any = None) -> dict[str, Any]:
     """Updates done / target, elapsed wall seconds, and an ETA (the twin's time per update if given, else
-    the run's own measured pace)."""
+    the run's own measured pace). `updates`: the run log's updates frame if the caller has read it already
+    (the Runs page has, cached); else it is read here."""
+    import pandas as pd
+
     done, elapsed = 0, None
-    with contextlib.suppress(Exception):
-        import pandas as pd
+    if updates is None:
         from mixfleet.costmodel.runlog import RunLog
 
-        u = RunLog.open(m.run_dir).updates
-        if len(u):
-            done = int(pd.to_numeric(u["version"], errors="coerce").max())
-            elapsed = float(pd.to_numeric(u["end_s"], errors="coerce").max())
+        with contextlib.suppress(Exception):
+            updates = RunLog.open(m.run_dir).updates
+    if updates is not None and len(updates):
+        done = int(pd.to_numeric(updates["version"], errors="coerce").max())
+        elapsed = float(pd.to_numeric(updates["end_s"], errors="coerce").max())
     remaining = max(0, m.updates - done)
     eta, basis = None, None
     if remaining and predicted_s_per_update and predicted_s_per_update > 0:
