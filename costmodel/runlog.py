@@ -61,7 +61,8 @@ SOURCES = ("twin", "runner")
 STATUSES = ("running", "finished", "stopped", "failed")   # stopped: ended on request, resumable
 FINISH_REASONS = ("done", "max_turns", "no_tool_call_3x", "aborted", "error", "restarted")
 EVENT_KINDS = ("scale_up", "scale_down", "cold_start", "ready", "preempt", "crash", "restart",
-               "weight_push", "weight_push_failed", "resume", "note", "placed", "node_lost", "shrink")
+               "weight_push", "weight_push_failed", "resume", "note", "placed", "node_lost", "shrink",
+               "group_lost")
 EXTREME_RATIO_LOW = 0.2     # a token's sampler/trainer probability ratio below this is "extreme low"
 EXTREME_RATIO_HIGH = 5.0    # ... above this is "extreme high"
 

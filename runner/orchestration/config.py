@@ -28,6 +28,11 @@ ORCH_STATE_FILE = "orchestrator.json"
 MAX_SAME_REPLICA_RETRIES = 3       # per session: resends to a live replica after a dropped connection
 
 
+class RunFailed(RuntimeError):
+    """The run cannot go on (e.g. a sampler group none of whose replicas can start); the message says why
+    and what to change. The run log is closed "failed" with its last checkpoint."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     """Everything a real run needs beyond the plan (validated on construction)."""
@@ -57,6 +62,7 @@ class RunConfig:
     batcher_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     ray_num_cpus: int | None = None
+    allow_group_loss: bool = False             # a group that cannot start: go on without it (reported) or fail
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
@@ -105,6 +111,14 @@ class RunContext:
         self.wake = asyncio.Event()                   # set when something a waiting loop may act on changed
         self._tasks: set[asyncio.Task] = set()
         self._t0 = time.monotonic()
+        self.fatal: RunFailed | None = None           # set by a part that found the run cannot go on
+
+    def fail(self, error: RunFailed) -> None:
+        """The run cannot go on: the trainer's loop raises `error` at its next wait (the run log closes
+        "failed", its last checkpoint kept)."""
+        if self.fatal is None:
+            self.fatal = error
+        self.wake.set()
 
     def now(self) -> float:
         return time.monotonic() - self._t0

@@ -38,7 +38,7 @@ from mixfleet.costmodel.runlog import EventRecord
 from mixfleet.policies.plan import EmbeddedPlan, Plan
 from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
 from mixfleet.runner.orchestration.batching import BatchItem, BatchOptions, build_batch
-from mixfleet.runner.orchestration.config import ORCH_STATE_FILE, STATE_DIR, RunConfig, RunContext
+from mixfleet.runner.orchestration.config import ORCH_STATE_FILE, STATE_DIR, RunConfig, RunContext, RunFailed
 from mixfleet.runner.orchestration.fleet import fleet_from_plan
 from mixfleet.runner.orchestration.placement import trainer_placement
 from mixfleet.runner.orchestration.recorder import RunRecorder, UpdateView
@@ -54,7 +54,7 @@ from mixfleet.runner.orchestration.weights import WeightPublisher
 from mixfleet.runner.rollout.agent import AgentConfig
 from mixfleet.runner.sampler.engine_api import SamplingParams
 
-__all__ = ["Orchestrator", "RunConfig", "UpdateView", "result_from_response", "run_plan"]
+__all__ = ["Orchestrator", "RunConfig", "RunFailed", "UpdateView", "result_from_response", "run_plan"]
 
 
 class Orchestrator:
@@ -197,6 +197,8 @@ class Orchestrator:
     async def next_batch(self) -> list[PromptGroup[Sample]]:
         """Wait until the batcher forms an update from the completed prompt-groups; log the dropped ones."""
         while True:
+            if self.ctx.fatal is not None:
+                raise self.ctx.fatal
             batch, dropped = self.prompts.decide(self.now(), self.version)
             for p in dropped:
                 for s, ep in p.samples:
@@ -245,6 +247,8 @@ class Orchestrator:
         status = "failed"
         try:
             await self._start()
+            if ctx.fatal is not None:                                  # e.g. a planned group cannot start
+                raise ctx.fatal
             ctx.spawn(self.fleet.monitor())
             if self.eval_every and self.config.eval_at_start and self.version == 0:
                 self.last_pass_at_k = await self.evaluate(0)
@@ -278,7 +282,7 @@ class Orchestrator:
         return {"version": self.version, "elapsed_s": self.now(), "restarts": self.restarts,
                 "on_policy_kl_by_group": self.recorder.on_policy_kl(),
                 "trainer_idle_share": 1.0 - self.trainer_busy_s / max(self.now(), 1e-9), "out": str(self.out),
-                **self.loop_stats()}
+                "lost_groups": dict(self.fleet.lost_groups), **self.loop_stats()}
 
     def loop_stats(self) -> dict[str, float]:
         """Seconds of the update loop (first prompts started -> last update logged) and the trainer's idle
@@ -310,6 +314,7 @@ class Orchestrator:
         self.recorder.close(status, wall_s=self.now(), trainer_busy_s=self.trainer_busy_s,
                             trainer_idle_share=1.0 - self.trainer_busy_s / max(self.now(), 1e-9),
                             on_policy_kl_by_group=self.recorder.on_policy_kl(), cpu_s=cpu,
+                            lost_groups=dict(self.fleet.lost_groups),
                             cpu_s_total=sum(cpu.values()), **self.loop_stats())
 
 

@@ -6,6 +6,11 @@ answer `MAX_FAILED_PROBES` times in a row, is a loss (event "crash"); a lost rep
 list and the autoscaler's target brings a replacement ("restart", then "cold_start", "ready"). The fleet
 also keeps each group's replica-seconds up and billed for the run log (`totals`).
 
+A group none of whose replicas can start (`MAX_START_FAILURES` failed starts in a row, none up or starting:
+a broken image, a checkpoint its engine refuses) fails the run (`RunFailed`, naming the group and the last
+error) unless the run allows it (`RunConfig.allow_group_loss`): then the group is given up (event
+"group_lost", no more restarts) and reported in the run's summary (`lost_groups`).
+
 On a cluster: every replica is placed (Ray) on a node carrying its group's accelerator, and says where
 (event "placed": node, bound address, the node-local folder it started from); lost nodes, and how many
 replicas still fit, are placement.py's (`ClusterWatch`). Every replica requires the run's API key
@@ -21,13 +26,14 @@ import math
 import os
 import secrets
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from mixfleet.costmodel.ledger import GroupTotals
 from mixfleet.policies.views import FleetView, GroupView, ReplicaView
-from mixfleet.runner.orchestration.config import RunContext
+from mixfleet.runner.orchestration.config import RunContext, RunFailed
 from mixfleet.runner.orchestration.fleet import FleetSpec, GroupSpec
 from mixfleet.runner.orchestration.placement import ClusterWatch
 from mixfleet.runner.orchestration.weights import WeightPublisher
@@ -36,6 +42,7 @@ from mixfleet.runner.sampler.client import ClientConfig, SamplerClient
 MONITOR_INTERVAL_S = 1.0           # the fleet monitor's tick; the autoscaler is asked every min(its interval, 5 s)
 PROBE_TIMEOUT_S = 10.0             # a /health probe; no answer in time is "undecided", refused is "dead"
 MAX_FAILED_PROBES = 5              # undecided probes in a row of an idle replica that count as a loss
+MAX_START_FAILURES = 3             # failed starts in a row of a group with no replica up: it cannot start
 
 
 @dataclass
@@ -93,8 +100,16 @@ class ReplicaSeconds:
         self.t = now
 
 
+def _same_kwargs(group: str, kwargs: dict[str, Any]) -> dict[str, Any]:
+    return kwargs
+
+
 class SamplerFleet:
-    """The replicas of every group (`replicas[group]`, up or not yet noticed down) and their monitor."""
+    """The replicas of every group (`replicas[group]`, up or not yet noticed down) and their monitor.
+
+    `start_kwargs(group, kwargs) -> kwargs` is what a replica's actor is started with; a hook, like
+    `WeightPublisher.source_for`: a test may hand a group a broken checkpoint (a real failed start).
+    """
 
     def __init__(self, ctx: RunContext, spec: FleetSpec, *, router: Any, autoscaler: Any, weights: WeightPublisher,
                  top_p_replay: bool, routed_experts: bool = False) -> None:
@@ -105,6 +120,9 @@ class SamplerFleet:
         self.replicas: dict[str, list[Replica]] = {n: [] for n in self.names}
         self._next_index = dict.fromkeys(self.names, 0)
         self._starting = dict.fromkeys(self.names, 0)
+        self._start_failures = dict.fromkeys(self.names, 0)  # failed starts in a row
+        self.lost_groups: dict[str, str] = {}                 # given up (allow_group_loss): group -> last error
+        self.start_kwargs: Callable[[str, dict[str, Any]], dict[str, Any]] = _same_kwargs
         self._replica_s = {n: ReplicaSeconds(ctx.now()) for n in self.names}
         self._busy_gone_s = dict.fromkeys(self.names, 0.0)   # busy seconds of replicas no longer listed
         self._last_scale_check = -math.inf
@@ -119,12 +137,21 @@ class SamplerFleet:
         self._replica_s = {n: ReplicaSeconds(self.ctx.now()) for n in self.names}
 
     def start_planned(self, reserved: dict[str, float] | None = None) -> list[Any]:
-        """Coroutines that start every group's planned replicas (with Ray actors: as many as the cluster holds,
-        less `reserved`, the trainer's; see placement.py)."""
+        """Coroutines (one per group) that start every group's planned replicas (with Ray actors: as many as
+        the cluster holds, less `reserved`, the trainer's; see placement.py). A group none of whose first
+        replicas started is tried again at once, until one starts or it cannot start (`_start_failed`), so
+        training never begins with a planned group silently missing."""
         if self.spec.mode == "attach":
-            return [self.start(g, cold=False) for g in self.spec.groups for _ in range(g.replicas)]
-        fit = self.cluster.fit_planned(reserved or {})
-        return [self.start(g, cold=False) for g in self.spec.groups for _ in range(fit[g.name])]
+            fit = {g.name: g.replicas for g in self.spec.groups}
+        else:
+            fit = self.cluster.fit_planned(reserved or {})
+        return [self._start_group(g, fit[g.name]) for g in self.spec.groups]
+
+    async def _start_group(self, g: GroupSpec, n: int) -> None:
+        started = await asyncio.gather(*[self.start(g, cold=False) for _ in range(n)])
+        while n and not any(started) and g.name not in self.lost_groups and self.ctx.fatal is None:
+            self.ctx.event("restart", g.name, self._next_index[g.name], self.ctx.version)
+            started = [await self.start(g, cold=True)]
 
     async def start(self, g: GroupSpec, *, cold: bool) -> Replica | None:
         """Start (or attach) one replica of group `g`; logs cold_start / ready."""
@@ -145,25 +172,29 @@ class SamplerFleet:
                 if self.weights.caches is not None:
                     self.weights.caches.ensure()         # a cache on every live node, before Ray places it
                 cls = remote_sampler(accelerator=g.accelerator, amount=g.tp)
-                actor = cls.remote(group=g.name, index=index, model_path=path, precision=g.precision,
-                                   kv_dtype=g.kv_dtype, kernel=g.kernel, weight_noise=g.weight_noise,
-                                   threads=cfg.sampler_threads or self.spec.threads_per_replica,
-                                   seed=cfg.seed * 1009 + zlib.crc32(f"{g.name}/{index}".encode()) % 1000,
-                                   weight_version=str(version),
-                                   mode="sglang" if self.spec.mode == "sglang" else "embedded",
-                                   top_p_replay=self.top_p_replay, tp=g.tp, dp_attention=g.dp_attention, ep=g.ep,
-                                   routed_experts=self.routed_experts, api_key=self.api_key,
-                                   weights=self.weights.starting_weights(version), run=self.weights.run_id,
-                                   driver_node=self.weights.driver_node)
+                kwargs = dict(group=g.name, index=index, model_path=path, precision=g.precision,
+                              kv_dtype=g.kv_dtype, kernel=g.kernel, weight_noise=g.weight_noise,
+                              threads=cfg.sampler_threads or self.spec.threads_per_replica,
+                              seed=cfg.seed * 1009 + zlib.crc32(f"{g.name}/{index}".encode()) % 1000,
+                              weight_version=str(version),
+                              mode="sglang" if self.spec.mode == "sglang" else "embedded",
+                              top_p_replay=self.top_p_replay, tp=g.tp, dp_attention=g.dp_attention, ep=g.ep,
+                              routed_experts=self.routed_experts, api_key=self.api_key,
+                              weights=self.weights.starting_weights(version), run=self.weights.run_id,
+                              driver_node=self.weights.driver_node)
+                actor = cls.remote(**self.start_kwargs(g.name, kwargs))
                 info = await actor.info.remote()
                 url = info["url"]
-        except Exception as e:  # noqa: BLE001 - a replica that cannot start is logged; the run goes on
+        except Exception as e:  # noqa: BLE001 - a replica that cannot start is logged (and counted)
             self._starting[g.name] -= 1
             self._recount(g.name)
-            ctx.event("crash", g.name, index, ctx.version, detail=f"start failed: {type(e).__name__}: {e}")
+            error = f"{type(e).__name__}: {e}"
+            ctx.event("crash", g.name, index, ctx.version, detail=f"start failed: {error}"[:2000])
+            self._start_failed(g.name, error)
             return None
         finally:
             self.weights.unpin(version)
+        self._start_failures[g.name] = 0
         client = SamplerClient(url, config=ClientConfig(max_retries=2, backoff_initial_s=0.05, connect_timeout_s=5.0),
                                api_key=self.api_key)
         served = 0 if self.spec.mode == "attach" else version   # an attached server serves what it was started on
@@ -186,6 +217,28 @@ class SamplerFleet:
         ctx.event("ready", g.name, index, ctx.version, detail=url, duration_s=ctx.now() - t0)
         ctx.wake.set()
         return rep
+
+    def _start_failed(self, group: str, error: str) -> None:
+        """One more failed start of `group`; `MAX_START_FAILURES` in a row with nothing up or starting: the
+        group cannot start (the run fails, or the group is given up when the run allows it)."""
+        self._start_failures[group] += 1
+        if self._start_failures[group] < MAX_START_FAILURES or group in self.lost_groups:
+            return
+        if any(r.up for r in self.replicas[group]) or self._starting[group] > 0:
+            return
+        last = _last_line(error)
+        if self.ctx.config.allow_group_loss:
+            self.lost_groups[group] = last
+            self.ctx.event("group_lost", group, version=self.ctx.version, detail=json.dumps(
+                {"starts_failed": self._start_failures[group], "error": last}))
+            self.ctx.wake.set()
+            if set(self.lost_groups) == set(self.names):
+                self.ctx.fail(RunFailed(f"no sampler group can start (the last, {group!r}: {last})"))
+            return
+        self.ctx.fail(RunFailed(
+            f"sampler group {group!r} cannot start: {self._start_failures[group]} starts in a row failed, the "
+            f"last with {last} (see its 'crash' events); fix the group in the plan, or allow going on without "
+            f"it (--allow-group-loss)"))
 
     # ---- accounting and views ---------------------------------------------------------------------------
     def _recount(self, group: str) -> None:
@@ -281,6 +334,8 @@ class SamplerFleet:
                 continue
             self._last_scale_check = now
             for g in self.spec.groups:
+                if g.name in self.lost_groups:
+                    continue
                 view = self.group_view(g.name)
                 want = self.autoscaler.target(view, now)
                 live = view.live_replicas
@@ -336,3 +391,9 @@ class SamplerFleet:
                         ray.kill(r.actor, no_restart=True)
         if self._probe_http is not None:
             await self._probe_http.aclose()
+
+
+def _last_line(error: str, limit: int = 400) -> str:
+    """The gist of an actor's start error (Ray wraps it with its traceback): its last non-empty line."""
+    lines = [ln.strip() for ln in error.strip().splitlines() if ln.strip()]
+    return (lines[-1] if lines else error)[:limit]

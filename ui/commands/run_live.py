@@ -110,15 +110,17 @@ def default_base_policy(progress: bool = True, model: str = "tiny") -> str:
 
 def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, embedded: bool, address: str | None,
                 init: str | None, mode: str, attach: list[str], kill_at: list[str], eval_every: int | None,
-                task: str | None, quiet: bool, trainer_threads: int | None = None, force: bool = False) -> None:
-    """Body of `mixfleet run` (see its help)."""
+                task: str | None, quiet: bool, trainer_threads: int | None = None, force: bool = False,
+                allow_group_loss: bool = False) -> None:
+    """Body of `mixfleet run` (see its help). Exit codes: 0 done, 1 the run failed or stopped on an error
+    (run log kept), 2 bad input, 3 done without a sampler group that could not start (--allow-group-loss)."""
     import torch
     from mixfleet.costmodel.catalog import load_catalog
     from mixfleet.costmodel.errors import SpecError
     from mixfleet.costmodel.outdir import prepare_output_dir
     from mixfleet.policies.plan import load_plan
     from mixfleet.runner.checkpoint.hf_checkpoint import NonFiniteWeightsError
-    from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
+    from mixfleet.runner.orchestration.orchestrator import RunConfig, RunFailed, run_plan
 
     torch.set_num_threads(1)
     try:
@@ -154,7 +156,7 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
         cfg = RunConfig.for_plan(plan, out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
                                  fleet_mode=fleet_mode, attach=attach_map, address=address, resume=resume,
                                  task=task or (emb.task if emb and emb.task else "guess"), eval_every=eval_every,
-                                 trainer_threads=trainer_threads)
+                                 trainer_threads=trainer_threads, allow_group_loss=allow_group_loss)
     except (SpecError, ValueError) as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
@@ -204,6 +206,9 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
     with view:
         try:
             res = run_plan(plan, cfg, on_update=on_update_checked, on_event=on_event_checked)
+        except RunFailed as e:
+            typer.secho(f"error: the run failed: {e}; run log: {out}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(1) from None
         except (SpecError, ValueError) as e:
             cause = getattr(e, "cause", None) or e      # an actor's error arrives wrapped by Ray (with its traceback)
             if isinstance(cause, NonFiniteWeightsError):   # a diverged update: the run stopped, resumable
@@ -217,6 +222,11 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
     word = "stopped" if stop["asked"] and res["version"] < cfg.updates else "done"
     typer.echo(f"{word}: version {res['version']} in {res['elapsed_s']:.0f} s, trainer idle "
                f"{res['trainer_idle_share']:.0%}, restarts {res['restarts']}; run log: {res['out']}")
+    if res.get("lost_groups"):
+        for g, why in res["lost_groups"].items():
+            typer.secho(f"warning: sampler group {g!r} never started and was left out: {why}",
+                        fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(3)
 
 
 def register_run(app: typer.Typer) -> None:
@@ -242,6 +252,9 @@ def register_run(app: typer.Typer) -> None:
         task: str = typer.Option(None, "--task", help="Task name (default: the plan's, else guess)."),
         trainer_threads: int = typer.Option(None, "--trainer-threads", min=1,
                                             help="Torch threads of the trainer (default: the plan's, else 1)."),
+        allow_group_loss: bool = typer.Option(False, "--allow-group-loss",
+                                              help="Go on without a sampler group none of whose replicas can "
+                                                   "start (reported; exit code 3) instead of failing the run."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="Plain progress lines instead of the live view."),
     ) -> None:
         """Run a plan for real: fully asynchronous RL, Megatron-core trainer, mixed samplers, the plan's policies."""
@@ -249,4 +262,4 @@ def register_run(app: typer.Typer) -> None:
             typer.secho(f"error: --mode {mode!r}; allowed: async, sync", fg=typer.colors.RED, err=True)
             raise typer.Exit(2)
         run_command(plan, out, updates, resume, embedded, address, init, mode, attach, kill_at, eval_every, task,
-                    quiet, trainer_threads, force)
+                    quiet, trainer_threads, force, allow_group_loss)
