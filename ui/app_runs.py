@@ -272,6 +272,8 @@ def render() -> None:
     pick = st.selectbox("Run log", list(by_path), format_func=lambda k: run_label(*by_path[k]), key="runs_pick")
     path, header = by_path.get(str(pick), runs[0])
     preds = twin_predictions_for(header, root, exclude=path) if header.get("source") != "twin" else []
+    for g, why in (header.get("lost_groups") or {}).items():      # given up under --allow-group-loss
+        st.warning(f"Sampler group `{g}` never started and the run went on without it: {why}")
     c1, c2 = st.columns([3, 1])
     overlay = None
     with c1:
