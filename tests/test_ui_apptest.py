@@ -104,6 +104,9 @@ def test_planner_runs_with_the_defaults_and_shows_a_mix(env: Path) -> None:
     assert not at.exception, [e.value for e in at.exception]
     assert not at.error, [e.value for e in at.error]
     assert "Chosen mix" in [s.value for s in at.subheader]
+    assert any("The twin's steady state" in m.value for m in at.markdown)
+    steady = [(m.label, m.value) for m in at.metric if " ± " in m.value]      # the twin's, with intervals
+    assert {"time per update", "cost per update", "mean staleness (versions)"} <= {k for k, _ in steady}, steady
     mix = at.table[0].value
     assert len(mix) >= 1 and (mix["replicas"].astype(int) >= 1).all()
     assert set(mix["accelerator"]) <= {"B200", "B300", "H200", "H100", "A100-80GB", "RTX-PRO-6000"}

@@ -198,20 +198,22 @@ def known_workloads() -> list[str]:
 
 
 # ---- dry runs (the twin) -------------------------------------------------------------------------
-def twin_run_dir(pt: PlanText, updates: int, seed: int, calibration: str | None = None) -> Path:
-    """Where the app keeps a dry run of this exact plan text, N, seed (and calibration) under the runs dir."""
+def twin_run_dir(pt: PlanText, updates: int, seed: int, calibration: str | None = None,
+                 warm_start: bool = False) -> Path:
+    """Where the app keeps a dry run of this exact plan text, N, seed (calibration, warm start) under the runs dir."""
     safe = "".join(c if c.isalnum() or c in "-_" else "-" for c in pt.name)[:40]
     cal = ""
     if calibration:
         cal = "-cal-" + hashlib.sha256(Path(calibration).read_bytes()).hexdigest()[:8]
-    return runs_dir() / "twin" / f"{safe}-{pt.digest}-n{updates}-s{seed}{cal}"
+    return runs_dir() / "twin" / f"{safe}-{pt.digest}-n{updates}-s{seed}{cal}{'-warm' if warm_start else ''}"
 
 
-def finished_dry_run(pt: PlanText, updates: int, seed: int, calibration: str | None = None) -> Path | None:
+def finished_dry_run(pt: PlanText, updates: int, seed: int, calibration: str | None = None,
+                     warm_start: bool = False) -> Path | None:
     """The folder of a finished identical dry run under the runs dir, if there is one."""
     import json
 
-    out = twin_run_dir(pt, updates, seed, calibration)
+    out = twin_run_dir(pt, updates, seed, calibration, warm_start)
     try:
         return out if json.loads((out / "run.json").read_text()).get("status") == "finished" else None
     except (OSError, ValueError):
@@ -219,13 +221,13 @@ def finished_dry_run(pt: PlanText, updates: int, seed: int, calibration: str | N
 
 
 def dry_run(pt: PlanText, updates: int, seed: int, progress: Callable[[int], None] | None = None,
-            calibration: str | None = None) -> Path:
-    """Simulate the plan with the twin (calibrated when a calibration file is given) into the runs dir, or
-    reuse a finished identical dry run there."""
-    done = finished_dry_run(pt, updates, seed, calibration)
+            calibration: str | None = None, warm_start: bool = False) -> Path:
+    """Simulate the plan with the twin (calibrated when a calibration file is given; from a warm start when
+    asked) into the runs dir, or reuse a finished identical dry run there."""
+    done = finished_dry_run(pt, updates, seed, calibration, warm_start)
     if done is not None:
         return done
-    out = twin_run_dir(pt, updates, seed, calibration)
+    out = twin_run_dir(pt, updates, seed, calibration, warm_start)
     from mixfleet.costmodel.outdir import prepare_output_dir
 
     prepare_output_dir(out, "twin_runlog", where="Dry-run page", force=True)   # an unfinished dry run, never more
@@ -233,11 +235,12 @@ def dry_run(pt: PlanText, updates: int, seed: int, progress: Callable[[int], Non
     if calibration:
         from mixfleet.twin.calibrated import simulate_calibrated
 
-        simulate_calibrated(plan_object(pt), calibration, updates=updates, seed=seed, out=out, progress=progress)
+        simulate_calibrated(plan_object(pt), calibration, updates=updates, seed=seed, out=out, progress=progress,
+                            warm_start=warm_start)
     else:
         from mixfleet.twin.sim import simulate
 
-        simulate(plan_object(pt), updates=updates, seed=seed, out=out, progress=progress)
+        simulate(plan_object(pt), updates=updates, seed=seed, out=out, progress=progress, warm_start=warm_start)
     return out
 
 

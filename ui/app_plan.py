@@ -180,7 +180,8 @@ def _trainer() -> dict[str, Any]:
     gpus = int(c[1].number_input("trainer GPUs", 1, 4096, 8, key="pl_tgpus"))
     n = int(c[2].number_input("twin check: updates per dry run", 1, 100, planner.DEFAULT_TWIN_UPDATES, key="pl_tn",
                               help="The chosen mix and the seed's two fleets are dry-run in the twin for this "
-                                   "many updates (cached under the runs folder)."))
+                                   "many updates from a warm start; their steady state is shown (cached under "
+                                   "the runs folder)."))
     refs = c[3].toggle("show the seed's two fleets", value=True, key="pl_refs")
     return {"trainer_accelerator": acc, "trainer_gpus": gpus, "twin_updates": n, "references": refs}
 
@@ -202,6 +203,21 @@ def _constraints() -> dict[str, Any]:
 def _show(view: planner.PlannerView) -> None:
     st.subheader("Chosen mix")
     p = view.chosen_point
+    tw = p.get("twin") or {}
+    if tw:
+        st.markdown("**The twin's steady state** (± 95% interval; the analytic screen's figure under each)")
+        c = st.columns(4)
+        c[0].metric("time per update", f"{fmt_s(tw['time_per_update_s'])} ± {fmt_s(tw['time_per_update_ci_s'])}",
+                    delta=f"analytic {fmt_s(p.get('time_per_update_s'))}", delta_color="off")
+        cost = f"{fmt_usd(tw['cost_per_update_usd'])} ± {fmt_usd(tw['cost_per_update_ci_usd'])}"
+        c[1].metric("cost per update", cost,
+                    delta=f"analytic {fmt_usd(p.get('cost_per_update_usd'))}", delta_color="off")
+        stale = f"{fmt_versions(tw['staleness'])} ± {fmt_versions(tw['staleness_ci'])}"
+        c[2].metric("mean staleness (versions)", stale,
+                    delta=f"analytic {fmt_versions(p.get('staleness_mean'))}", delta_color="off")
+        c[3].metric("pipeline fill / warm-up", f"{fmt_s(tw['fill_s'])} / {tw['warmup_updates']} updates",
+                    help=f"{tw['updates']} updates from a warm start; {tw['steady_updates']} steady")
+        st.markdown("**The analytic screen**")
     c = st.columns(5)
     c[0].metric("time per update", fmt_s(p.get("time_per_update_s")), help="the planner's steady-state estimate")
     c[1].metric("cost per update", fmt_usd(p.get("cost_per_update_usd")))
@@ -217,9 +233,8 @@ def _show(view: planner.PlannerView) -> None:
                     width="stretch")
     st.caption("Filled circles: the planner's Pareto set; star: the chosen mix; diamonds: the seed's mixed and "
                "homogeneous sampler fleets on the same model, workload, prices and trainer (all the planner's "
-               "analytic steady state). Open circles: twin dry runs of the chosen mix and of the seed's fleets "
-               "(short runs that include filling the pipeline, so they sit above and to the right; compare them "
-               "with each other).")
+               "analytic steady state). Open circles: the twin's steady state of the chosen mix and of the seed's "
+               "fleets (warm-started dry runs, the pipeline fill and the warm-up left out).")
     d1, d2 = st.columns([1, 3])
     d1.download_button("Download the plan TOML", view.plan.toml, file_name=f"{view.plan.name}.toml",
                        mime="application/toml", type="primary", key="pl_download")

@@ -1,13 +1,13 @@
 """Adapter between the Plan page and the mix planner (`mixfleet.twin.planner`).
 
 `run(...)` turns the page's inputs (model, workload, price table, the edited accelerator pool with its
-prices per GPU-hour and allowed precisions, constraints) into a `PlannerConfig`, calls `plan_mix`,
-dry-runs the chosen plan in the twin (the planner's DES verification, kept as a run log so its
-per-group share of samples can be shown), and evaluates the seed's two fleets with the planner's
-analytic model (`evaluate_plan`) as reference points, and dry-runs them in the twin too. It returns a
-`PlannerView` for the page: the chosen plan as TOML, the chosen mix as a display table, the Pareto
-set, and the twin's points. Planning and simulation happen in mixfleet.twin; here only inputs and
-outputs are shaped.
+prices per GPU-hour and allowed precisions, constraints) into a `PlannerConfig`, calls `plan_mix` (`verify`
+candidates verified in the twin's steady state and re-ranked, default 0 here), dry-runs the chosen plan
+in the twin (kept as a run log so its per-group share of samples can be shown), and evaluates the seed's two
+fleets with the planner's analytic model (`evaluate_plan`) as reference points, and dry-runs them in the
+twin too (warm starts; their steady state). It returns a `PlannerView` for the page: the chosen plan as
+TOML, the chosen mix as a display table, the Pareto set, and the twin's points. Planning and simulation
+happen in mixfleet.twin; here only inputs and outputs are shaped.
 """
 
 from __future__ import annotations
@@ -39,7 +39,11 @@ DEFAULT_MAX_GPUS = 64
 DEFAULT_MAX_STALENESS = 4.0         # versions (0 = no limit); keeps trainer-bound mixes out by default
 DEFAULT_MAX_TIME_S = 0.0            # seconds per update; 0 = no limit
 DEFAULT_BUDGET_USD_H = 0.0          # USD per hour; 0 = no limit
-DEFAULT_TWIN_UPDATES = 2            # updates per dry run of the chosen plan and of the reference fleets
+DEFAULT_TWIN_UPDATES = 4            # updates per dry run of the chosen plan and of the reference fleets (warm
+                                    # start: about the CPU of the 2 cold updates it replaces; their steady state
+                                    # after the MSER-5 warm-up, wide 95% intervals; raise it on the page)
+DEFAULT_VERIFY = 0                  # candidates plan_mix verifies and re-ranks in the twin (the CLI's default is
+                                    # 3; here 0 keeps the page's run short: the chosen mix is dry-run below)
 OBJECTIVES = {"cost per update": "cost_per_update",
               "cost per effective update (masked tokens count as waste)": "cost_per_effective_update"}
 KV_DTYPES = formats().sglang_kv_dtypes   # the GPU servers' KV dtypes (data/precisions.toml)
@@ -120,10 +124,13 @@ def _point(c: Any) -> dict[str, Any]:
 
 def _twin_point(name: str, pt: PlanText, updates: int, seed: int,
                 progress: Callable[[int], None] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    run = load_run(dry_run(pt, updates, seed, progress=progress))
+    run = load_run(dry_run(pt, updates, seed, progress=progress, warm_start=True))
     s = run.summary
-    return ({"name": name, "time_per_update_s": s["time_per_update_mean_s"],
-             "cost_per_update_usd": s["cost_per_update_usd"], "staleness_mean": s["staleness_mean"],
+    return ({"name": name, "time_per_update_s": s["steady_time_per_update_s"],
+             "time_per_update_ci_s": s["steady_time_per_update_ci_s"],
+             "cost_per_update_usd": s["steady_cost_per_update_usd"],
+             "cost_per_update_ci_usd": s["steady_cost_per_update_ci_usd"],
+             "staleness_mean": s["steady_staleness_mean"], "staleness_ci": s["steady_staleness_ci"],
              "run_log": run.path}, s)
 
 
@@ -138,7 +145,8 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
         max_time_per_update_s: float | None, budget_usd_per_hour: float | None, objective: str,
         twin_updates: int = DEFAULT_TWIN_UPDATES, references: bool = True, seed: int = 0, emulated: bool = False,
         calibration: str | None = None, progress: Callable[[float, str], None] | None = None,
-        backend: str = "roofline", layouts: str = "smallest") -> PlannerView:
+        backend: str = "roofline", layouts: str = "smallest",
+        verify: int = DEFAULT_VERIFY) -> PlannerView:
     """Plan a mix; raises the planner's SpecError on bad inputs and ValueError when nothing is feasible.
     `pool`: columns use, accelerator, max_gpus and optionally usd_per_gpu_hour and precisions (edited prices
     and precision lists become the planner's per-accelerator overrides; `emulated` allows emulated ones)."""
@@ -153,7 +161,8 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
         max_gpus={str(a): int(n) for a, n in zip(used["accelerator"], used["max_gpus"], strict=True)},
         kv_dtypes=tuple(kv_dtypes), trainer_accelerator=trainer_accelerator, trainer_gpus=int(trainer_gpus),
         max_staleness=max_staleness, max_time_per_update_s=max_time_per_update_s,
-        max_usd_per_hour=budget_usd_per_hour, objective=OBJECTIVES.get(objective, objective), verify=0, seed=seed,
+        max_usd_per_hour=budget_usd_per_hour, objective=OBJECTIVES.get(objective, objective), verify=verify,
+        verify_updates=twin_updates, seed=seed,
         prices=prices, precisions=precisions, emulated=emulated,
         calibration=_load_calibration(calibration) if calibration else None, backend=backend, layouts=layouts)
     if not cfg.accelerators:
@@ -207,12 +216,23 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
                      "priced by": "measured (aiconfigurator)" if t.backend == "aiconfigurator" else t.backend})
     table = pd.DataFrame(rows)
     chosen = _point(best)
+    cs = chosen_summary
+    chosen["twin"] = {  # the chosen plan's steady state in the twin (its dry run above)
+        "time_per_update_s": cs.get("steady_time_per_update_s"), "time_per_update_ci_s": cs.get(
+            "steady_time_per_update_ci_s"), "cost_per_update_usd": cs.get("steady_cost_per_update_usd"),
+        "cost_per_update_ci_usd": cs.get("steady_cost_per_update_ci_usd"), "staleness": cs.get("steady_staleness_mean"),
+        "staleness_ci": cs.get("steady_staleness_ci"), "fill_s": cs.get("first_update_s"),
+        "warmup_updates": cs.get("warmup_updates"), "steady_updates": cs.get("steady_updates"), "updates": twin_updates}
     points = pd.DataFrame([_point(c) for c in result.pareto])
     points["pareto"] = True
     notes = (f"{result.screened:,} candidates screened, {result.feasible:,} feasible, {len(result.pareto)} on the "
              f"Pareto set; {best.inflight_prompts} prompts in flight; fleet throughput "
-             f"{fmt_num(best.throughput_tokens_per_s, 'tokens/s')} (planner). Twin points: {twin_updates} updates "
-             "each, including filling the pipeline.")
+             f"{fmt_num(best.throughput_tokens_per_s, 'tokens/s')} (planner). "
+             + (f"The {len(result.verified)} best by the analytic screen were verified in the twin's steady state "
+                "and re-ranked by it. " if result.verified else "")
+             + ("" if result.verified else "(`mixfleet plan` also verifies the 3 best in the twin and re-ranks them.) ")
+             + f"Twin points: {twin_updates} updates each from a warm start, their steady state (the pipeline fill "
+             "and the MSER-5 warm-up left out).")
     if best.trainer_bound:
         notes += " The chosen mix is trainer-bound: samplers outpace the trainer and staleness grows without bound."
     say(1.0, "done")
