@@ -86,3 +86,44 @@ def test_the_analytic_model_of_a_plan_agrees_with_the_des() -> None:
     des = simulate(plan, updates=8).summary
     assert des.time_per_update_mean_s == pytest.approx(est.time_per_update_s, rel=0.15)
     assert des.cost_per_update_usd == pytest.approx(est.cost_per_update_usd, rel=0.15)
+
+
+def test_session_limited_throughput_solves_its_fixed_point() -> None:
+    """Light load (few sessions per replica): each session decodes at its replica's small-batch speed, the
+    solution satisfies x = S (c - tool) / c and c = reply / (speed(x) (1 - S p / c)) + p + tool; heavy load:
+    every replica at its busy tokens/s."""
+    from mixfleet.twin.planner import session_limited_throughput
+
+    cfg = PlannerConfig(accelerators=("B300", "H100"))
+    types = [t for t in group_types(cfg) if t.name in ("B300-NVFP4", "H100-FP8")]
+    assert len(types) == 2 and all(len(t.seq_speed_by_batch) > 8 for t in types)
+    n = np.array([[16, 4]])
+    reply, tool = 525.0, 5.0
+    busy = n[0] @ np.array([t.tokens_per_s for t in types])
+    assert session_limited_throughput(types, n, np.array([1e6]), reply, tool)[0] == pytest.approx(busy)
+    active = 256.0                                   # 16 and 4 replicas: a few sessions each
+    thr = session_limited_throughput(types, n, np.array([active]), reply, tool)[0]
+    tps = np.array([t.tokens_per_s for t in types])
+    want = 0.0
+    for j, t in enumerate(types):                    # solve one type's equations independently (bisection on x)
+        s = active * n[0, j] * tps[j] / busy / n[0, j]
+        speeds = np.array(t.seq_speed_by_batch)
+        b = np.arange(1, len(speeds) + 1)
+
+        def cycle(x: float, s=s, t=t, speeds=speeds, b=b) -> float:
+            c = reply / np.interp(x, b, speeds) + t.prefill_turn_s + tool
+            for _ in range(200):
+                c = reply / (np.interp(x, b, speeds) * max(0.05, 1 - s * t.prefill_turn_s / c)) + t.prefill_turn_s \
+                    + tool
+            return c
+
+        lo, hi = 1.0, float(len(speeds))
+        for _ in range(60):
+            x = (lo + hi) / 2
+            c = cycle(x)
+            lo, hi = (x, hi) if s * (c - tool) / c > x else (lo, x)
+        c = cycle(lo)
+        assert s < len(speeds) and s * reply / c < t.tokens_per_s          # session-limited
+        assert reply / (c - t.prefill_turn_s - tool) > t.per_seq_tokens_per_s  # faster than at the busy batch
+        want += n[0, j] * s * reply / c
+    assert thr == pytest.approx(want, rel=0.01)

@@ -10,9 +10,10 @@
    Per accelerator, `PlannerConfig.precisions` narrows the precisions (or names emulated ones, with
    `emulated`) and `PlannerConfig.prices` overrides the price table; the written plan carries those prices.
 2. Screen (analytic, vectorized over thousands of candidates): for a mix n (replicas per type) and K prompts
-   in flight, fleet throughput T = sum n_i tps_i, capped by the active sessions (K x samples / r, r = E[longest
-   of a group's samples] / E[one]: finished samples wait for their siblings; each alternating decode and tool
-   calls); sampler time per update G / T for G generated tokens per update; time per update = max(sampler
+   in flight, fleet throughput T = sum over types of n_i x min(tps_i, what its sessions ask for): the active
+   sessions (K x samples / r, r = E[longest of a group's samples] / E[one]: finished samples wait for their
+   siblings) routed by capacity, each alternating decode, prefill and tool calls, decoding at the speed of the
+   batch its replica then runs (`session_limited_throughput`, a fixed point); sampler time per update G / T for G generated tokens per update; time per update = max(sampler
    time, train step + weight push) (fully async); staleness by Little's law: a prompt-group lives K / B update
    periods, its tokens are on average f of that old when it completes (f = E[sum D_i (max D - D_i / 2)] /
    (E[sum D_i] E[max D]) over a group's episode lengths D, 1/2 for constant ones), and the update that trains
@@ -186,6 +187,8 @@ class GroupType:
     tp: int
     tokens_per_s: float              # per replica, prefill included
     per_seq_tokens_per_s: float      # one session's decode speed at that batch
+    seq_speed_by_batch: tuple[float, ...] = ()   # one session's decode speed (tokens/s) at batch 1, 2, ... b
+    prefill_turn_s: float = 0.0      # one turn's prefill (the workload's new tokens per turn), stalls decoding
     usd_per_hour: float
     sync_s: float
     masked_share: float              # prior extreme-ratio share (what the correction masks)
@@ -283,13 +286,17 @@ def group_types(cfg: PlannerConfig, only: list[tuple] | None = None) -> list[Gro
             if gc is not None:
                 rm = gc.apply(rm)
             tps, b = serving_point(rm, shape, DEFAULT_MAX_BATCH * rm.dp_attention)
-            prefill_per_token_s = float(rm.prefill_s(shape.new_tokens_per_turn)) / reply_per_turn
+            prefill_turn_s = float(rm.prefill_s(shape.new_tokens_per_turn))
+            prefill_per_token_s = prefill_turn_s / reply_per_turn
+            batches = np.arange(1, max(1, math.ceil(b)) + 1, dtype=np.float64)
+            speeds = np.asarray(rm.tokens_per_s(batches, shape.decode_context), dtype=np.float64) / batches
             eff_tps = 1.0 / (1.0 / tps + prefill_per_token_s)
             prior = mismatch_prior(a, p, kv)
             suffix = p.upper() + ("" if kv == "fp8_e4m3" or p == "bf16" and kv == "bf16" else f"-KV{kv.upper()}")
             lay_sfx = "" if (rm.dp_attention == 1 and rm.ep == 1) else f"-{rm.layout.label}"
             t = GroupType(name=f"{a}-{suffix}{lay_sfx}", accelerator=a, precision=p, kv_dtype=kv,
                           tp=rm.n_gpus, tokens_per_s=eff_tps, per_seq_tokens_per_s=tps / b,
+                          seq_speed_by_batch=tuple(speeds.tolist()), prefill_turn_s=prefill_turn_s,
                           usd_per_hour=rm.price_usd_per_hour,
                           sync_s=gc.weight_sync_s.value if gc else weight_sync_s(rm, trainer_acc),
                           masked_share=gc.extreme_share.value if gc else prior.extreme_share,
@@ -373,15 +380,12 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
         train_s = float(trainer_step_s(model, trainer_acc, cfg.trainer_gpus, gen_tokens))
     n, k = np.atleast_2d(n), np.atleast_1d(k)
     tps = np.array([t.tokens_per_s for t in types])
-    seq = np.array([t.per_seq_tokens_per_s for t in types])
     price = np.array([t.usd_per_hour for t in types])
     masked = np.array([t.masked_share for t in types])
     sync = np.array([t.sync_s for t in types])
     cap_tps = n @ tps
-    seq_rate = (n * tps) @ seq / np.maximum(cap_tps, 1e-12)              # capacity-weighted per-session speed
     reply, tool = shape.generated_per_episode / max(shape.turns_per_episode, 1.0), wl.tool_latency_s.mean
-    session_tps = reply / (reply / seq_rate + tool)
-    thr = np.minimum(cap_tps, k * spp / shape.group_span * session_tps)  # finished samples wait for siblings
+    thr = session_limited_throughput(types, n, k * spp / shape.group_span, reply, tool)  # siblings wait
     t_sampler = gen_tokens / thr
     t_trainer = train_s + np.max(np.where(n > 0, sync[None, :], 0.0), axis=1)
     trainer_bound = t_trainer > t_sampler
@@ -396,6 +400,44 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
     return {"throughput": thr, "time_per_update_s": t_update, "staleness": staleness, "usd_per_hour": usd_h,
             "cost_per_update": cost, "cost_per_effective_update": cost / kept, "kept_share": kept,
             "trainer_bound": trainer_bound}
+
+
+SESSION_FIXED_POINT_ITERATIONS = 40
+
+
+def session_limited_throughput(types: list[GroupType], n: np.ndarray, active: np.ndarray, reply: float,
+                               tool_s: float) -> np.ndarray:
+    """Fleet tokens/s for mixes `n` (rows) with `active` sessions each (not waiting for siblings), routed in
+    proportion to capacity and sticky: per type, S sessions per replica each cycle through a turn (decode
+    `reply` tokens, its prefill, a tool call of `tool_s`). A replica decodes its x running sessions at
+    `seq_speed_by_batch[x]` each, and every prefill on it stalls them all, so x and the cycle time c solve
+    x = S (c - tool) / c,  c = reply / (speed(x) (1 - S prefill / c)) + prefill + tool
+    (a fixed point, damped); a replica gives min(S reply / c, its busy tokens/s). Under light load the
+    batch is small and each session decodes faster than at the busy batch (the speed the screen used to
+    assume for every session, which made it 2x pessimistic at K = B on small batches)."""
+    n = np.atleast_2d(np.asarray(n, dtype=np.float64))
+    tps = np.array([t.tokens_per_s for t in types])
+    cap = np.maximum(n @ tps, 1e-12)
+    share = n * tps / cap[:, None]
+    thr = np.zeros(len(n))
+    for j, t in enumerate(types):
+        used = n[:, j] > 0
+        if not used.any():
+            continue
+        speeds = np.asarray(t.seq_speed_by_batch or (t.per_seq_tokens_per_s,), dtype=np.float64)
+        top = float(len(speeds))
+        batches = np.arange(1, len(speeds) + 1, dtype=np.float64)
+        s = np.asarray(active, dtype=np.float64)[used] * share[used, j] / n[used, j]   # sessions per replica
+        p = t.prefill_turn_s
+        x = np.clip(s, 1.0, top)
+        c = reply / np.interp(x, batches, speeds) + p + tool_s
+        for _ in range(SESSION_FIXED_POINT_ITERATIONS):
+            util = np.clip(1.0 - s * p / c, 0.05, 1.0)
+            c_new = reply / (np.interp(x, batches, speeds) * util) + p + tool_s
+            c = 0.5 * c + 0.5 * c_new
+            x = 0.5 * x + 0.5 * np.clip(s * (c - tool_s) / c, 1.0, top)
+        thr[used] += n[used, j] * np.minimum(s * reply / c, t.tokens_per_s)
+    return thr
 
 
 def evaluate_plan(plan: Plan, cfg: PlannerConfig | None = None) -> Candidate:
