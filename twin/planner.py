@@ -13,7 +13,8 @@
    in flight, fleet throughput T = sum over types of n_i x min(tps_i, what its sessions ask for): the active
    sessions (K x samples / r, r = E[longest of a group's samples] / E[one]: finished samples wait for their
    siblings) routed by capacity, each alternating decode, prefill and tool calls, decoding at the speed of the
-   batch its replica then runs (`session_limited_throughput`, a fixed point); sampler time per update G / T for G generated tokens per update; time per update = max(sampler
+   batch its replica then runs (`session_limited_throughput`, a fixed point); sampler time per update G / T
+   for G generated tokens per update; time per update = max(sampler
    time, train step + weight push) (fully async); staleness by Little's law: a prompt-group lives K / B update
    periods, its tokens are on average f of that old when it completes (f = E[sum D_i (max D - D_i / 2)] /
    (E[sum D_i] E[max D]) over a group's episode lengths D, 1/2 for constant ones), and the update that trains
@@ -34,8 +35,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable
+import os
+import sys
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -317,6 +321,26 @@ def serving_point(rm: Any, shape: WorkloadShape, max_running: int = DEFAULT_MAX_
     return float(rm.tokens_per_s(b, shape.decode_context)), b
 
 
+@contextlib.contextmanager
+def _quiet_native_stdout() -> Iterator[None]:
+    """HiGHS (scipy's milp) prints debugging lines ("HighsMipSolverData::...") from C++ straight to file
+    descriptor 1 even with disp off; send fd 1 to /dev/null meanwhile (Python's own output is flushed first)."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):   # no real stdout (captured): nothing to keep clean
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(fd)
+    try:
+        with open(os.devnull, "wb") as null:
+            os.dup2(null.fileno(), fd)
+            yield
+    finally:
+        os.dup2(saved, fd)
+        os.close(saved)
+
+
 def _milp_candidates(types: list[GroupType], cfg: PlannerConfig, trainer_usd_h: float, effective: bool) -> np.ndarray:
     """Cheapest fleets reaching a sweep of throughput targets (integer replicas, GPU caps, budget)."""
     price = np.array([t.usd_per_hour for t in types])
@@ -331,9 +355,10 @@ def _milp_candidates(types: list[GroupType], cfg: PlannerConfig, trainer_usd_h: 
     t_max = float(tps @ ub)
     out = []
     for target in np.geomspace(max(tps.min(), 1.0), t_max, 32):
-        res = milp(c=price, integrality=np.ones(len(types)), bounds=Bounds(0, ub),
-                   constraints=[*cons, LinearConstraint(tps[None, :], target, np.inf)],
-                   options={"time_limit": 2.0})
+        with _quiet_native_stdout():
+            res = milp(c=price, integrality=np.ones(len(types)), bounds=Bounds(0, ub),
+                       constraints=[*cons, LinearConstraint(tps[None, :], target, np.inf)],
+                       options={"time_limit": 2.0})
         if res.x is not None:
             out.append(np.round(res.x).astype(int))
     return np.unique(np.array(out, dtype=int).reshape(-1, len(types)), axis=0)
