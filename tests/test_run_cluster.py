@@ -31,45 +31,18 @@ from mixfleet.runner.checkpoint.init_model import init_model
 from mixfleet.runner.orchestration import local_ray
 from mixfleet.runner.orchestration.distribution import CACHE_ENV, KEEP_NODE_VERSIONS
 from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
+from runplans import CPU_FP8, FIXED_EVERY_1S, run_plan_toml
 
 pytestmark = pytest.mark.slow
 
-PLAN = """
-name = "cluster-test"
-model = "tiny"
-workload = "tiny-cpu"
-[trainer]
-accelerator = "CPU-2core"
-gpus = 1
-loss = "sc_mis"
-[[groups]]
-name = "h100-bf16"
-accelerator = "H100"
-precision = "bf16"
-kv_dtype = "bf16"
-kernel = "fp32"
-replicas = 2
-[[groups]]
-name = "a100-fp8"
-accelerator = "A100-80GB"
-precision = "fp8"
-kv_dtype = "fp8_e4m3"
-emulated = true
-replicas = 2
-[policies.autoscaler]
-name = "fixed"
-interval_s = 1.0
-[policies.batcher]
-prompts_per_update = 2
-samples_per_prompt = 2
-inflight_prompts = 4
-[policies.weight_sync]
-name = "in_flight"
-[embedded]
-max_replicas_per_group = 2
-max_turns = 2
-max_new_tokens = 8
-"""
+PLAN = run_plan_toml(
+    "cluster-test",
+    [{"name": "h100-bf16", "accelerator": "H100", "precision": "bf16", "kv_dtype": "bf16", "kernel": "fp32",
+      "replicas": 2},
+     {**CPU_FP8, "name": "a100-fp8", "accelerator": "A100-80GB", "replicas": 2}],
+    trainer={"loss": "sc_mis"}, autoscaler=FIXED_EVERY_1S, weight_sync={"name": "in_flight"},
+    batcher={"prompts_per_update": 2, "samples_per_prompt": 2, "inflight_prompts": 4},
+    embedded={"max_replicas_per_group": 2, "max_turns": 2, "max_new_tokens": 8})
 
 UPDATES = 4
 NODES = {"head": {"CPU-2core": 1, "H100": 1}, "n2": {"H100": 1, "A100-80GB": 1}, "n3": {"A100-80GB": 1},

@@ -29,41 +29,12 @@ from mixfleet.costmodel.runlog import RunLog
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.checkpoint.init_model import init_model
 from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
+from runplans import CPU_BF16, CPU_FP8, FIXED_EVERY_1S, run_plan_toml
 
-PLAN = """
-name = "test-run"
-model = "tiny"
-workload = "tiny-cpu"
-[trainer]
-accelerator = "CPU-2core"
-gpus = 1
-loss = "sc_mis"
-top_p = 0.95
-top_p_replay = true
-[[groups]]
-name = "cpu-bf16"
-accelerator = "CPU-2core"
-precision = "bf16"
-kv_dtype = "bf16"
-kernel = "fp32"
-emulated = true
-[[groups]]
-name = "cpu-fp8"
-accelerator = "CPU-2core"
-precision = "fp8"
-kv_dtype = "fp8_e4m3"
-emulated = true
-[policies.autoscaler]
-name = "fixed"
-interval_s = 1.0
-[policies.batcher]
-prompts_per_update = 2
-samples_per_prompt = 3
-inflight_prompts = 4
-[embedded]
-max_turns = 3
-max_new_tokens = 12
-"""
+PLAN = run_plan_toml(
+    "test-run", [CPU_BF16, CPU_FP8], trainer={"loss": "sc_mis", "top_p": 0.95, "top_p_replay": True},
+    autoscaler=FIXED_EVERY_1S, batcher={"prompts_per_update": 2, "samples_per_prompt": 3, "inflight_prompts": 4},
+    embedded={"max_turns": 3, "max_new_tokens": 12})
 
 CHILD_TIMEOUT_S = 480
 MAX_CHILD_UPDATES = 40                 # an upper bound: the child is killed as soon as the log shows the replacement

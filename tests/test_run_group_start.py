@@ -22,41 +22,15 @@ from mixfleet.policies.plan import load_plan
 from mixfleet.runner.checkpoint.init_model import init_model
 from mixfleet.runner.orchestration.orchestrator import RunConfig, RunFailed, run_plan
 from mixfleet.runner.orchestration.sampler_fleet import MAX_START_FAILURES
+from runplans import CPU_BF16, CPU_FP8, FIXED_EVERY_1S, run_plan_toml
 
 pytestmark = pytest.mark.slow
 
-PLAN = """
-name = "group-start-test"
-model = "tiny"
-workload = "tiny-cpu"
-[trainer]
-accelerator = "CPU-2core"
-gpus = 1
-loss = "sc_mis"
-[[groups]]
-name = "cpu-good"
-accelerator = "CPU-2core"
-precision = "bf16"
-kv_dtype = "bf16"
-kernel = "fp32"
-emulated = true
-[[groups]]
-name = "cpu-broken"
-accelerator = "CPU-2core"
-precision = "fp8"
-kv_dtype = "fp8_e4m3"
-emulated = true
-[policies.autoscaler]
-name = "fixed"
-interval_s = 1.0
-[policies.batcher]
-prompts_per_update = 2
-samples_per_prompt = 2
-inflight_prompts = 4
-[embedded]
-max_turns = 2
-max_new_tokens = 8
-"""
+PLAN = run_plan_toml(
+    "group-start-test", [{**CPU_BF16, "name": "cpu-good"}, {**CPU_FP8, "name": "cpu-broken"}],
+    trainer={"loss": "sc_mis"}, autoscaler=FIXED_EVERY_1S,
+    batcher={"prompts_per_update": 2, "samples_per_prompt": 2, "inflight_prompts": 4},
+    embedded={"max_turns": 2, "max_new_tokens": 8})
 
 
 @pytest.fixture(scope="module")

@@ -16,37 +16,12 @@ from mixfleet.costmodel.runlog import RunLog
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.checkpoint.init_model import init_model
 from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
+from runplans import CPU_BF16, CPU_NVFP4, run_plan_toml
 
-PLAN = """
-name = "test-run-moe"
-model = "tiny-qwen3-moe"
-workload = "tiny-cpu"
-[trainer]
-accelerator = "CPU-2core"
-gpus = 1
-loss = "sc_mis"
-routing = "replay"
-[[groups]]
-name = "cpu-bf16"
-accelerator = "CPU-2core"
-precision = "bf16"
-kv_dtype = "bf16"
-kernel = "fp32"
-emulated = true
-[[groups]]
-name = "cpu-nvfp4"
-accelerator = "CPU-2core"
-precision = "nvfp4"
-kv_dtype = "fp8_e4m3"
-emulated = true
-[policies.batcher]
-prompts_per_update = 2
-samples_per_prompt = 2
-inflight_prompts = 4
-[embedded]
-max_turns = 2
-max_new_tokens = 10
-"""
+PLAN = run_plan_toml(
+    "test-run-moe", [CPU_BF16, CPU_NVFP4], model="tiny-qwen3-moe", trainer={"loss": "sc_mis", "routing": "replay"},
+    batcher={"prompts_per_update": 2, "samples_per_prompt": 2, "inflight_prompts": 4},
+    embedded={"max_turns": 2, "max_new_tokens": 10})
 
 
 @pytest.mark.slow

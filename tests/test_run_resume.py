@@ -26,34 +26,15 @@ import pytest
 from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.runner.checkpoint.init_model import init_model
+from runplans import CPU_BF16, run_plan_toml
 
 pytestmark = pytest.mark.slow
 
 PPU = 2
-PLAN = f"""
-name = "test-resume"
-model = "tiny"
-workload = "tiny-cpu"
-[trainer]
-accelerator = "CPU-2core"
-gpus = 1
-[[groups]]
-name = "cpu-bf16"
-accelerator = "CPU-2core"
-precision = "bf16"
-kv_dtype = "bf16"
-kernel = "fp32"
-emulated = true
-[policies.batcher]
-prompts_per_update = {PPU}
-samples_per_prompt = 2
-inflight_prompts = 8
-max_staleness = 0
-stale = "wait"
-[embedded]
-max_turns = 2
-max_new_tokens = 8
-"""
+PLAN = run_plan_toml(
+    "test-resume", [CPU_BF16], embedded={"max_turns": 2, "max_new_tokens": 8},
+    batcher={"prompts_per_update": PPU, "samples_per_prompt": 2, "inflight_prompts": 8, "max_staleness": 0,
+             "stale": "wait"})
 RUN_TIMEOUT_S = 300                    # a run of 1-2 updates takes well under a minute of CPU; a hang never ends
 CHILD = str(Path(__file__).with_name("run_child.py"))
 
