@@ -35,6 +35,7 @@ Pure numpy / scipy / pandas (no simpy, no torch): costmodel imports nothing of o
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from collections.abc import Iterable, Sequence
@@ -361,12 +362,13 @@ def loop_start_s(log: RunLog) -> float:
 
 
 def _replica_features(tr: pd.DataFrame, rm: ReplicaModel, rm_pf0: ReplicaModel, turn_latency_s: float = 0.0,
-                      complete_until: float = math.inf) -> pd.DataFrame:
+                      windows: list[tuple[float, float]] | None = None) -> pd.DataFrame:
     """Per trajectory of one replica: the regressors of the duration model (see the module doc).
 
     A trajectory counts in the replica's concurrency for the share of its life it is not between turns
     (turns - 1 gaps of `turn_latency_s`); its prefill work and calls are spread evenly over its life. Only
-    trajectories ending by `complete_until` (the log knows every session that ran until then) are returned."""
+    trajectories inside one of `windows` (the log knows every session that ran then; `complete_windows`) are
+    returned (all of them when None)."""
     s = tr["start_s"].to_numpy(dtype=np.float64)
     e = tr["end_s"].to_numpy(dtype=np.float64)
     dur = np.maximum(e - s, 1e-9)
@@ -407,36 +409,77 @@ def _replica_features(tr: pd.DataFrame, rm: ReplicaModel, rm_pf0: ReplicaModel, 
     stalls = active * (h_pf[i_e] - h_pf[i_s])          # prefills delay a session only while it is not between turns
     out = pd.DataFrame({"dur": dur, "work": decode_s + stalls, "tool": turns - 1.0,
                         "n_mean": (c_n[i_e] - c_n[i_s]) / dur, "tokens": tok})
-    return out[e <= complete_until].reset_index(drop=True)
+    return out[in_windows(tr, windows)].reset_index(drop=True) if windows is not None else out
 
 
-def complete_until_s(tr: pd.DataFrame, inflight_prompts: int | None = None) -> float:
+def complete_until_s(tr: pd.DataFrame, inflight_prompts: int | None = None, first_prompt_id: int = 0) -> float:
     """The run-clock time before which every session that ran is in the trajectories table.
 
     Sessions still running (or finished but not yet trained) when a log ends are not logged, so the
     replicas' concurrency near the end is unknown. Prompts start in id order: if prompts 0..P are all
     logged, every session started before prompt P+1 is in the log, and P+1 started no earlier than P.
     With the batcher's in-flight limit L, prompt P+1 (>= L) also started no earlier than the (P+2-L)-th
-    completion of a prompt (at most L prompts run at once), which is known since those are all logged."""
+    completion of a prompt (at most L prompts run at once), which is known since those are all logged.
+    `first_prompt_id`: the ids count from there (a resumed run's segment, see `complete_windows`)."""
     if not len(tr):
         return -math.inf
     ids = pd.to_numeric(tr["prompt_id"], errors="coerce")
     if ids.isna().any():
         return float(tr["end_s"].max())
     logged = set(int(i) for i in ids.unique())
-    p = -1
+    p = first_prompt_id - 1
     while p + 1 in logged:
         p += 1
-    if p < 0:
+    if p < first_prompt_id:
         return -math.inf
-    known = ids <= p
+    known = (ids >= first_prompt_id) & (ids <= p)
     bound = float(tr.loc[known, "start_s"].max())
-    if inflight_prompts is not None and inflight_prompts >= 1 and p + 1 >= inflight_prompts:
+    started = p + 1 - first_prompt_id
+    if inflight_prompts is not None and inflight_prompts >= 1 and started >= inflight_prompts:
         done = np.sort(tr.loc[known].groupby(ids[known])["end_s"].max().to_numpy(dtype=np.float64))
-        k = p + 1 - inflight_prompts
+        k = started - inflight_prompts
         if k < len(done):
             bound = max(bound, float(done[k]))
     return bound
+
+
+def complete_windows(log: RunLog, inflight_prompts: int | None = None) -> list[tuple[float, float]]:
+    """The run-clock windows (after, until] in which the log knows every session that ran: one per segment of
+    a run resumed after a stop or a kill (its "resume" events). The prompts in flight at a stop are never
+    logged, so `complete_until_s` alone would end at the first stop; each resumed segment starts its own
+    count at the first prompt id it admitted (the event's `first_prompt_id`; older logs: the smallest id
+    of the trajectories that started after the resume)."""
+    tr = log.trajectories
+    windows = [(-math.inf, complete_until_s(tr, inflight_prompts))]
+    ev = log.events
+    resumes = ev[ev["kind"] == "resume"] if len(ev) else ev
+    if not len(resumes) or not len(tr):
+        return windows
+    ids = pd.to_numeric(tr["prompt_id"], errors="coerce")
+    if ids.isna().any():
+        return windows
+    for t_r, detail in zip(resumes["time_s"], resumes["detail"], strict=True):
+        try:
+            first = json.loads(detail).get("first_prompt_id") if detail else None
+        except (ValueError, AttributeError):
+            first = None
+        if not isinstance(first, int) or isinstance(first, bool):
+            after = ids[tr["start_s"] >= float(t_r)]
+            if not len(after):
+                continue
+            first = int(after.min())
+        windows.append((float(t_r), complete_until_s(tr, inflight_prompts, first)))
+    return windows
+
+
+def in_windows(tr: pd.DataFrame, windows: list[tuple[float, float]]) -> np.ndarray:
+    """Trajectories that started after and ended by the same window (`complete_windows`)."""
+    s = tr["start_s"].to_numpy(dtype=np.float64)
+    e = tr["end_s"].to_numpy(dtype=np.float64)
+    ok = np.zeros(len(tr), dtype=bool)
+    for lo, hi in windows:
+        ok |= (s >= lo) & (e <= hi)
+    return ok
 
 
 def inflight_limit(header: dict[str, Any]) -> int | None:
@@ -613,7 +656,7 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
         for r, g in members:
             tr = r.log.trajectories
             n += int(((tr["group"] == g.name) & (tr["generated_tokens"] > 0) & (tr["end_s"] > tr["start_s"])
-                      & (tr["end_s"] <= complete_until_s(tr, inflight_limit(r.log.header)))).sum())
+                      & in_windows(tr, complete_windows(r.log, inflight_limit(r.log.header)))).sum())
         counts[key] = n
         if n < min_trajectories:
             missing.append(f"group {members[0][1].name} ({'/'.join(k for k in key if k)}): at least "
@@ -635,17 +678,18 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
             tr = r.log.trajectories
             tr = tr[(tr["group"] == g.name) & (tr["generated_tokens"] > 0) & (tr["end_s"] > tr["start_s"])]
             trs_all.append(tr)
+            windows = complete_windows(r.log, inflight_limit(r.log.header))
             for _, rep in tr.groupby("replica", sort=True):
-                parts.append((gi, rep, rm, complete_until_s(r.log.trajectories, inflight_limit(r.log.header))))
-    gi_arr = np.concatenate([np.full(int((rep["end_s"] <= t_c).sum()), gi) for gi, rep, _, t_c in parts])
+                parts.append((gi, rep, rm, windows))
+    gi_arr = np.concatenate([np.full(int(in_windows(rep, w).sum()), gi) for gi, rep, _, w in parts])
     m = len(gi_arr)
     x = np.concatenate([np.ones(G), [0.0]])
     err = np.full(G + 1, math.nan)
     free_tau = True
     note_tau = ""
     for _ in range(SESSION_ITERATIONS):  # the concurrency seen by the duration model depends on the turn latency
-        feats = pd.concat([_replica_features(rep, rm, replace(rm, prefill_overhead_s=0.0), x[G], t_c)
-                           for _, rep, rm, t_c in parts], ignore_index=True)
+        feats = pd.concat([_replica_features(rep, rm, replace(rm, prefill_overhead_s=0.0), x[G], w)
+                           for _, rep, rm, w in parts], ignore_index=True)
         A = np.zeros((m, G + 1))
         A[np.arange(m), gi_arr] = feats["work"].to_numpy()
         A[:, G] = feats["tool"].to_numpy()

@@ -16,6 +16,8 @@ from mixfleet.costmodel.calibration import (
     GroupCalibration,
     calibrate,
     complete_until_s,
+    complete_windows,
+    in_windows,
 )
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import Plan, plan_from_dict
@@ -146,6 +148,39 @@ def test_complete_until_skips_unlogged_prompts(synthetic: tuple[Path, Calibratio
     limit = 32
     assert complete_until_s(tr, limit) == max(t_c, done[first_missing - limit])
     assert complete_until_s(tr.iloc[0:0]) == -math.inf
+
+
+def test_a_resumed_segment_is_known_again_after_its_first_prompt(synthetic: tuple[Path, Calibration]) -> None:
+    """A stop or kill loses the prompts in flight (never logged): the count ends at that gap, and the resumed
+    segment, whose prompts start at the resume event's first_prompt_id, is a window of its own."""
+    from types import SimpleNamespace
+
+    import pandas as pd
+    from mixfleet.costmodel.runlog import RunLog
+
+    log = RunLog.open(synthetic[0])
+    tr = log.trajectories
+    ids = tr["prompt_id"].astype(int)
+    first_missing = min(set(range(ids.max() + 2)) - set(ids))
+    lost = range(first_missing // 2, first_missing // 2 + 6)             # in flight when the run stopped
+    tr = tr[~ids.isin(lost)].reset_index(drop=True)
+    ids = tr["prompt_id"].astype(int)
+    first = lost[-1] + 1
+    t_resume = float(tr.loc[ids == first, "start_s"].min())
+    resume = pd.DataFrame([{"time_s": t_resume, "kind": "resume", "group": "", "replica": -1, "version": 3,
+                            "detail": json.dumps({"dropped_rows": 0, "first_prompt_id": first}),
+                            "duration_s": math.nan}])
+    stopped = SimpleNamespace(trajectories=tr, events=log.events.iloc[0:0])
+    resumed = SimpleNamespace(trajectories=tr, events=resume)
+    (lo0, hi0), = complete_windows(stopped)
+    assert lo0 == -math.inf and hi0 == complete_until_s(tr) <= t_resume   # the count ends at the gap
+    windows = complete_windows(resumed)
+    assert windows[0] == (lo0, hi0) and windows[1] == (t_resume, complete_until_s(tr, None, first))
+    after = (tr["start_s"] >= t_resume) & (tr["end_s"] <= windows[1][1])
+    assert after.sum() > 0
+    assert in_windows(tr, windows).sum() == in_windows(tr, [(lo0, hi0)]).sum() + after.sum()
+    no_id = SimpleNamespace(trajectories=tr, events=resume.assign(detail=json.dumps({"dropped_rows": 0})))
+    assert complete_windows(no_id) == windows                          # older logs: the first id started after it
 
 
 def test_toml_round_trip(fitted: Calibration, tmp_path: Path) -> None:

@@ -187,7 +187,8 @@ class Orchestrator:
         ctx.continue_clock(float(st.get("elapsed_s", 0.0)))
         self.recorder.restore(st, float(st.get("elapsed_s", 0.0)))
         self.fleet.restart_clock()
-        ctx.event("resume", version=ctx.version, detail=json.dumps({"dropped_rows": dropped}))
+        ctx.event("resume", version=ctx.version, detail=json.dumps(   # the ids this segment admits start there
+            {"dropped_rows": dropped, "first_prompt_id": self.prompts.started}))
         await self.weights.begin(publish_base=ctx.version == 0)
         if ctx.version > 0:
             await self.weights.export(self.trainer, ctx.version)
