@@ -650,13 +650,17 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
     for r in runs:
         for g in r.groups.values():
             keyed.setdefault((g.accelerator, g.precision, g.kv_dtype, g.kernel), []).append((r, g))
+    # per run, once: the windows in which its log knows every session (`complete_windows`) and the
+    # trajectories inside them
+    windows = {id(r): complete_windows(r.log, inflight_limit(r.log.header)) for r in runs}
+    known = {id(r): in_windows(r.log.trajectories, windows[id(r)]) for r in runs}
     counts: dict[tuple[str, str, str, str], int] = {}
     for key, members in keyed.items():
         n = 0
         for r, g in members:
             tr = r.log.trajectories
             n += int(((tr["group"] == g.name) & (tr["generated_tokens"] > 0) & (tr["end_s"] > tr["start_s"])
-                      & in_windows(tr, complete_windows(r.log, inflight_limit(r.log.header)))).sum())
+                      & known[id(r)]).sum())
         counts[key] = n
         if n < min_trajectories:
             missing.append(f"group {members[0][1].name} ({'/'.join(k for k in key if k)}): at least "
@@ -678,9 +682,8 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
             tr = r.log.trajectories
             tr = tr[(tr["group"] == g.name) & (tr["generated_tokens"] > 0) & (tr["end_s"] > tr["start_s"])]
             trs_all.append(tr)
-            windows = complete_windows(r.log, inflight_limit(r.log.header))
             for _, rep in tr.groupby("replica", sort=True):
-                parts.append((gi, rep, rm, windows))
+                parts.append((gi, rep, rm, windows[id(r)]))
     gi_arr = np.concatenate([np.full(int(in_windows(rep, w).sum()), gi) for gi, rep, _, w in parts])
     m = len(gi_arr)
     x = np.concatenate([np.ones(G), [0.0]])
