@@ -3,6 +3,7 @@ built from one set of parts so each test says only what its run needs."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import tomli_w
@@ -30,3 +31,14 @@ def run_plan_toml(name: str, groups: list[dict[str, Any]], *, batcher: dict[str,
     return tomli_w.dumps({"name": name, "model": model, "workload": "tiny-cpu",
                           "trainer": {"accelerator": "CPU-2core", "gpus": 1, **(trainer or {})},
                           "groups": groups, "policies": policies, "embedded": embedded})
+
+
+def run_files(root: Path, plan_toml: str, model: str = "tiny") -> tuple[Path, Path]:
+    """A test run's inputs under `root`: the base checkpoint (`init_model` of `model`, seed 0) and the plan file."""
+    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.runner.checkpoint.init_model import init_model
+
+    init = init_model(load_model_spec(model), root / "init", seed=0)
+    plan_path = root / "plan.toml"
+    plan_path.write_text(plan_toml)
+    return Path(init), plan_path

@@ -24,14 +24,12 @@ import threading
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.policies.plan import load_plan
-from mixfleet.runner.checkpoint.init_model import init_model
 from mixfleet.runner.orchestration import local_ray
 from mixfleet.runner.orchestration.distribution import CACHE_ENV, KEEP_NODE_VERSIONS
 from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
-from runplans import CPU_FP8, FIXED_EVERY_1S, run_plan_toml
+from runplans import CPU_FP8, FIXED_EVERY_1S, run_files, run_plan_toml
 
 pytestmark = pytest.mark.slow
 
@@ -56,9 +54,7 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
     from ray.cluster_utils import Cluster
 
     root = tmp_path_factory.mktemp("cluster")
-    init = init_model(load_model_spec("tiny"), root / "init", seed=0)
-    plan_path = root / "plan.toml"
-    plan_path.write_text(PLAN)
+    init, plan_path = run_files(root, PLAN)
     out = root / "out"
     scratch = {name: root / f"scratch-{name}" for name in NODES}
 

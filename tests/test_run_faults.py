@@ -24,12 +24,10 @@ import time
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.policies.plan import load_plan
-from mixfleet.runner.checkpoint.init_model import init_model
 from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
-from runplans import CPU_BF16, CPU_FP8, FIXED_EVERY_1S, run_plan_toml
+from runplans import CPU_BF16, CPU_FP8, FIXED_EVERY_1S, run_files, run_plan_toml
 
 PLAN = run_plan_toml(
     "test-run", [CPU_BF16, CPU_FP8], trainer={"loss": "sc_mis", "top_p": 0.95, "top_p_replay": True},
@@ -55,9 +53,7 @@ def _replaced_in_log(out: Path) -> bool:
 @pytest.fixture(scope="module")
 def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("run")
-    init = init_model(load_model_spec("tiny"), root / "init", seed=0)
-    plan_path = root / "plan.toml"
-    plan_path.write_text(PLAN)
+    init, plan_path = run_files(root, PLAN)
     out = root / "out"
     argv = [sys.executable, str(Path(__file__).with_name("run_child.py")), str(plan_path), str(out), str(init),
             str(MAX_CHILD_UPDATES)]

@@ -16,13 +16,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.policies.plan import load_plan
-from mixfleet.runner.checkpoint.init_model import init_model
 from mixfleet.runner.orchestration.orchestrator import RunConfig, RunFailed, run_plan
 from mixfleet.runner.orchestration.sampler_fleet import MAX_START_FAILURES
-from runplans import CPU_BF16, CPU_FP8, FIXED_EVERY_1S, run_plan_toml
+from runplans import CPU_BF16, CPU_FP8, FIXED_EVERY_1S, run_files, run_plan_toml
 
 pytestmark = pytest.mark.slow
 
@@ -36,13 +34,11 @@ PLAN = run_plan_toml(
 @pytest.fixture(scope="module")
 def setup_files(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("group-start")
-    init = init_model(load_model_spec("tiny"), root / "init", seed=0)
+    init, plan_path = run_files(root, PLAN)
     broken = root / "broken"
     shutil.copytree(init, broken)
     for f in broken.glob("*.safetensors"):
         f.write_bytes(f.read_bytes()[:64])            # cut: the engine refuses to load it
-    plan_path = root / "plan.toml"
-    plan_path.write_text(PLAN)
     return {"root": root, "init": str(init), "broken": str(broken), "plan": load_plan(plan_path)}
 
 

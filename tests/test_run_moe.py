@@ -11,12 +11,10 @@ import math
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.policies.plan import load_plan
-from mixfleet.runner.checkpoint.init_model import init_model
 from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
-from runplans import CPU_BF16, CPU_NVFP4, run_plan_toml
+from runplans import CPU_BF16, CPU_NVFP4, run_files, run_plan_toml
 
 PLAN = run_plan_toml(
     "test-run-moe", [CPU_BF16, CPU_NVFP4], model="tiny-qwen3-moe", trainer={"loss": "sc_mis", "routing": "replay"},
@@ -26,9 +24,7 @@ PLAN = run_plan_toml(
 
 @pytest.mark.slow
 def test_moe_run_with_routing_replay_logs_routing_disagreement(tmp_path: Path) -> None:
-    init = init_model(load_model_spec("tiny-qwen3-moe"), tmp_path / "init", seed=0)
-    plan_path = tmp_path / "plan.toml"
-    plan_path.write_text(PLAN)
+    init, plan_path = run_files(tmp_path, PLAN, model="tiny-qwen3-moe")
     out = tmp_path / "out"
     res = run_plan(load_plan(plan_path), RunConfig(out_dir=out, updates=2, init_checkpoint=str(init), eval_every=0,
                                                    ray_num_cpus=2))

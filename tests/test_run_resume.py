@@ -23,10 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.runlog import RunLog
-from mixfleet.runner.checkpoint.init_model import init_model
-from runplans import CPU_BF16, run_plan_toml
+from runplans import CPU_BF16, run_files, run_plan_toml
 
 pytestmark = pytest.mark.slow
 
@@ -90,9 +88,7 @@ def _check_log(out: Path, n: int, resumes: int) -> None:
 
 
 def test_resume_after_kill_at_the_staleness_bound_and_continue_a_finished_run(tmp_path: Path) -> None:
-    init = init_model(load_model_spec("tiny"), tmp_path / "init", seed=0)
-    plan = tmp_path / "plan.toml"
-    plan.write_text(PLAN)
+    init, plan = run_files(tmp_path, PLAN)
     out = tmp_path / "out"
     code, lines = _run([str(plan), str(out), str(init), "3"], tmp_path, "first", kill_after=1)
     assert code is None and lines[-1].startswith("UPDATE 1"), (lines, (tmp_path / "first.err").read_text()[-2000:])
