@@ -259,9 +259,7 @@ def register_run(app: typer.Typer) -> None:
     ) -> None:
         """Run a plan for real: fully asynchronous RL, Megatron-core trainer, mixed samplers, the plan's policies.
 
-        Exit codes: 0 done (or stopped on SIGTERM, resumable), 1 the run failed (e.g. a sampler group cannot
-        start; run log kept), 2 bad input, 3 done without a sampler group that never started
-        (--allow-group-loss)."""
+        Exit codes: 0 done or stopped, 1 failed (log kept), 2 bad input, 3 done without a group (--allow-group-loss)."""
         if mode not in ("async", "sync"):
             typer.secho(f"error: --mode {mode!r}; allowed: async, sync", fg=typer.colors.RED, err=True)
             raise typer.Exit(2)
