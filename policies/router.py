@@ -40,12 +40,13 @@ class Router:
 
     def choose_replica(self, group: GroupView) -> int | None:
         """Default: the up replica holding the fewest sessions (ties: lowest index)."""
-        best, best_key = None, None
+        pinned, name = self._pinned, group.name
+        best, best_n = None, 0
         for r in group.replicas:
             if r.up:
-                key = (self._pinned[(group.name, r.index)], r.index)
-                if best_key is None or key < best_key:
-                    best, best_key = r.index, key
+                n = pinned[(name, r.index)]
+                if best is None or n < best_n or (n == best_n and r.index < best):
+                    best, best_n = r.index, n
         return best
 
     # ---- bookkeeping (callers) -------------------------------------------------------------------

@@ -7,7 +7,7 @@ never reads a clock or reaches into either world's internals.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -37,10 +37,10 @@ class GroupView:
     configured_replicas: int         # the plan's replica count
     cold_start_s: float = 0.0
     weight_version: int = 0          # newest weights loaded on this group
+    up_replicas: int = field(init=False, repr=False, compare=False)  # replicas up (counted once: routers ask often)
 
-    @property
-    def up_replicas(self) -> int:
-        return sum(1 for r in self.replicas if r.up)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "up_replicas", sum(1 for r in self.replicas if r.up))
 
     @property
     def live_replicas(self) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -61,7 +62,7 @@ def test_routing_is_sticky_and_reroutes_when_the_replica_goes_away() -> None:
 
 
 def _fields(g: GroupView) -> dict:
-    return {f: getattr(g, f) for f in g.__dataclass_fields__}
+    return {f.name: getattr(g, f.name) for f in dataclasses.fields(g) if f.init}
 
 
 def test_least_outstanding_tokens_compares_seconds_of_work() -> None:

@@ -12,9 +12,9 @@ from mixfleet.costmodel.runlog import RunLog, RunLogWriter
 from mixfleet.costmodel.workload import workload_from_dict
 from mixfleet.policies.plan import plan_from_dict
 from mixfleet.policies.prompt_buffer import PromptGroup
+from mixfleet.twin.core import Replica, Request
 from mixfleet.twin.episodes import Episode
 from mixfleet.twin.rates import FixedRates, Setup
-from mixfleet.twin.replica import Replica, Request
 from mixfleet.twin.sim import simulate
 from mixfleet.twin.world import GroupSetup, Session, TrainerSetup, World
 
@@ -111,7 +111,7 @@ def test_processor_sharing_matches_the_m_g_1_ps_closed_form() -> None:
     def wake(g: int) -> None:
         if g == gen[0]:
             rep.advance_to(env.now)
-            done.extend(env.now - req.session for req in rep.complete_due(env.now))
+            done.extend(env.now - req.tag for req in rep.complete_due(env.now))
             poke()
 
     def arrivals():
@@ -119,7 +119,7 @@ def test_processor_sharing_matches_the_m_g_1_ps_closed_form() -> None:
             yield env.timeout(rng.exponential(1 / lam))
             size = max(1, round(rng.exponential(mean_tokens)))
             rep.advance_to(env.now)
-            rep.submit(Request(session=env.now, new_tokens=0, reply_tokens=size, context_tokens=0, on_done=None),
+            rep.submit(Request(tag=env.now, new_tokens=0, reply_tokens=size, context_tokens=0),
                        env.now)
             poke()
 
@@ -132,7 +132,7 @@ def test_processor_sharing_matches_the_m_g_1_ps_closed_form() -> None:
     # and n equal jobs arriving together all finish at n * size / mu
     rep2 = Replica("g", 0, FixedRates(step_s=0.0, per_seq_s=1.0 / mu))
     for _ in range(4):
-        rep2.submit(Request(session=None, new_tokens=0, reply_tokens=50, context_tokens=0, on_done=None), 0.0)
+        rep2.submit(Request(new_tokens=0, reply_tokens=50, context_tokens=0), 0.0)
     assert rep2.next_event_s() == pytest.approx(4 * 50 / mu)
 
 

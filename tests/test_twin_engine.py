@@ -5,6 +5,8 @@ SimPy is pinned in pyproject.toml to the versions this passes on."""
 
 from __future__ import annotations
 
+import random
+
 import simpy
 from mixfleet.twin.engine import Entry, TwinEnvironment
 
@@ -58,3 +60,42 @@ def test_entries_mix_with_processes_and_are_counted() -> None:
     env.run(until=done)
     assert ticks == [1.0, "after 1.0", 2.0, "after 2.0", 3.0]
     assert env.scheduled - before >= 3 + 3 and isinstance(env, simpy.Environment)
+
+
+def test_a_random_mix_of_entries_and_simpy_events_runs_as_timeouts_would() -> None:
+    # Each callback schedules more work with seeded random delays (ties at equal times included) and sometimes
+    # succeeds a plain Event (URGENT priority); a process ticks alongside. Run once with bare entries on the
+    # calendar and once with every entry replaced by a Timeout: the same order, times and event count.
+    def scenario(entries: bool) -> tuple[list, int]:
+        env, rng, seen = TwinEnvironment(), random.Random(7), []
+
+        def schedule(tag: int, delay: float) -> None:
+            if entries:
+                env.push(delay, Entry([fire], tag))
+            else:
+                env.timeout(delay, value=tag).callbacks.append(fire)
+
+        def fire(e) -> None:
+            tag = e.value
+            seen.append((tag, env.now))
+            if len(seen) < 3000:
+                for k in range(rng.choice([1, 1, 2, 0, 2])):
+                    schedule(tag * 3 + k, rng.choice([0.0, 0.5, 1.0, rng.random()]))
+                if rng.random() < 0.1:
+                    ev = env.event()
+                    ev.callbacks.append(lambda _e, tag=tag: seen.append(("urgent", tag, env.now)))
+                    ev.succeed()
+
+        def ticker():
+            while True:
+                yield env.timeout(0.5)
+                seen.append(("tick", env.now))
+
+        env.process(ticker())
+        for i in range(20):
+            schedule(i, rng.random())
+        env.run(until=40.0)
+        return seen, env.scheduled
+
+    a, b = scenario(entries=True), scenario(entries=False)
+    assert len(a[0]) > 3000 and a == b and any(x[0] == "urgent" for x in a[0])

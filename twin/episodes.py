@@ -11,17 +11,9 @@ from dataclasses import dataclass
 
 import numpy as np
 from mixfleet.costmodel.workload import WorkloadSpec
+from mixfleet.twin.core import Episode
 
-
-@dataclass(frozen=True, slots=True)
-class Episode:
-    turns: int                       # model replies
-    prompt_tokens: int               # first prompt
-    reply_tokens: tuple[int, ...]    # per turn
-    tool_tokens: tuple[int, ...]     # tool output after turn i (len turns - 1)
-    tool_s: tuple[float, ...]        # tool latency after turn i (len turns - 1)
-    reward: float
-    finish_reason: str
+__all__ = ["Episode", "WorkloadShape", "draw_episodes", "workload_shape"]  # Episode: compiled (twin/core.py)
 
 
 def draw_episodes(workload: WorkloadSpec, rng: np.random.Generator, n: int) -> list[Episode]:
@@ -33,20 +25,37 @@ def draw_episodes(workload: WorkloadSpec, rng: np.random.Generator, n: int) -> l
     tools = np.maximum(workload.tool_output_tokens.sample(rng, total), 0).astype(np.int64)
     lat = np.maximum(workload.tool_latency_s.sample(rng, total), 0.0)
     rewards = (rng.random(n) < workload.success_prob).astype(np.float64)
+    # the context after each reply, for all episodes at once: prompt + replies so far + tool outputs before it
+    ts = turns.tolist()
+    starts = np.zeros(n, dtype=np.int64)
+    np.cumsum(turns[:-1], out=starts[1:])
+    seg = np.repeat(np.arange(n), turns)
+    shifted = np.zeros(total, dtype=np.int64)  # tool output after turn j of an episode, at turn j + 1
+    shifted[1:] = tools[:-1]
+    shifted[starts] = 0
+    ctx = base["prompt_tokens"][seg] + _segment_cumsum(replies, starts, turns) + _segment_cumsum(shifted, starts, turns)
+    fits = np.add.reduceat((ctx <= workload.max_context).astype(np.int64), starts).tolist() if total else []
+    rl, ol, sl = replies.tolist(), tools.tolist(), lat.tolist()
+    prompts, rw = base["prompt_tokens"].tolist(), rewards.tolist()
     out, at = [], 0
     for i in range(n):
-        t, p = int(turns[i]), int(base["prompt_tokens"][i])
-        r, o, s = replies[at:at + t], tools[at:at + t - 1], lat[at:at + t - 1]
-        at += t
-        ctx = p + np.cumsum(r) + np.concatenate(([0], np.cumsum(o)))  # context after each reply
-        fits = int(np.searchsorted(ctx, workload.max_context, side="right"))
+        t = ts[i]
         reason = "done"
-        if fits < t:
-            t, reason = max(fits, 1), "max_turns"
-            r, o, s = r[:t], o[:t - 1], s[:t - 1]
-        out.append(Episode(turns=t, prompt_tokens=p, reply_tokens=tuple(r.tolist()), tool_tokens=tuple(o.tolist()),
-                           tool_s=tuple(s.tolist()), reward=float(rewards[i]), finish_reason=reason))
+        if fits[i] < t:  # the context passes max_context: cut at the last turn that fits
+            t, reason = max(fits[i], 1), "max_turns"
+        out.append(Episode(turns=t, prompt_tokens=prompts[i], reply_tokens=tuple(rl[at:at + t]),
+                           tool_tokens=tuple(ol[at:at + t - 1]), tool_s=tuple(sl[at:at + t - 1]), reward=rw[i],
+                           finish_reason=reason))
+        at += ts[i]
     return out
+
+
+def _segment_cumsum(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """The cumulative sum of `x` restarted at each segment start (integers: exact)."""
+    c = np.cumsum(x)
+    before = np.zeros(len(starts), dtype=c.dtype)
+    before[1:] = c[starts[1:] - 1]
+    return c - np.repeat(before, lengths)
 
 
 @dataclass(frozen=True, kw_only=True)

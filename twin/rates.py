@@ -3,14 +3,13 @@ turned into the world's setup (groups, trainer, workload, priors).
 
 `TabulatedRates` evaluates the roofline once, vectorized, on a grid of batch sizes (every integer up
 to the engine cap) x contexts (geometric), and interpolates linearly in context, so a rate change in
-the event loop costs a lookup, not a numpy call. Prefill is tabulated the same way over (new tokens,
-cached context). `FixedRates` is a plain formula with hand-computable numbers (tests, docs).
+the event loop costs a lookup, not a numpy call (the lookup is twin.core.GridRates, compiled). Prefill
+is tabulated the same way over (new tokens, cached context). `FixedRates` is a plain formula with
+hand-computable numbers (tests, docs).
 """
 
 from __future__ import annotations
 
-import bisect
-from bisect import bisect_right as _bisect_right
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,6 +27,7 @@ from mixfleet.costmodel.roofline import (
 )
 from mixfleet.costmodel.workload import WorkloadSpec, load_workload
 from mixfleet.policies.plan import Plan
+from mixfleet.twin.core import GridRates
 from mixfleet.twin.world import GroupSetup, TrainerSetup
 
 
@@ -50,56 +50,22 @@ class FixedRates:
         return self.prefill_per_token_s * tokens
 
 
-class TabulatedRates:
-    """A ReplicaModel's decode/prefill times on grids, interpolated (within ~1% of the roofline)."""
+class TabulatedRates(GridRates):
+    """A ReplicaModel's decode/prefill times on grids, interpolated (within ~1% of the roofline); the lookups
+    are `twin.core.GridRates`' (compiled with the replica, which reads them without a Python call)."""
 
     def __init__(self, rm: ReplicaModel, max_context: int, max_running: int = DEFAULT_MAX_BATCH,
                  grid_points: int = 48) -> None:
         self.model = rm
         self.kv_capacity_tokens = float(rm.kv_capacity_tokens)
-        self.max_running = max_running
         self.price_usd_per_hour = float(rm.price_usd_per_hour)
         self.cold_start_s = float(rm.cold_start_s)
         ctx = np.unique(np.geomspace(1, max(max_context, 2), grid_points).round())
-        self._ctx = ctx.tolist()
         batch = np.arange(1, max_running + 1, dtype=np.float64)
-        self._decode = np.asarray(rm.decode_step_s(batch[:, None], ctx[None, :]), dtype=np.float64).tolist()
+        decode = np.asarray(rm.decode_step_s(batch[:, None], ctx[None, :]), dtype=np.float64).tolist()
         new = np.unique(np.geomspace(1, max(max_context, 2), grid_points).round())
-        self._new = new.tolist()
-        self._prefill = np.asarray(rm.prefill_s(new), dtype=np.float64).tolist()
-        # per-interval differences, precomputed (the very same float operations `_interp` does per call)
-        self._n_ctx, self._n_new = len(self._ctx), len(self._new)
-        self._dctx = [0.0] + [self._ctx[i] - self._ctx[i - 1] for i in range(1, self._n_ctx)]
-        self._ddecode = [[0.0] + [row[i] - row[i - 1] for i in range(1, self._n_ctx)] for row in self._decode]
-        self._dnew = [0.0] + [self._new[i] - self._new[i - 1] for i in range(1, self._n_new)]
-        self._dprefill = [0.0] + [self._prefill[i] - self._prefill[i - 1] for i in range(1, self._n_new)]
-
-    @staticmethod
-    def _interp(xs: list[float], ys: list[float], x: float) -> float:
-        i = bisect.bisect_right(xs, x)
-        if i <= 0:
-            return ys[0] * (x / xs[0]) if x < xs[0] else ys[0]
-        if i >= len(xs):
-            return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
-        x0, x1 = xs[i - 1], xs[i]
-        return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
-
-    def decode_step_s(self, batch: int, context_tokens: float) -> float:
-        b = (batch if batch <= self.max_running else self.max_running) - 1 if batch >= 1 else 0
-        xs = self._ctx
-        i = _bisect_right(xs, context_tokens)
-        if 0 < i < self._n_ctx:  # inside the grid (the common case): `_interp`'s arithmetic, differences cached
-            return self._decode[b][i - 1] + self._ddecode[b][i] * (context_tokens - xs[i - 1]) / self._dctx[i]
-        return self._interp(xs, self._decode[b], context_tokens)
-
-    def prefill_s(self, tokens: float) -> float:
-        if tokens <= 0:
-            return 0.0
-        xs = self._new
-        i = _bisect_right(xs, tokens)
-        if 0 < i < self._n_new:
-            return self._prefill[i - 1] + self._dprefill[i] * (tokens - xs[i - 1]) / self._dnew[i]
-        return self._interp(xs, self._prefill, tokens)
+        prefill = np.asarray(rm.prefill_s(new), dtype=np.float64).tolist()
+        self.set_grids(max_running, ctx.tolist(), decode, new.tolist(), prefill)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,10 +1,10 @@
 """The simulated world: sampler groups of processor-sharing replicas, sessions, the buffer, costs.
 
 `World` holds the state and the event handlers; `run_loop` (bottom) is the algorithm a run follows.
-Hot paths (tool calls ending, replica wake-ups) are bare entries in SimPy's queue with plain callbacks
-(`twin.engine`, the one place that touches SimPy's internals; a session is its own entry and its own replica
-request), so a turn costs about two events
-and allocates nothing; the trainer, autoscaler and fault injection are SimPy processes. Policies
+The hot path, the sessions' turn cycle (tool calls ending, replica wake-ups), is `twin.core.Turns`: bare
+entries in SimPy's queue with plain callbacks (`twin.engine`, the one place that touches SimPy's internals; a
+session is its own entry and its own replica request), so a turn costs about two events and allocates nothing;
+the trainer, autoscaler and fault injection are SimPy processes. Policies
 (router, autoscaler, batcher, weight sync) are the plan's objects from mixfleet.policies, fed read-only views.
 """
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import numpy as np
 import simpy
@@ -23,9 +23,9 @@ from mixfleet.costmodel.runlog import EventRecord, TrajectoryRecord
 from mixfleet.costmodel.workload import WorkloadSpec
 from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
 from mixfleet.policies.views import FleetView, GroupView, ReplicaView
-from mixfleet.twin.engine import Entry, TwinEnvironment
-from mixfleet.twin.episodes import Episode, draw_episodes
-from mixfleet.twin.replica import Replica, ReplicaRates
+from mixfleet.twin.core import Replica, ReplicaRates, Session, Turns
+from mixfleet.twin.engine import TwinEnvironment
+from mixfleet.twin.episodes import draw_episodes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,40 +48,6 @@ class GroupSetup:
 class TrainerSetup:
     train_step_s: Callable[[int], float]  # seconds for an update of this many generated tokens
     usd_per_hour: float
-
-
-@dataclass(eq=False, slots=True)
-class Session:
-    sid: int
-    prompt_id: int
-    sample: int
-    ep: Episode
-    turn: int = 0
-    context: int = 0                 # tokens already in the context
-    pending_new: int = 0             # tokens to add before the next reply (prompt / tool output)
-    remaining_reply: int = 0         # tokens of this turn's reply still to decode
-    cached_on: Replica | None = None  # replica holding this session's prefix
-    replica: Replica | None = None
-    start_s: float = 0.0
-    end_s: float = 0.0
-    tokens_by_version: dict[int, int] = field(default_factory=dict)
-    restarts: int = 0
-    prompt_total: int = 0            # non-generated tokens (prompt + tool outputs)
-    # the session is its own replica request (replica.Request's fields) and its own SimPy queue entry
-    # while a tool call runs (callbacks, _ok): a turn allocates no objects
-    new_tokens: int = 0              # this turn's tokens to prefill
-    reply_tokens: int = 0            # this turn's reply tokens
-    context_tokens: int = 0          # context before this turn's reply
-    finish_v: float = 0.0
-    mark_v: float = 0.0
-    version: int = 0
-    generated: int = 0               # tokens decoded for this turn's request so far
-    callbacks: list | None = None
-    _ok: ClassVar[bool] = True
-
-    @property
-    def session(self) -> Session:
-        return self
 
 
 @dataclass(eq=False)
@@ -126,8 +92,6 @@ class World:
         self.prompts: PromptBuffer[Session] = PromptBuffer(self.batcher,
                                                            lambda s: min(s.tokens_by_version, default=None))
         self.sessions_started = 0
-        self.sessions_lost = 0           # turns cut by a replica loss (each resumed or restarted)
-        self.sessions_restarted = 0
         self.trajectories_written = 0
         self.trajectories_dropped = 0
         self.parked: list[Session] = []  # sessions waiting for any replica to be up
@@ -136,7 +100,8 @@ class World:
         self.ledger = Ledger(list(self.groups), trainer.usd_per_hour)
         self.trainer_busy_s = 0.0
         self.stalled: SpecError | None = None
-        self._wake_cbs, self._tool_cbs = [self._wake], [self._turn]  # shared by every queue entry of a kind
+        self.turns = Turns(self.env, self, restart=on_loss == "restart")
+        self._turn, self.poke = self.turns.turn, self.turns.poke
         for g in self.groups.values():
             for _ in range(g.setup.replicas):
                 self._new_replica(g, up=True)
@@ -173,43 +138,6 @@ class World:
         self._fleet_view = None
         return rep
 
-    def poke(self, rep: Replica) -> None:
-        """(Re)schedule the replica's next completion; an older wake-up becomes a no-op."""
-        running = rep.running
-        if not running:
-            rep.gen += 1
-            rep.wake_at = math.inf
-            return
-        ts, stall = rep.t_s, rep.stall_until_s  # rep.next_event_s(), inlined (the same arithmetic)
-        left = running[0][0] - rep.v_tokens
-        t = (stall if stall > ts else ts) + (left if left > 0.0 else 0.0) * rep._step_s
-        if rep.wake_at <= t:
-            return  # the pending wake-up comes first; it reschedules if nothing is due by then
-        rep.gen += 1
-        rep.wake_at = t
-        delay = t - self.env.now
-        self.env.push(delay if delay > 0.0 else 0.0, Entry(self._wake_cbs, rep, rep.gen))
-
-    def _wake(self, event: Entry) -> None:
-        rep = event.value
-        if event.gen != rep.gen or not rep.up:
-            return
-        rep.wake_at = math.inf
-        now = self.env.now
-        rep.advance_to(now)
-        for req in rep.complete_due(now):
-            self._turn_done(req, True)
-        if rep.draining:
-            self._maybe_load(rep)
-        self.poke(rep)
-
-    def _maybe_load(self, rep: Replica) -> None:
-        """A draining replica loads its pending weights once its batch is empty and the transfer is in."""
-        pend = rep.pending
-        if rep.draining and pend is not None and not rep.running and self.env.now >= pend[1]:
-            rep.pending = None
-            rep.set_version(pend[0], self.env.now)
-
     def lose_replica(self, g: Group, rep: Replica, kind: str) -> None:
         """Preemption / crash: bill to now, drop it, hand its requests back to their sessions."""
         g.accrue(self.env.now)
@@ -219,7 +147,7 @@ class World:
         self._fleet_view = None
         self.event(kind, g.setup.name, rep.index)
         for req in lost:
-            self._turn_done(req, False)
+            self.turns.turn_done(req, False)
 
     def start_replica(self, g: Group) -> Generator:
         """Scale up: a cold start (billed), then the replica serves the group's newest weights."""
@@ -312,7 +240,7 @@ class World:
                     continue
                 smp.context = ep.prompt_tokens + sum(ep.reply_tokens[:done]) + sum(ep.tool_tokens[:done - 1])
                 smp.pending_new, smp.remaining_reply = ep.tool_tokens[done - 1], ep.reply_tokens[done]
-                smp.callbacks = self._tool_cbs
+                smp.callbacks = self.turns.tool_cbs
                 self.env.push(float(self.rng.random()) * ep.tool_s[done - 1], smp)
 
     def _begin(self, s: Session) -> None:
@@ -321,54 +249,31 @@ class World:
         s.tokens_by_version, s.start_s, s.cached_on, s.replica = {}, self.env.now, None, None
         self._turn(s)
 
-    def _turn(self, s: Session) -> None:
-        """Send the session's next request to its (sticky) replica; the router picks one for a new session
-        or when the pinned replica is gone."""
-        rep = s.replica
-        if rep is None or not rep.up:
-            route = self.router.route(s.sid, self.fleet_view())
-            if route is None:
-                self.parked.append(s)
-                return
-            rep = next(r for r in self.groups[route[0]].replicas if r.index == route[1])
-            s.replica = rep
-        ctx = s.context + s.pending_new
-        s.new_tokens = s.pending_new if s.cached_on is rep else ctx
-        s.reply_tokens, s.context_tokens, s.generated = s.remaining_reply, ctx, 0
-        now = self.env.now
-        rep.advance_to(now)
-        rep.submit(s, now)  # the session is the request: the replica adds its tokens to s.tokens_by_version
-        self.poke(rep)
+    @property
+    def sessions_lost(self) -> int:
+        """Turns cut by a replica loss (each resumed or restarted)."""
+        return self.turns.sessions_lost
 
-    def _turn_done(self, s: Session, ok: bool) -> None:
-        """The session's request left its replica: completed (ok) or cut by the replica's loss."""
-        if not ok:  # the replica was lost mid-turn
-            generated = s.generated
-            self.sessions_lost += 1
-            if self.on_loss == "restart":
-                self.sessions_restarted += 1
-                s.restarts += 1
-                self.router.release(s.sid)
-                self._begin(s)
-                return
-            s.restarts += 1
-            s.context += s.pending_new + generated
-            s.pending_new, s.remaining_reply, s.cached_on = 0, s.remaining_reply - generated, None
-            if s.remaining_reply <= 0:
-                ok = True  # the reply was complete when the replica died
-            else:
-                self._turn(s)
-                return
-        s.context += s.pending_new + s.remaining_reply
-        s.cached_on, s.turn = s.replica, s.turn + 1
-        if s.turn >= s.ep.turns:
-            self._finish(s)
-            return
-        ep, turn = s.ep, s.turn
-        s.pending_new, s.remaining_reply = ep.tool_tokens[turn - 1], ep.reply_tokens[turn]
-        s.prompt_total += s.pending_new
-        s.callbacks = self._tool_cbs  # a timeout of the tool's latency: the session is the entry; SimPy calls _turn(s)
-        self.env.push(ep.tool_s[turn - 1], s)
+    @property
+    def sessions_restarted(self) -> int:
+        return self.turns.sessions_restarted
+
+    def route_session(self, s: Session) -> Replica | None:
+        """The router's replica for a new session, or one whose pinned replica is gone (None: parked until
+        a replica is up)."""
+        route = self.router.route(s.sid, self.fleet_view())
+        if route is None:
+            self.parked.append(s)
+            return None
+        return next(r for r in self.groups[route[0]].replicas if r.index == route[1])
+
+    def restart(self, s: Session) -> None:
+        """A trajectory cut by a replica loss starts over (faults.on_loss = "restart")."""
+        self.router.release(s.sid)
+        self._begin(s)
+
+    def session_finished(self, s: Session) -> None:
+        self._finish(s)
 
     def _finish(self, s: Session) -> None:
         s.end_s = self.env.now
@@ -424,7 +329,7 @@ class World:
             if not rep.up:
                 continue
             if rep.draining:
-                self._maybe_load(rep)
+                self.turns.maybe_load(rep)
             else:
                 rep.set_version(version, now)
             self.poke(rep)
