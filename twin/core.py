@@ -177,6 +177,115 @@ class Episode:
 
 
 @cython.cclass
+class KeyHeap:
+    """A binary min-heap of items keyed by (time, id), ids unique: three parallel lists (times, ids, items)
+    sifted by hand rather than heapq over tuples, so that compiled, a comparison is two C compares and a push
+    allocates no tuple. `len`, `time0` / `id0` / `item0` (the head; the heap must not be empty), `push`, `pop`
+    (removes and returns the head's item), `items` (all of them, in heap order)."""
+    _t = cython.declare(list)
+    _i = cython.declare(list)
+    _x = cython.declare(list)
+
+    def __init__(self) -> None:
+        self._t, self._i, self._x = [], [], []
+
+    def __len__(self) -> int:
+        return len(self._x)
+
+    def items(self) -> list:
+        return list(self._x)
+
+    @cython.ccall
+    def time0(self) -> cython.double:
+        return self._t[0]
+
+    @cython.ccall
+    def id0(self) -> cython.long:
+        return self._i[0]
+
+    @cython.ccall
+    def item0(self) -> object:
+        return self._x[0]
+
+    @cython.boundscheck(False)  # indices are in range by construction
+    @cython.wraparound(False)
+    @cython.ccall
+    def push(self, t: cython.double, i: cython.long, item: object) -> cython.void:
+        ht: list = self._t
+        hi: list = self._i
+        hx: list = self._x
+        pos: cython.Py_ssize_t = len(hx)
+        parent: cython.Py_ssize_t
+        pt: cython.double
+        pi: cython.long
+        tobj = t
+        iobj = i
+        ht.append(tobj)
+        hi.append(iobj)
+        hx.append(item)
+        while pos > 0:  # move the new key up past every parent that sorts after it
+            parent = (pos - 1) >> 1
+            pt = ht[parent]
+            if pt < t:
+                break
+            if pt == t:
+                pi = hi[parent]
+                if pi < i:
+                    break
+            ht[pos], hi[pos], hx[pos] = ht[parent], hi[parent], hx[parent]
+            pos = parent
+        ht[pos], hi[pos], hx[pos] = tobj, iobj, item
+
+    @cython.boundscheck(False)  # indices are in range by construction
+    @cython.wraparound(False)
+    @cython.ccall
+    def pop(self) -> object:
+        ht: list = self._t
+        hi: list = self._i
+        hx: list = self._x
+        head = hx[0]
+        tobj = ht.pop()
+        iobj = hi.pop()
+        item = hx.pop()
+        n: cython.Py_ssize_t = len(hx)
+        if n == 0:
+            return head
+        t: cython.double = tobj
+        i: cython.long = iobj
+        pos: cython.Py_ssize_t = 0
+        child: cython.Py_ssize_t
+        ct: cython.double
+        rt: cython.double
+        ci: cython.long
+        ri: cython.long
+        while True:  # move the last key down from the root past every smaller child
+            child = 2 * pos + 1
+            if child >= n:
+                break
+            if child + 1 < n:  # the smaller of the two children
+                ct = ht[child]
+                rt = ht[child + 1]
+                if rt < ct:
+                    child += 1
+                elif rt == ct:
+                    ci = hi[child]
+                    ri = hi[child + 1]
+                    if ri < ci:
+                        child += 1
+            ct = ht[child]
+            if t < ct:
+                break
+            if t == ct:
+                ci = hi[child]
+                if i < ci:
+                    break
+            ht[pos], hi[pos], hx[pos] = ht[child], hi[child], hx[child]
+            pos = child
+        ht[pos], hi[pos], hx[pos] = tobj, iobj, item
+        return head
+
+
+@cython.cclass
 class Request:
     """One turn of one session on one replica (the world's sessions are Requests themselves, so a turn
     allocates nothing; `tokens_by_version` then accumulates the session's tokens). A request is also a bare
@@ -272,7 +381,7 @@ class Replica:
     v_tokens = cython.declare(cython.double, visibility="public")       # the virtual clock (tokens per request)
     t_s = cython.declare(cython.double, visibility="public")            # time the clock was last advanced to
     stall_until_s = cython.declare(cython.double, visibility="public")  # prefill (or weight load) until then
-    running = cython.declare(list, visibility="public")                 # heap of (finish_v, seq, request)
+    running = cython.declare(KeyHeap, visibility="readonly")            # requests by (finish_v, admission seq)
     waiting = cython.declare(object, visibility="public")               # deque of requests
     kv_used_tokens = cython.declare(cython.double, visibility="public")
     busy_s = cython.declare(cython.double, visibility="public")         # time with a running request
@@ -298,7 +407,7 @@ class Replica:
         self.up = True
         self.draining = False
         self.v_tokens = self.t_s = self.stall_until_s = 0.0
-        self.running = []
+        self.running = KeyHeap()
         self.waiting = deque()
         self.kv_used_tokens = self._ctx_sum = self._finish_sum = 0.0
         self._waiting_tokens = self._seq = 0
@@ -335,7 +444,7 @@ class Replica:
     def advance_to(self, now_s: cython.double) -> cython.void:
         """Move the virtual clock to `now_s` (decoding progresses only outside prefill stalls)."""
         start: cython.double
-        if self.running:
+        if len(self.running):
             start = self.t_s
             if self.stall_until_s > start:
                 start = self.stall_until_s
@@ -346,9 +455,9 @@ class Replica:
 
     def next_event_s(self) -> float | None:
         """When the next running request completes (None when idle)."""
-        if not self.running:
+        if not len(self.running):
             return None
-        return max(self.t_s, self.stall_until_s) + max(0.0, self.running[0][0] - self.v_tokens) * self.step_s
+        return max(self.t_s, self.stall_until_s) + max(0.0, self.running.time0() - self.v_tokens) * self.step_s
 
     # ---- requests ---------------------------------------------------------------------------------
     @cython.ccall
@@ -371,7 +480,7 @@ class Replica:
     @cython.cfunc
     def _admit(self, now_s: cython.double) -> cython.void:
         waiting = self.waiting
-        running: list = self.running
+        running: KeyHeap = self.running
         cap: cython.double = self._kv_cap
         need: cython.double
         stall: cython.double
@@ -383,7 +492,7 @@ class Replica:
         while waiting:
             req = waiting[0]
             need = req.context_tokens + req.reply_tokens
-            if running and (self.kv_used_tokens + need > cap or len(running) >= self.max_running):
+            if len(running) and (self.kv_used_tokens + need > cap or len(running) >= self.max_running):
                 break
             waiting.popleft()
             self._waiting_tokens -= req.reply_tokens
@@ -398,7 +507,7 @@ class Replica:
             self._ctx_sum += req.context_tokens + req.reply_tokens / 2
             self._finish_sum += finish
             self._seq += 1
-            heappush(running, (finish, self._seq, req))
+            running.push(finish, self._seq, req)
             admitted = True
         if admitted:
             self.idle_since_s = None
@@ -410,23 +519,23 @@ class Replica:
     @cython.ccall
     def complete_due(self, now_s: cython.double, eps_tokens: cython.double = 1e-6) -> list:
         """Remove and return the requests whose finish mark the clock has reached."""
-        running: list = self.running
-        if not running:
+        running: KeyHeap = self.running
+        if not len(running):
             return []
         limit: cython.double = self.v_tokens + eps_tokens
-        head: cython.double = running[0][0]
+        head: cython.double = running.time0()
         if head > limit:
             return []
         done: list = []
         req: Request
         n: cython.long
         while head <= limit:
-            req = heappop(running)[2]
+            req = running.pop()
             self._leave(req, req.finish_v)
             done.append(req)
-            if not running:
+            if not len(running):
                 break
-            head = running[0][0]
+            head = running.time0()
         n = len(running)
         if n:
             self.step_s = self._decode(n)
@@ -458,7 +567,7 @@ class Replica:
     def set_version(self, version: int, now_s: float, load_s: float = 0.0) -> None:
         """New weights from now on (running requests switch between tokens); `load_s` stalls decoding."""
         self.advance_to(now_s)
-        for _, _, req in self.running:
+        for req in self.running.items():
             tokens = round(self.v_tokens - req.mark_v)
             if tokens:
                 req.tokens_by_version[req.version] = req.tokens_by_version.get(req.version, 0) + tokens
@@ -477,8 +586,8 @@ class Replica:
         self.advance_to(now_s)
         self.up = False
         lost = []
-        while self.running:
-            _, _, req = heappop(self.running)
+        while len(self.running):
+            req = self.running.pop()
             self._leave(req, self.v_tokens)
             lost.append(req)
         lost.extend(self.waiting)
@@ -502,14 +611,11 @@ class Calendar:
     armed whenever the local head may sort before every proxy in SimPy's queue (their keys are kept in
     `_proxies`; a proxy whose entry already ran only runs what is due, if anything, when it fires).
 
-    The heap is three parallel lists (times, ids, entries) sifted by hand, not heapq over tuples: compiled, a
-    comparison is two C compares and a push allocates no tuple."""
+    The local heap is a `KeyHeap` (no tuple per entry, C compares when compiled)."""
     env = cython.declare(object)
     _queue = cython.declare(list)        # SimPy's heap (env._queue)
     _eid = cython.declare(object)        # SimPy's id counter (env._eid)
-    _ht = cython.declare(list)           # the local heap: times (floats)
-    _hi = cython.declare(list)           # ids (ints)
-    _he = cython.declare(list)           # entries
+    _heap = cython.declare(KeyHeap)      # the local heap of entries by (time, id)
     _proxies = cython.declare(list)      # heap of (time, id) of proxies in SimPy's queue
     _proxy_cbs = cython.declare(list)
     _running = cython.declare(cython.bint)
@@ -520,7 +626,7 @@ class Calendar:
 
     def __init__(self, env: Any) -> None:
         self.env, self._queue, self._eid = env, env._queue, env._eid
-        self._ht, self._hi, self._he, self._proxies = [], [], [], []
+        self._heap, self._proxies = KeyHeap(), []
         self._proxy_cbs = [self._fire]
         self._running = False
         self.turns = None
@@ -529,11 +635,12 @@ class Calendar:
         self._stale = False
 
     def __len__(self) -> int:
-        return len(self._he)
+        return len(self._heap)
 
     def peek(self) -> tuple | None:
         """(time, id, entry) of the next local entry, or None."""
-        return (self._ht[0], self._hi[0], self._he[0]) if self._he else None
+        h = self._heap
+        return (h.time0(), h.id0(), h.item0()) if len(h) else None
 
     @cython.ccall
     def sync(self) -> cython.void:
@@ -549,96 +656,23 @@ class Calendar:
             return self._now
         return self.env._now
 
-    @cython.boundscheck(False)  # indices are in range by construction
-    @cython.wraparound(False)
     @cython.ccall
     def push(self, delay_s: cython.double, entry: object) -> cython.void:
         """Schedule `entry` `delay_s` (>= 0) seconds from now, ordered as a Timeout created now would be."""
-        t: cython.double = self.now() + delay_s
         i: cython.long = next(self._eid)
-        ht: list = self._ht
-        hi: list = self._hi
-        he: list = self._he
-        pos: cython.Py_ssize_t = len(he)
-        parent: cython.Py_ssize_t
-        pt: cython.double
-        pi: cython.long
-        tobj = t
-        iobj = i
-        ht.append(tobj)
-        hi.append(iobj)
-        he.append(entry)
-        while pos > 0:  # move the new key up past every parent that sorts after it
-            parent = (pos - 1) >> 1
-            pt = ht[parent]
-            if pt < t:
-                break
-            if pt == t:
-                pi = hi[parent]
-                if pi < i:
-                    break
-            ht[pos], hi[pos], he[pos] = ht[parent], hi[parent], he[parent]
-            pos = parent
-        ht[pos], hi[pos], he[pos] = tobj, iobj, entry
+        self._heap.push(self.now() + delay_s, i, entry)
         if not self._running:
             self._arm()
 
     @cython.boundscheck(False)  # indices are in range by construction
     @cython.wraparound(False)
     @cython.cfunc
-    def _pop(self) -> cython.void:
-        """Remove the head (the caller has read it)."""
-        ht: list = self._ht
-        hi: list = self._hi
-        he: list = self._he
-        tobj = ht.pop()
-        iobj = hi.pop()
-        entry = he.pop()
-        n: cython.Py_ssize_t = len(he)
-        if n == 0:
-            return
-        t: cython.double = tobj
-        i: cython.long = iobj
-        pos: cython.Py_ssize_t = 0
-        child: cython.Py_ssize_t
-        ct: cython.double
-        rt: cython.double
-        ci: cython.long
-        ri: cython.long
-        while True:  # move the last key down from the root past every smaller child
-            child = 2 * pos + 1
-            if child >= n:
-                break
-            if child + 1 < n:  # the smaller of the two children
-                ct = ht[child]
-                rt = ht[child + 1]
-                if rt < ct:
-                    child += 1
-                elif rt == ct:
-                    ci = hi[child]
-                    ri = hi[child + 1]
-                    if ri < ci:
-                        child += 1
-            ct = ht[child]
-            if t < ct:
-                break
-            if t == ct:
-                ci = hi[child]
-                if i < ci:
-                    break
-            ht[pos], hi[pos], he[pos] = ht[child], hi[child], he[child]
-            pos = child
-        ht[pos], hi[pos], he[pos] = tobj, iobj, entry
-
-    @cython.boundscheck(False)  # indices are in range by construction
-    @cython.wraparound(False)
-    @cython.cfunc
     def _arm(self) -> cython.void:
         """Put a proxy for the local head into SimPy's queue unless one sorts at or before it already."""
-        if not self._he:
+        if len(self._heap) == 0:
             return
-        t: cython.double = self._ht[0]
-        i: cython.long = self._hi[0]
+        t: cython.double = self._heap.time0()
+        i: cython.long = self._heap.id0()
         pt: cython.double
         pi: cython.long
         if self._proxies:
@@ -659,9 +693,7 @@ class Calendar:
     @cython.ccall
     def run(self) -> cython.void:
         """Run local entries while each sorts before SimPy's next event (see the class docstring)."""
-        ht: list = self._ht
-        hi: list = self._hi
-        he: list = self._he
+        heap: KeyHeap = self._heap
         queue: list = self._queue
         turns: Turns = self.turns
         nxt: tuple
@@ -674,8 +706,8 @@ class Calendar:
         ent: Entry
         self._running = True
         try:
-            while he:
-                t = ht[0]
+            while len(heap):
+                t = heap.time0()
                 if queue:
                     nxt = queue[0]
                     qt = nxt[0]
@@ -683,12 +715,11 @@ class Calendar:
                         break
                     if qt == t:
                         qp = nxt[1]
-                        i = hi[0]
+                        i = heap.id0()
                         qi = nxt[2]
                         if qp < _NORMAL or (qp == _NORMAL and qi < i):
                             break
-                entry = he[0]
-                self._pop()
+                entry = heap.pop()
                 self._now = t
                 self._stale = True
                 self.processed += 1
@@ -745,14 +776,14 @@ class Turns:
     @cython.ccall
     def poke(self, rep: Replica) -> cython.void:
         """(Re)schedule the replica's next completion; an older wake-up becomes a no-op."""
-        running: list = rep.running
-        if not running:
+        running: KeyHeap = rep.running
+        if not len(running):
             rep.gen += 1
             rep.wake_at = _INF
             return
         ts: cython.double = rep.t_s  # rep.next_event_s(), inlined (the same arithmetic)
         stall: cython.double = rep.stall_until_s
-        head: cython.double = running[0][0]
+        head: cython.double = running.time0()
         left: cython.double = head - rep.v_tokens
         t: cython.double = (stall if stall > ts else ts) + (left if left > 0.0 else 0.0) * rep.step_s
         if rep.wake_at <= t:
@@ -786,7 +817,7 @@ class Turns:
         """A draining replica loads its pending weights once its batch is empty and the transfer is in."""
         pend = rep.pending
         now: cython.double = self.cal.now()
-        if rep.draining and pend is not None and not rep.running and now >= pend[1]:
+        if rep.draining and pend is not None and not len(rep.running) and now >= pend[1]:
             rep.pending = None
             rep.set_version(pend[0], now)
 
