@@ -25,6 +25,7 @@ plain Python it is, with the same results (tests/test_twin_compiled.py runs both
 from __future__ import annotations
 
 import math
+from array import array
 from bisect import bisect_right
 from collections import deque
 from heapq import heappop, heappush
@@ -33,8 +34,8 @@ from typing import Any, Protocol
 import cython
 
 COMPILED: bool = cython.compiled
-_INF = math.inf
-_NORMAL: int = 1  # simpy.events.NORMAL: the priority of a Timeout (tests/test_twin_engine.py checks it)
+_INF = cython.declare(cython.double, math.inf)
+_NORMAL = cython.declare(cython.long, 1)  # simpy.events.NORMAL: a Timeout's priority (twin/engine.py checks it)
 
 
 class ReplicaRates(Protocol):
@@ -45,6 +46,20 @@ class ReplicaRates(Protocol):
 
     def decode_step_s(self, batch: int, context_tokens: float) -> float: ...
     def prefill_s(self, tokens: float) -> float: ...
+
+
+@cython.cfunc
+def _round(x: cython.double) -> cython.long:
+    """round(x) as Python does it (half to even), without a Python call when compiled (|x| < 2**62)."""
+    if not cython.compiled:
+        return round(x)
+    k: cython.long = cython.cast(cython.long, x)  # toward zero; x - k is exact
+    d: cython.double = x - k
+    if d > 0.5 or (d == 0.5 and k % 2 != 0):
+        return k + 1
+    if d < -0.5 or (d == -0.5 and k % 2 != 0):
+        return k - 1
+    return k
 
 
 @cython.cclass
@@ -178,16 +193,21 @@ class Episode:
 
 @cython.cclass
 class KeyHeap:
-    """A binary min-heap of items keyed by (time, id), ids unique: three parallel lists (times, ids, items)
-    sifted by hand rather than heapq over tuples, so that compiled, a comparison is two C compares and a push
-    allocates no tuple. `len`, `time0` / `id0` / `item0` (the head; the heap must not be empty), `push`, `pop`
-    (removes and returns the head's item), `items` (all of them, in heap order)."""
-    _t = cython.declare(list)
-    _i = cython.declare(list)
-    _x = cython.declare(list)
+    """A binary min-heap of items keyed by (time, id), ids unique. The keys live in two flat arrays (array.array
+    'd' and 'q', read through typed memoryviews when compiled: contiguous C doubles and integers, no objects to
+    chase or count) and the items in a list beside them, so a push allocates no tuple and a comparison is two C
+    compares. `len`, `time0` / `id0` / `item0` (the head; the heap must not be empty), `push`, `pop` (removes and
+    returns the head's item), `items` (all of them, in heap order)."""
+    _tarr = cython.declare(object)             # array('d'): the times, capacity entries
+    _iarr = cython.declare(object)             # array('q'): the ids
+    _t = cython.declare(cython.double[:])      # views of them (plain Python: the arrays themselves)
+    _i = cython.declare(cython.longlong[:])
+    _x = cython.declare(list)                  # the items (len = the heap's size)
 
-    def __init__(self) -> None:
-        self._t, self._i, self._x = [], [], []
+    def __init__(self, capacity: int = 64) -> None:
+        self._x = []
+        self._tarr, self._iarr = array("d", bytes(8 * capacity)), array("q", bytes(8 * capacity))
+        self._t, self._i = self._tarr, self._iarr
 
     def __len__(self) -> int:
         return len(self._x)
@@ -195,12 +215,24 @@ class KeyHeap:
     def items(self) -> list:
         return list(self._x)
 
+    @cython.cfunc
+    def _grow(self) -> cython.void:
+        cap = len(self._tarr)
+        self._t, self._i = None, None  # release the views before the arrays grow
+        self._tarr.frombytes(bytes(8 * cap))
+        self._iarr.frombytes(bytes(8 * cap))
+        self._t, self._i = self._tarr, self._iarr
+
+    @cython.boundscheck(False)  # indices are in range by construction
+    @cython.wraparound(False)
     @cython.ccall
     def time0(self) -> cython.double:
         return self._t[0]
 
+    @cython.boundscheck(False)
+    @cython.wraparound(False)
     @cython.ccall
-    def id0(self) -> cython.long:
+    def id0(self) -> cython.longlong:
         return self._i[0]
 
     @cython.ccall
@@ -210,78 +242,66 @@ class KeyHeap:
     @cython.boundscheck(False)  # indices are in range by construction
     @cython.wraparound(False)
     @cython.ccall
-    def push(self, t: cython.double, i: cython.long, item: object) -> cython.void:
-        ht: list = self._t
-        hi: list = self._i
+    def push(self, t: cython.double, i: cython.longlong, item: object) -> cython.void:
         hx: list = self._x
         pos: cython.Py_ssize_t = len(hx)
+        if pos == len(self._tarr):
+            self._grow()
+        ht: cython.double[:] = self._t
+        hi: cython.longlong[:] = self._i
         parent: cython.Py_ssize_t
         pt: cython.double
-        pi: cython.long
-        tobj = t
-        iobj = i
-        ht.append(tobj)
-        hi.append(iobj)
         hx.append(item)
         while pos > 0:  # move the new key up past every parent that sorts after it
             parent = (pos - 1) >> 1
             pt = ht[parent]
-            if pt < t:
+            if pt < t or (pt == t and hi[parent] < i):
                 break
-            if pt == t:
-                pi = hi[parent]
-                if pi < i:
-                    break
-            ht[pos], hi[pos], hx[pos] = ht[parent], hi[parent], hx[parent]
+            ht[pos] = pt
+            hi[pos] = hi[parent]
+            hx[pos] = hx[parent]
             pos = parent
-        ht[pos], hi[pos], hx[pos] = tobj, iobj, item
+        ht[pos] = t
+        hi[pos] = i
+        hx[pos] = item
 
     @cython.boundscheck(False)  # indices are in range by construction
     @cython.wraparound(False)
     @cython.ccall
     def pop(self) -> object:
-        ht: list = self._t
-        hi: list = self._i
         hx: list = self._x
+        ht: cython.double[:] = self._t
+        hi: cython.longlong[:] = self._i
         head = hx[0]
-        tobj = ht.pop()
-        iobj = hi.pop()
         item = hx.pop()
         n: cython.Py_ssize_t = len(hx)
         if n == 0:
             return head
-        t: cython.double = tobj
-        i: cython.long = iobj
+        t: cython.double = ht[n]
+        i: cython.longlong = hi[n]
         pos: cython.Py_ssize_t = 0
         child: cython.Py_ssize_t
         ct: cython.double
         rt: cython.double
-        ci: cython.long
-        ri: cython.long
         while True:  # move the last key down from the root past every smaller child
             child = 2 * pos + 1
             if child >= n:
                 break
-            if child + 1 < n:  # the smaller of the two children
-                ct = ht[child]
-                rt = ht[child + 1]
-                if rt < ct:
-                    child += 1
-                elif rt == ct:
-                    ci = hi[child]
-                    ri = hi[child + 1]
-                    if ri < ci:
-                        child += 1
             ct = ht[child]
-            if t < ct:
+            if child + 1 < n:  # the smaller of the two children
+                rt = ht[child + 1]
+                if rt < ct or (rt == ct and hi[child + 1] < hi[child]):
+                    child += 1
+                    ct = rt
+            if t < ct or (t == ct and i < hi[child]):
                 break
-            if t == ct:
-                ci = hi[child]
-                if i < ci:
-                    break
-            ht[pos], hi[pos], hx[pos] = ht[child], hi[child], hx[child]
+            ht[pos] = ct
+            hi[pos] = hi[child]
+            hx[pos] = hx[child]
             pos = child
-        ht[pos], hi[pos], hx[pos] = tobj, iobj, item
+        ht[pos] = t
+        hi[pos] = i
+        hx[pos] = item
         return head
 
 
@@ -551,7 +571,7 @@ class Replica:
     @cython.cfunc
     def _leave(self, req: Request, upto_v: cython.double) -> cython.void:
         finish: cython.double = req.finish_v
-        tokens: cython.long = round((upto_v if upto_v < finish else finish) - req.mark_v)
+        tokens: cython.long = _round((upto_v if upto_v < finish else finish) - req.mark_v)
         v: cython.long
         if tokens:
             tbv: dict = req.tokens_by_version
@@ -659,7 +679,7 @@ class Calendar:
     @cython.ccall
     def push(self, delay_s: cython.double, entry: object) -> cython.void:
         """Schedule `entry` `delay_s` (>= 0) seconds from now, ordered as a Timeout created now would be."""
-        i: cython.long = next(self._eid)
+        i: cython.longlong = next(self._eid)
         self._heap.push(self.now() + delay_s, i, entry)
         if not self._running:
             self._arm()

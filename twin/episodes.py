@@ -25,37 +25,29 @@ def draw_episodes(workload: WorkloadSpec, rng: np.random.Generator, n: int) -> l
     tools = np.maximum(workload.tool_output_tokens.sample(rng, total), 0).astype(np.int64)
     lat = np.maximum(workload.tool_latency_s.sample(rng, total), 0.0)
     rewards = (rng.random(n) < workload.success_prob).astype(np.float64)
-    # the context after each reply, for all episodes at once: prompt + replies so far + tool outputs before it
-    ts = turns.tolist()
-    starts = np.zeros(n, dtype=np.int64)
-    np.cumsum(turns[:-1], out=starts[1:])
-    seg = np.repeat(np.arange(n), turns)
-    shifted = np.zeros(total, dtype=np.int64)  # tool output after turn j of an episode, at turn j + 1
-    shifted[1:] = tools[:-1]
-    shifted[starts] = 0
-    ctx = base["prompt_tokens"][seg] + _segment_cumsum(replies, starts, turns) + _segment_cumsum(shifted, starts, turns)
-    fits = np.add.reduceat((ctx <= workload.max_context).astype(np.int64), starts).tolist() if total else []
+    ts, prompts, rw = turns.tolist(), base["prompt_tokens"].tolist(), rewards.tolist()
     rl, ol, sl = replies.tolist(), tools.tolist(), lat.tolist()
-    prompts, rw = base["prompt_tokens"].tolist(), rewards.tolist()
+    limit = workload.max_context
     out, at = [], 0
     for i in range(n):
-        t = ts[i]
+        t, p = ts[i], prompts[i]
+        r, o = rl[at:at + t], ol[at:at + t - 1]
         reason = "done"
-        if fits[i] < t:  # the context passes max_context: cut at the last turn that fits
-            t, reason = max(fits[i], 1), "max_turns"
-        out.append(Episode(turns=t, prompt_tokens=prompts[i], reply_tokens=tuple(rl[at:at + t]),
-                           tool_tokens=tuple(ol[at:at + t - 1]), tool_s=tuple(sl[at:at + t - 1]), reward=rw[i],
-                           finish_reason=reason))
+        if p + sum(r) + sum(o) > limit:  # the context after some reply passes max_context: cut before that reply
+            ctx, fits = p, 0
+            for j in range(t):
+                ctx += r[j]              # the context after reply j: prompt, replies 0..j, tool outputs 0..j-1
+                if ctx > limit:
+                    break
+                fits += 1
+                if j < t - 1:
+                    ctx += o[j]
+            t, reason = max(fits, 1), "max_turns"
+            r, o = r[:t], o[:t - 1]
+        out.append(Episode(turns=t, prompt_tokens=p, reply_tokens=tuple(r), tool_tokens=tuple(o),
+                           tool_s=tuple(sl[at:at + t - 1]), reward=rw[i], finish_reason=reason))
         at += ts[i]
     return out
-
-
-def _segment_cumsum(x: np.ndarray, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The cumulative sum of `x` restarted at each segment start (integers: exact)."""
-    c = np.cumsum(x)
-    before = np.zeros(len(starts), dtype=c.dtype)
-    before[1:] = c[starts[1:] - 1]
-    return c - np.repeat(before, lengths)
 
 
 @dataclass(frozen=True, kw_only=True)
