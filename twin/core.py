@@ -197,22 +197,26 @@ class KeyHeap:
     'd' and 'q', read through typed memoryviews when compiled: contiguous C doubles and integers, no objects to
     chase or count) and the items in a list beside them, so a push allocates no tuple and a comparison is two C
     compares. `len`, `time0` / `id0` / `item0` (the head; the heap must not be empty), `push`, `pop` (removes and
-    returns the head's item), `items` (all of them, in heap order)."""
+    returns the head's item), `items` (all of them). Run as plain Python it is heapq over (time, id, item) tuples
+    instead (faster there; the same pop order, since the keys are unique)."""
     _tarr = cython.declare(object)             # array('d'): the times, capacity entries
     _iarr = cython.declare(object)             # array('q'): the ids
     _t = cython.declare(cython.double[:])      # views of them (plain Python: the arrays themselves)
     _i = cython.declare(cython.longlong[:])
-    _x = cython.declare(list)                  # the items (len = the heap's size)
+    _x = cython.declare(list)                  # the items (len = the heap's size); plain Python: the tuples
 
     def __init__(self, capacity: int = 64) -> None:
         self._x = []
-        self._tarr, self._iarr = array("d", bytes(8 * capacity)), array("q", bytes(8 * capacity))
-        self._t, self._i = self._tarr, self._iarr
+        if cython.compiled:
+            self._tarr, self._iarr = array("d", bytes(8 * capacity)), array("q", bytes(8 * capacity))
+            self._t, self._i = self._tarr, self._iarr
 
     def __len__(self) -> int:
         return len(self._x)
 
     def items(self) -> list:
+        if not cython.compiled:
+            return [e[2] for e in self._x]
         return list(self._x)
 
     @cython.cfunc
@@ -227,22 +231,31 @@ class KeyHeap:
     @cython.wraparound(False)
     @cython.ccall
     def time0(self) -> cython.double:
+        if not cython.compiled:
+            return self._x[0][0]
         return self._t[0]
 
     @cython.boundscheck(False)
     @cython.wraparound(False)
     @cython.ccall
     def id0(self) -> cython.longlong:
+        if not cython.compiled:
+            return self._x[0][1]
         return self._i[0]
 
     @cython.ccall
     def item0(self) -> object:
+        if not cython.compiled:
+            return self._x[0][2]
         return self._x[0]
 
     @cython.boundscheck(False)  # indices are in range by construction
     @cython.wraparound(False)
     @cython.ccall
     def push(self, t: cython.double, i: cython.longlong, item: object) -> cython.void:
+        if not cython.compiled:
+            heappush(self._x, (t, i, item))
+            return
         hx: list = self._x
         pos: cython.Py_ssize_t = len(hx)
         if pos == len(self._tarr):
@@ -269,6 +282,8 @@ class KeyHeap:
     @cython.wraparound(False)
     @cython.ccall
     def pop(self) -> object:
+        if not cython.compiled:
+            return heappop(self._x)[2]
         hx: list = self._x
         ht: cython.double[:] = self._t
         hi: cython.longlong[:] = self._i
