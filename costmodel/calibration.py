@@ -362,13 +362,13 @@ def loop_start_s(log: RunLog) -> float:
 
 
 def _replica_features(tr: pd.DataFrame, rm: ReplicaModel, rm_pf0: ReplicaModel, turn_latency_s: float = 0.0,
-                      windows: list[tuple[float, float]] | None = None) -> pd.DataFrame:
+                      keep: np.ndarray | None = None) -> pd.DataFrame:
     """Per trajectory of one replica: the regressors of the duration model (see the module doc).
 
     A trajectory counts in the replica's concurrency for the share of its life it is not between turns
     (turns - 1 gaps of `turn_latency_s`); its prefill work and calls are spread evenly over its life. Only
-    trajectories inside one of `windows` (the log knows every session that ran then; `complete_windows`) are
-    returned (all of them when None)."""
+    the trajectories `keep` marks (inside a window in which the log knows every session that ran: `in_windows`)
+    are returned (all of them when None); all of them count in the concurrency."""
     s = tr["start_s"].to_numpy(dtype=np.float64)
     e = tr["end_s"].to_numpy(dtype=np.float64)
     dur = np.maximum(e - s, 1e-9)
@@ -409,7 +409,7 @@ def _replica_features(tr: pd.DataFrame, rm: ReplicaModel, rm_pf0: ReplicaModel, 
     stalls = active * (h_pf[i_e] - h_pf[i_s])          # prefills delay a session only while it is not between turns
     out = pd.DataFrame({"dur": dur, "work": decode_s + stalls, "tool": turns - 1.0,
                         "n_mean": (c_n[i_e] - c_n[i_s]) / dur, "tokens": tok})
-    return out[in_windows(tr, windows)].reset_index(drop=True) if windows is not None else out
+    return out[keep].reset_index(drop=True) if keep is not None else out
 
 
 def complete_until_s(tr: pd.DataFrame, inflight_prompts: int | None = None, first_prompt_id: int = 0) -> float:
@@ -683,16 +683,16 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
             tr = tr[(tr["group"] == g.name) & (tr["generated_tokens"] > 0) & (tr["end_s"] > tr["start_s"])]
             trs_all.append(tr)
             for _, rep in tr.groupby("replica", sort=True):
-                parts.append((gi, rep, rm, windows[id(r)]))
-    gi_arr = np.concatenate([np.full(int(in_windows(rep, w).sum()), gi) for gi, rep, _, w in parts])
+                parts.append((gi, rep, rm, in_windows(rep, windows[id(r)])))   # once: the rows the fit uses
+    gi_arr = np.concatenate([np.full(int(keep.sum()), gi) for gi, _, _, keep in parts])
     m = len(gi_arr)
     x = np.concatenate([np.ones(G), [0.0]])
     err = np.full(G + 1, math.nan)
     free_tau = True
     note_tau = ""
     for _ in range(SESSION_ITERATIONS):  # the concurrency seen by the duration model depends on the turn latency
-        feats = pd.concat([_replica_features(rep, rm, replace(rm, prefill_overhead_s=0.0), x[G], w)
-                           for _, rep, rm, w in parts], ignore_index=True)
+        feats = pd.concat([_replica_features(rep, rm, replace(rm, prefill_overhead_s=0.0), x[G], keep)
+                           for _, rep, rm, keep in parts], ignore_index=True)
         A = np.zeros((m, G + 1))
         A[np.arange(m), gi_arr] = feats["work"].to_numpy()
         A[:, G] = feats["tool"].to_numpy()

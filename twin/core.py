@@ -115,13 +115,10 @@ class GridRates:
 
     @staticmethod
     def _interp(xs: list, ys: list, x: float) -> float:
-        n = len(xs)
-        i = 0
-        while i < n and xs[i] <= x:
-            i += 1
+        i = bisect_right(xs, x)
         if i <= 0:
             return ys[0] * (x / xs[0]) if x < xs[0] else ys[0]
-        if i >= n:
+        if i >= len(xs):
             return ys[-1] + (ys[-1] - ys[-2]) / (xs[-1] - xs[-2]) * (x - xs[-1])
         x0, x1 = xs[i - 1], xs[i]
         return ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
@@ -196,7 +193,7 @@ class KeyHeap:
     """A binary min-heap of items keyed by (time, id), ids unique. The keys live in two flat arrays (array.array
     'd' and 'q', read through typed memoryviews when compiled: contiguous C doubles and integers, no objects to
     chase or count) and the items in a list beside them, so a push allocates no tuple and a comparison is two C
-    compares. `len`, `time0` / `id0` / `item0` (the head; the heap must not be empty), `push`, `pop` (removes and
+    compares. `len`, `time0` / `id0` (the head's key; the heap must not be empty), `push`, `pop` (removes and
     returns the head's item), `items` (all of them). Run as plain Python it is heapq over (time, id, item) tuples
     instead (faster there; the same pop order, since the keys are unique)."""
     _tarr = cython.declare(object)             # array('d'): the times, capacity entries
@@ -242,12 +239,6 @@ class KeyHeap:
         if not cython.compiled:
             return self._x[0][1]
         return self._i[0]
-
-    @cython.ccall
-    def item0(self) -> object:
-        if not cython.compiled:
-            return self._x[0][2]
-        return self._x[0]
 
     @cython.boundscheck(False)  # indices are in range by construction
     @cython.wraparound(False)
@@ -655,7 +646,6 @@ class Calendar:
     _proxy_cbs = cython.declare(list)
     _running = cython.declare(cython.bint)
     turns = cython.declare(object)       # the Turns whose entries are dispatched without a Python call
-    processed = cython.declare(cython.long, visibility="readonly")  # entries run so far
     _now = cython.declare(cython.double)  # the clock while `run` runs (env._now is set before Python code reads it)
     _stale = cython.declare(cython.bint)  # env._now is behind _now
 
@@ -665,17 +655,8 @@ class Calendar:
         self._proxy_cbs = [self._fire]
         self._running = False
         self.turns = None
-        self.processed = 0
         self._now = 0.0
         self._stale = False
-
-    def __len__(self) -> int:
-        return len(self._heap)
-
-    def peek(self) -> tuple | None:
-        """(time, id, entry) of the next local entry, or None."""
-        h = self._heap
-        return (h.time0(), h.id0(), h.item0()) if len(h) else None
 
     @cython.ccall
     def sync(self) -> cython.void:
@@ -757,7 +738,6 @@ class Calendar:
                 entry = heap.pop()
                 self._now = t
                 self._stale = True
-                self.processed += 1
                 if isinstance(entry, Entry):  # typed access to the callbacks (no attribute lookup)
                     ent = entry
                     callbacks = ent.callbacks

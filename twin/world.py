@@ -226,8 +226,7 @@ class World:
                 if done == 0:
                     self._begin(smp)
                     continue
-                route = self.router.route(smp.sid, self.fleet_view())
-                rep = next(r for r in self.groups[route[0]].replicas if r.index == route[1])
+                rep = self.route_session(smp)
                 tbv: dict[int, int] = {}
                 for t in range(done):
                     v = v0 - math.ceil((age - t - 0.5) / longest * life)
@@ -273,9 +272,7 @@ class World:
         self._begin(s)
 
     def session_finished(self, s: Session) -> None:
-        self._finish(s)
-
-    def _finish(self, s: Session) -> None:
+        """Its last turn is done: into its prompt-group; a complete group may form an update."""
         s.end_s = self.env.now
         self.router.release(s.sid)
         if self.prompts.finish(self.prompts.inflight[s.prompt_id], s, self.env.now):
