@@ -17,6 +17,7 @@ import json
 import os
 import platform
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -39,8 +40,13 @@ def main() -> None:
     marks: list[tuple[int, float, float]] = []
     log = args.out.parent / "twin_speed_runlog"
     shutil.rmtree(log, ignore_errors=True)
-    r = simulate("seed-mixed", updates=args.updates, out=log,
-                 progress=lambda v: marks.append((v, time.perf_counter() - w0, time.process_time() - c0)))
+
+    def progress(v: int) -> None:
+        marks.append((v, time.perf_counter() - w0, time.process_time() - c0))
+        if v % 20 == 0 or v == args.updates:  # a 200-update run takes a minute or more: say where it is
+            print(f"update {v}/{args.updates}: {marks[-1][2]:.1f} CPU-s", file=sys.stderr, flush=True)
+
+    r = simulate("seed-mixed", updates=args.updates, out=log, progress=progress)
     cpu_s, wall_s = time.process_time() - c0, time.perf_counter() - w0
     half = len(marks) // 2       # steady state: the second half of the updates (the first ones fill the pipeline)
     (v0, w_a, c_a), (v1, w_b, c_b) = marks[half - 1], marks[-1]
