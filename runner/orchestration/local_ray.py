@@ -19,6 +19,13 @@ their children): at the next start and from `mixfleet cleanup`. A process counts
 time match (a reused pid is never hit), a Ray whose driver still runs is left alone, and nothing else is
 touched.
 
+A record is a file, so what it names is checked against the process table before anything is signalled
+(`leftover`): a process is a dead driver's Ray only when it is this user's, its command line is Ray's (an
+executable or script of the installed `ray` package, or a `ray::` title), it carries the record's token in its
+environment (or, retitled with its environment overwritten, is recorded by pid and start time), and no live
+process other than init holds it: every live ancestor is such a Ray process too (a live driver, a shell, or
+another Ray such as someone's `ray start` has it, and then it is left alone).
+
 Cluster mode (`--address`) is a separate matter (its own keys and addresses) and untouched here.
 """
 
@@ -157,8 +164,81 @@ def _marked(token: str) -> list[Any]:
     return found
 
 
+def _ray_package_dir() -> str | None:
+    """The installed `ray` package's folder (found without importing Ray), or None when Ray is not installed."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("ray")
+    except (ImportError, ValueError):
+        return None
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    return os.path.realpath(locations[0]) if locations else None
+
+
+def is_ray_command(cmdline: list[str]) -> bool:
+    """True for a command line of Ray's own: a `ray::` process title (workers, agents), or an executable or a
+    script inside the installed `ray` package among the first three arguments (gcs_server, raylet,
+    `python -u .../ray/_private/log_monitor.py`, the dashboard, the autoscaler's monitor, a worker at start)."""
+    if not cmdline or not cmdline[0]:
+        return False
+    if cmdline[0].startswith("ray::"):
+        return True
+    root = _ray_package_dir()
+    if root is None:
+        return False
+    return any(os.path.isabs(a) and os.path.realpath(a).startswith(root + os.sep) for a in cmdline[:3])
+
+
+def leftover(p: Any, token: str, recorded: set[tuple[int, float]]) -> bool:
+    """Whether process `p` is part of the dead driver's Ray that a record (its `token`; the pid and start time of
+    the processes it `recorded`) describes. Checked against the process table, never taken from the record: this
+    user's, a Ray command line, the token in its environment (or an environment overwritten by a retitle and
+    the pid and start time recorded), and not held by a live process: every live ancestor below init passes the
+    same test (a live driver, a shell, or another Ray holding it means it is not a leftover)."""
+    import psutil
+
+    uid = os.getuid()
+
+    def own(q: Any) -> bool:
+        try:
+            if q.uids().real != uid or q.status() == psutil.STATUS_ZOMBIE or not is_ray_command(q.cmdline()):
+                return False
+            env = q.environ()
+            if env.get(TOKEN_ENV) == token:
+                return True
+            return not env and any(q.pid == pid and abs(q.create_time() - ct) <= 0.01 for pid, ct in recorded)
+        except psutil.Error:
+            return False
+
+    if not own(p):
+        return False
+    q = p
+    for _ in range(64):
+        try:
+            q = q.parent()
+        except psutil.Error:
+            return False
+        if q is None or q.pid <= 1:
+            return True
+        if not own(q):
+            return False                 # held by something live that is not this Ray: not a leftover
+    return False
+
+
+def _recorded(rec: dict[str, Any]) -> set[tuple[int, float]]:
+    out = set()
+    for e in rec.get("processes") or []:
+        try:
+            out.add((int(e["pid"]), float(e["create_time"])))
+        except (KeyError, TypeError, ValueError):
+            continue
+    return out
+
+
 def stop_leftover_rays(*, grace_s: float = STOP_GRACE_S) -> list[Stopped]:
-    """Stop the recorded local Rays whose driver is gone; drop their records. Returns what was stopped."""
+    """Stop the recorded local Rays whose driver is gone; drop their records. Returns what was stopped.
+    Only processes that `leftover` finds to be that Ray's own are signalled, whatever a record says."""
     import psutil
 
     d = records_dir()
@@ -167,26 +247,34 @@ def stop_leftover_rays(*, grace_s: float = STOP_GRACE_S) -> list[Stopped]:
     victims: dict[int, tuple[Any, Stopped]] = {}
     done: list[Path] = []
     me = os.getpid()
+    records = []
     for path in sorted(d.glob("*.json")):
         try:
             rec = json.loads(path.read_text())
             driver, token = rec["driver"], str(rec["token"])
+            if not isinstance(driver, dict) or not token:
+                raise TypeError("driver")
         except (OSError, ValueError, KeyError, TypeError):
             done.append(path)                       # unreadable record: nothing it names can be trusted
             continue
-        if _alive(driver) is not None:
+        records.append((path, rec, driver, token))
+    live_tokens = {token for _, _, driver, token in records if _alive(driver) is not None}
+    for path, rec, driver, token in records:
+        if token in live_tokens:
             continue                                # a live run: its Ray is its own
-        found = _marked(token) + [p for e in rec.get("processes", []) if (p := _alive(e)) is not None]
+        recorded = _recorded(rec)
+        found = _marked(token) + [p for e in rec.get("processes") or [] if isinstance(e, dict)
+                                  and (p := _alive(e)) is not None]
         for p in list(found):
             try:
                 found += p.children(recursive=True)        # workers the raylet started after the record
             except psutil.Error:
                 pass
         for q in found:
-            if q.pid != me and q.pid not in victims:
+            if q.pid != me and q.pid not in victims and leftover(q, token, recorded):
                 try:
                     victims[q.pid] = (q, Stopped(q.pid, q.name(), int(driver.get("pid", -1))))
-                except psutil.Error:
+                except (psutil.Error, TypeError, ValueError):
                     continue
         done.append(path)
     procs = [q for q, _ in victims.values()]

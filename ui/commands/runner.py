@@ -17,7 +17,10 @@ def register(app: typer.Typer) -> None:
         """Stop what killed runs left behind: the local Ray (agents, workers) of every run whose driver is gone.
 
         Runs still going keep their Ray; nothing that a mixfleet run did not start is touched (the next
-        `mixfleet run` does the same before it starts)."""
+        `mixfleet run` does the same before it starts). A record is only a hint: each process it names is
+        stopped only if the process table shows it is that dead driver's Ray (this user's, Ray's command line,
+        the run's token or its recorded pid and start time, no live owner), so a hand-written record stops
+        nothing else."""
         from mixfleet.runner.orchestration.local_ray import records_dir, stop_leftover_rays
 
         stopped = stop_leftover_rays()
