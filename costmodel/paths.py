@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 
 def data_dir() -> Path:
@@ -27,8 +29,44 @@ def resolve_shipped(folder: str, name_or_path: str | Path, what: str) -> Path:
     from mixfleet.costmodel.errors import SpecError
 
     path = Path(name_or_path)
-    if path.suffix != ".toml" and len(path.parts) == 1:
+    if is_shipped_ref(name_or_path):
         path = data_path(folder, f"{name_or_path}.toml")
         if not path.exists():
             raise SpecError(what, "name", str(name_or_path), shipped_names(folder))
     return path
+
+
+def is_shipped_ref(ref: str | Path) -> bool:
+    """A reference that names a shipped file (one path component, no .toml suffix) rather than a path."""
+    p = Path(ref)
+    return p.suffix != ".toml" and len(p.parts) == 1
+
+
+def confined_spec(folder: str, ref: Any, what: str, *, where: str, near: Path,
+                  roots: Sequence[Path] = (), not_this: Path | None = None) -> Any:
+    """A spec a plan names (its `model` or `workload`), under the rule of a plan's `base`: a shipped name
+    (data/<folder>/<name>.toml; returned as is), or a .toml file inside the plan's own folder `near` (a relative
+    path is taken from `near`, not from the working folder; no '..', no link out, not the plan file `not_this`
+    itself; an absolute path only when it lies inside) or inside one of `roots`; such a file is returned as its
+    resolved absolute path. Anything else is a SpecError naming the field, the value and what is allowed, and
+    the file it names is never read, so an uploaded plan cannot make the server show another TOML's values.
+    A value that is not a string is returned untouched (the plan's own check names it)."""
+    from mixfleet.costmodel.errors import SpecError
+
+    if not isinstance(ref, str) or not ref:
+        return ref
+    allowed = (f"a shipped {what} name ({', '.join(shipped_names(folder))}) or a .toml file inside the plan's own "
+               f"folder (no '..', no link out of it)")
+    if is_shipped_ref(ref):
+        if not data_path(folder, f"{ref}.toml").is_file():
+            raise SpecError(where, what, ref, allowed)
+        return ref
+    p = Path(ref)
+    near_r = near.resolve()
+    places = [near_r, *(r.resolve() for r in roots)]
+    cand = (p if p.is_absolute() else near_r / p).resolve()
+    ok = p.suffix == ".toml" and ".." not in p.parts and any(cand.is_relative_to(r) for r in places) \
+        and (not_this is None or cand != not_this.resolve()) and cand.is_file()
+    if not ok:
+        raise SpecError(where, what, ref, allowed)
+    return str(cand)

@@ -11,12 +11,14 @@ re-exports the plain-data names, so `from mixfleet.policies.plan import GroupPla
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.paths import confined_spec
 from mixfleet.costmodel.planspec import (  # noqa: F401 - re-exported: the plan's plain data
     COST_BACKENDS,
     LOSSES,
@@ -27,6 +29,7 @@ from mixfleet.costmodel.planspec import (  # noqa: F401 - re-exported: the plan'
     GroupPlan,
     PlanData,
     TrainerPlan,
+    _resolve,
     known_plans,
     load_plan_dict,
     merge,
@@ -35,6 +38,7 @@ from mixfleet.costmodel.planspec import (  # noqa: F401 - re-exported: the plan'
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies import registry
 
+SPEC_FOLDERS = {"model": "models", "workload": "workloads"}   # plan fields naming a spec -> shipped data folder
 DEFAULT_POLICIES = {"router": "capacity_proportional", "autoscaler": "fixed", "batcher": "fifo",
                     "weight_sync": "in_flight"}
 
@@ -125,9 +129,20 @@ def with_overrides(plan: Plan, overrides: dict[str, Any]) -> Plan:
 
 
 # ---- files ----------------------------------------------------------------------------------------------
-def load_plan(path: str | Path) -> Plan:
-    """Load a plan by path or shipped name (e.g. "seed-mixed"), resolving `base` variants."""
-    return plan_from_dict(load_plan_dict(path))
+def load_plan(path: str | Path, *, roots: Sequence[Path] = ()) -> Plan:
+    """Load a plan by path or shipped name (e.g. "seed-mixed"), resolving `base` variants.
+
+    Every path the plan names follows the rule of `base`: its `model` and `workload` are shipped names or .toml
+    files inside the plan's own folder (or one of `roots`), taken relative to that folder and kept as absolute
+    paths in the Plan (`costmodel.paths.confined_spec`); anything else is a SpecError naming the field."""
+    file = Path(path) if Path(path).is_file() else _resolve(str(path), None)
+    raw = load_plan_dict(file)
+    where = f"plan '{raw.get('name', file.name)}' ({file})"
+    for key, folder in SPEC_FOLDERS.items():
+        if key in raw:
+            raw[key] = confined_spec(folder, raw[key], key, where=where, near=file.parent, roots=roots,
+                                     not_this=file)
+    return plan_from_dict(raw)
 
 
 def save_plan(plan: Plan, path: str | Path) -> Path:
