@@ -5,16 +5,22 @@
 [min, max] and rounded to integers (`integer = true`). `.mean` is exact for the clipped distribution
 (for integer lognormals, rounding shifts it by < 0.5); `.sample(rng, n)` draws with a numpy Generator.
 In TOML a Dist is an inline table, e.g. `turns = { kind = "lognormal", median = 57, sigma = 0.7 }`.
+
+Bounds (costmodel/limits.py): a lognormal's sigma is at most `MAX_LOGNORMAL_SIGMA`; `within(lo, hi, limit)` is
+the distribution with its support inside [lo, hi] (what a workload field asks, `WORKLOAD_DIST_BOUNDS`): every
+parameter that places an end of the support must lie there, and a lognormal without `max` is clipped at hi.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.limits import MAX_LOGNORMAL_SIGMA, check_in_range
 from mixfleet.costmodel.tomlread import check_keys, get_bool, get_float, get_str
 
 DIST_KINDS = ("const", "uniform", "lognormal", "empirical")
@@ -61,6 +67,9 @@ class Dist:
                 raise SpecError(w, "median", self.mu, "a positive number")
             if not _finite(self.sigma) or self.sigma < 0:
                 raise SpecError(w, "sigma", self.sigma, "a number >= 0")
+            if self.sigma > MAX_LOGNORMAL_SIGMA:
+                raise SpecError(w, "sigma", self.sigma, f"at most {MAX_LOGNORMAL_SIGMA:g} (MAX_LOGNORMAL_SIGMA, "
+                                "costmodel/limits.py)")
         if self.kind == "empirical":
             if not self.values or not all(_finite(v) for v in self.values):
                 raise SpecError(w, "values", self.values, "a non-empty list of finite numbers")
@@ -68,8 +77,32 @@ class Dist:
                                  or sum(self.weights) <= 0):
                 raise SpecError(w, "weights", self.weights,
                                 f"{len(self.values)} non-negative numbers with a positive sum (or none)")
+        for k in ("min", "max"):
+            if getattr(self, k) is not None and not _finite(getattr(self, k)):
+                raise SpecError(w, k, getattr(self, k), "a finite number (or none)")
         if self.min is not None and self.max is not None and self.max < self.min:
             raise SpecError(w, "max", self.max, f">= min ({self.min})")
+
+    def within(self, lo: float, hi: float, limit: str) -> Dist:
+        """This distribution with its support inside [lo, hi] (`limit`: hi's name in costmodel/limits.py):
+        SpecError naming the parameter (value, low, high, median, values, min, max) that places an end of the
+        support outside; a lognormal without `max` (its tail is unbounded) is returned clipped at hi."""
+        w = self.where
+        params: list[tuple[str, float]] = []
+        if self.kind == "const":
+            params.append(("value", self.value))
+        elif self.kind == "uniform":
+            params += [("low", self.low), ("high", self.high)]
+        elif self.kind == "lognormal":
+            params.append(("median", float(f"{math.exp(self.mu):.12g}")))   # as written (exp(log(m)) ~ m)
+        else:
+            params += [("values", v) for v in self.values]
+        params += [(k, getattr(self, k)) for k in ("min", "max") if getattr(self, k) is not None]
+        for name, v in params:
+            check_in_range(w, name, v, lo, hi, limit)
+        if self.kind == "lognormal" and self.max is None:
+            return dataclasses.replace(self, max=float(hi))
+        return self
 
     # ---- constructors ---------------------------------------------------------------------------
     @classmethod
@@ -133,8 +166,7 @@ class Dist:
             vals = np.rint(vals) if self.integer else vals
             return float(np.sum(np.clip(vals, lo, hi) * p))
         if self.kind == "uniform" and self.integer:      # discrete: every integer in [low, high] equally likely
-            ints = np.arange(math.ceil(self.low), math.floor(self.high) + 1, dtype=np.float64)
-            return float(np.clip(ints, lo, hi).mean())
+            return _clipped_integer_uniform_mean(math.ceil(self.low), math.floor(self.high), lo, hi)
         if self.kind == "uniform":
             a, b = self.low, self.high
             if b == a:
@@ -199,6 +231,19 @@ class Dist:
         if self.integer:
             d["integer"] = True
         return d
+
+
+def _clipped_integer_uniform_mean(a: int, b: int, lo: float, hi: float) -> float:
+    """E[clip(K, lo, hi)] for K uniform on the integers a..b, in closed form (no array of b - a + 1 values)."""
+    n = b - a + 1
+    below = min(max(math.ceil(lo) - a, 0), n) if lo > -math.inf else 0       # integers < lo: each counts lo
+    above = min(max(b - math.floor(hi), 0), n) if hi < math.inf else 0      # integers > hi: each counts hi
+    middle = n - below - above
+    total = below * (lo if below else 0.0) + above * (hi if above else 0.0)
+    if middle > 0:
+        first = a + below                                                    # the middle run first .. first+middle-1
+        total += middle * (2 * first + middle - 1) / 2
+    return float(total / n)
 
 
 def _finite(x: Any) -> bool:

@@ -26,6 +26,32 @@ MAX_THREADS = 1024                   # torch threads of one embedded sampler
 MAX_TURNS = 4096                     # turns of one episode
 MAX_NEW_TOKENS = 1_048_576           # reply tokens per turn
 MAX_PASS_K = 1024                    # samples per prompt of a pass@k evaluation
+MAX_TOOL_LATENCY_S = 86_400.0        # seconds one tool call takes (a day; the seed's slowest test run: 600 s)
+MAX_LOGNORMAL_SIGMA = 10.0           # a lognormal's sigma (a factor e^10 ~ 22,000 per standard deviation)
+
+# A workload's distributions: the support each must stay inside, (lowest, highest, the highest's name). The
+# twin draws turns x samples of each per prompt-group, so an unbounded `turns` (the probe's uniform 2..1e8)
+# drew hundreds of millions of values per group; negative turns, tokens or seconds mean nothing.
+WORKLOAD_DIST_BOUNDS: dict[str, tuple[float, float, str]] = {
+    "turns": (0, MAX_TURNS, "MAX_TURNS"),
+    "prompt_tokens": (0, MAX_CONTEXT_TOKENS, "MAX_CONTEXT_TOKENS"),
+    "reply_tokens": (0, MAX_NEW_TOKENS, "MAX_NEW_TOKENS"),
+    "tool_output_tokens": (0, MAX_CONTEXT_TOKENS, "MAX_CONTEXT_TOKENS"),
+    "tool_latency_s": (0, MAX_TOOL_LATENCY_S, "MAX_TOOL_LATENCY_S"),
+}
+
+
+def _num(x: float) -> str:
+    return f"{int(x):,}" if float(x).is_integer() else f"{x:,}"
+
+
+def check_in_range(where: str, field: str, value: float, lo: float, hi: float, limit: str) -> None:
+    """A distribution's parameter inside its field's support [lo, hi] (`limit`: hi's name here); else a SpecError
+    naming the field, the value and the limit."""
+    if value < lo:
+        raise SpecError(where, field, value, f"at least {_num(lo)} (a count or a duration, never negative)")
+    if value > hi:
+        raise SpecError(where, field, value, f"at most {_num(hi)} ({limit}, costmodel/limits.py)")
 
 
 def check_product(where: str, fields: str, value: int, hi: int) -> None:

@@ -3,11 +3,14 @@
 A workload (data/workloads/*.toml, or any path) says how many prompts and samples per prompt make
 an update, and per episode: turns, first-turn prompt tokens, reply tokens and tool-output tokens
 per turn, tool latency, the context limit, and the probability a trajectory earns reward 1. The
-twin samples episodes from it; the planner uses the closed-form means below.
+twin samples episodes from it; the planner uses the closed-form means below. Each distribution's support
+is bounded (costmodel/limits.py `WORKLOAD_DIST_BOUNDS`: never negative, turns at most 4,096, ...), a value
+beyond refused with the limit named; a lognormal without `max` is clipped at its field's limit.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +23,7 @@ from mixfleet.costmodel.limits import (
     MAX_PROMPTS_PER_UPDATE,
     MAX_SAMPLES_PER_PROMPT,
     MAX_TRAJECTORIES_PER_UPDATE,
+    WORKLOAD_DIST_BOUNDS,
     check_count,
     check_product,
 )
@@ -54,8 +58,13 @@ class WorkloadSpec:
         check_product(where, "prompts_per_update x samples_per_prompt",
                       self.prompts_per_update * self.samples_per_prompt, MAX_TRAJECTORIES_PER_UPDATE)
         for f in DIST_FIELDS:
-            if not isinstance(getattr(self, f), Dist):
-                raise SpecError(where, f, getattr(self, f), "a Dist")
+            d = getattr(self, f)
+            if not isinstance(d, Dist):
+                raise SpecError(where, f, d, "a Dist")
+            if d.where == "dist":                          # built in code: say which workload and field it is
+                d = dataclasses.replace(d, where=f"{where} {f}")
+            lo, hi, limit = WORKLOAD_DIST_BOUNDS[f]
+            object.__setattr__(self, f, d.within(lo, hi, limit))   # frozen: the bounded Dist replaces it once
         for f in ("success_prob", "no_tool_call_prob"):
             v = getattr(self, f)
             if not 0.0 <= v <= 1.0:
