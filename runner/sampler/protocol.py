@@ -211,11 +211,42 @@ def parse_json_body(body: bytes, max_body_bytes: int) -> Any:
     if not body.strip():
         return {}
     try:
-        return json.loads(body)
+        obj = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"request body is not valid JSON: {e}") from None
     except RecursionError:
         raise ProtocolError("request body is nested too deeply") from None
+    if b"\\u" in body or b"\xed" in body:     # a surrogate can only come from an escape or raw ED A0..BF bytes
+        _refuse_lone_surrogates(obj)
+    return obj
+
+
+def _refuse_lone_surrogates(obj: Any) -> None:
+    """JSON lets a string hold a lone UTF-16 surrogate ("\\ud800"); Python keeps it, and it cannot be encoded
+    as UTF-8 (tokenizing it, or echoing it back as a rid, raised a 500 and reset the connection). Refused here,
+    naming the field (a path like `text[0]` or `sampling_params.stop`). Iterative: the body is bounded, its
+    depth is not."""
+    todo: list[tuple[str, Any]] = [("", obj)]
+    while todo:
+        path, v = todo.pop()
+        if isinstance(v, str):
+            _check_utf8(path or "the body", v)
+        elif isinstance(v, dict):
+            for k, item in v.items():
+                _check_utf8(f"{path + '.' if path else ''}{k!r} (a key)", k)
+                todo.append((f"{path + '.' if path else ''}{k}", item))
+        elif isinstance(v, list):
+            todo.extend((f"{path}[{i}]", item) for i, item in enumerate(v))
+
+
+def _check_utf8(where: str, s: str) -> None:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        bad = s[e.start]
+        raise ProtocolError(f"{where}: holds a lone UTF-16 surrogate (\\u{ord(bad):04x} at character {e.start}); "
+                            "allowed: valid Unicode text (surrogates only as a high + low pair, "
+                            "e.g. \\ud83d\\ude00)") from None
 
 
 def _check_keys(obj: Mapping, implemented: Sequence[str], inert: Sequence[str],
