@@ -18,12 +18,20 @@ API key (`ServerArgs.api_key`, `mixfleet serve --api-key`): as real SGLang's `--
 except the health checks (paths starting with /health) and CORS preflights (OPTIONS); anything else is
 answered 401 with a message. A real run starts every replica with its own run's key
 (runner/orchestration), so a sampler port reachable on a cluster network does not serve strangers.
+
+Browsers (`check_browser_request`, with or without a key): a web page must not drive a local sampler, so a
+server bound to a loopback address answers only a loopback Host (localhost, *.localhost, 127.x.x.x, [::1]:
+a DNS-rebinding name is refused), every request that says it comes from another origin (an `Origin` that is
+not the request's own, `Sec-Fetch-Site: cross-site` / `same-site`) is refused with 403, and a POST / PUT
+body must be JSON (`Content-Type` application/json, or none): the content types a page may send without a
+CORS preflight (text/plain, forms) get a 400, as real SGLang's FastAPI handlers refuse non-JSON bodies.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import json
 import logging
 import math
@@ -56,6 +64,7 @@ from mixfleet.runner.sampler.protocol import (
     parse_json_body,
     response_dict,
 )
+from starlette.datastructures import Headers
 
 log = logging.getLogger("mixfleet.server")
 
@@ -70,6 +79,8 @@ HEALTH_GENERATE_TIMEOUT_S = 30.0
 ENGINE_JOIN_TIMEOUT_S = 10.0
 DISCONNECT_POLL_S = 0.5
 NOT_SUPPORTED = "not supported by the embedded engine; use update_weights_from_disk"
+CROSS_SITE_FETCH = ("cross-site", "same-site")  # Sec-Fetch-Site values of a request from another page's origin
+JSON_CONTENT_TYPES = ("application/json",)      # and application/*+json; no Content-Type at all is fine too
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -107,6 +118,73 @@ class ServerArgs:
         levels = ("critical", "error", "warning", "info", "debug", "trace")
         if self.log_level not in levels:
             raise ValueError(f"ServerArgs.log_level = {self.log_level!r}: allowed {', '.join(levels)}")
+
+
+def is_loopback_host(host: str) -> bool:
+    """A host name or address only this machine reaches: localhost, *.localhost (RFC 6761), 127.0.0.0/8, ::1."""
+    name = host.strip().lower().rstrip(".")
+    if name.startswith("[") and name.endswith("]"):
+        name = name[1:-1]
+    if name == "localhost" or name.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False
+
+
+def _split_host(value: str) -> str:
+    """The host part of a Host header value ("127.0.0.1:30000", "[::1]:30000", "localhost")."""
+    value = value.strip()
+    if value.startswith("["):
+        return value[: value.find("]") + 1] if "]" in value else value
+    return value.rsplit(":", 1)[0] if value.count(":") == 1 else value
+
+
+def check_browser_request(method: str, headers: Any, bind_host: str) -> tuple[int, str] | None:
+    """(status, message) when a request must be refused as one a web page made (see the module doc), else None.
+
+    `headers`: the request's headers (case-insensitive mapping); `bind_host`: the address the server is bound to
+    (a loopback one turns the Host check on)."""
+    host = headers.get("host")
+    if host is not None and is_loopback_host(bind_host) and not is_loopback_host(_split_host(host)):
+        return 403, (f"Host header {host[:100]!r} is not a loopback name: this sampler is bound to {bind_host} and "
+                     "answers Host localhost, *.localhost, 127.x.x.x or [::1] only (a DNS-rebinding guard); start it "
+                     "with --host to serve it under another name")
+    origin = headers.get("origin")
+    if origin is not None:
+        own = {f"{scheme}://{host}".lower() for scheme in ("http", "https")} if host else set()
+        if origin.strip().lower().rstrip("/") not in own:
+            return 403, (f"Origin {origin[:100]!r} is not this sampler's own origin: requests from web pages of "
+                         "another origin are refused (a sampler has no browser clients)")
+    fetch_site = headers.get("sec-fetch-site")
+    if fetch_site is not None and fetch_site.strip().lower() in CROSS_SITE_FETCH:
+        return 403, (f"Sec-Fetch-Site = {fetch_site[:40]!r}: requests from web pages of another site are refused "
+                     "(allowed: same-origin, none, or no such header)")
+    if method in ("POST", "PUT"):
+        ctype = headers.get("content-type")
+        if ctype is not None:
+            media = ctype.split(";", 1)[0].strip().lower()
+            if not (media in JSON_CONTENT_TYPES or (media.startswith("application/") and media.endswith("+json"))):
+                return 400, (f"Content-Type = {ctype[:80]!r}: a {method} body must be JSON; allowed: "
+                             "application/json (or no Content-Type), e.g. curl -H 'Content-Type: application/json'")
+    return None
+
+
+class BrowserGuard:
+    """Plain ASGI middleware refusing what `check_browser_request` refuses. Not Starlette's BaseHTTPMiddleware:
+    that one hides a client's disconnect from a streaming response, and a disconnected request must be aborted."""
+
+    def __init__(self, app: Any, *, bind_host: str) -> None:
+        self.app, self.bind_host = app, bind_host
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            refused = check_browser_request(scope["method"], Headers(scope=scope), self.bind_host)
+            if refused is not None:
+                await _error(refused[1], refused[0])(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class FiniteJSONResponse(JSONResponse):
@@ -356,6 +434,9 @@ def create_app(engine: SamplerEngine, *, server_args: ServerArgs | None = None,
                 return _error("wrong API key (the header 'Authorization: Bearer <key>' does not match this "
                               "sampler's --api-key)", 401)
             return await call_next(request)
+
+    # added last, so it runs first: a page's request is refused before the key check
+    app.add_middleware(BrowserGuard, bind_host=args.host)
 
     @app.exception_handler(ProtocolError)
     async def _protocol_error(_request: Request, exc: ProtocolError) -> JSONResponse:
