@@ -8,7 +8,11 @@ and layout (SGLang quantizes a BF16 checkpoint at load, as the embedded engine d
     nvfp4  -> --quantization modelopt_fp4  mxfp4 -> --quantization mxfp4
     KV fp8_e4m3 -> --kv-cache-dtype fp8_e4m3;   top-p mask replay -> --sampling-mask-max-tokens 512
     layout: --tp-size GPUs [--dp-size D --enable-dp-attention] [--ep-size E]   (the plan's tp, dp_attention, ep)
-    api key: --api-key KEY (the run's key; SGLang then answers 401 unless "Authorization: Bearer KEY")
+    api key: the run's key (SGLang then answers 401 unless "Authorization: Bearer KEY"); `launch` hands it over in
+             a private YAML file read by SGLang's own `--config FILE.yaml` (`api-key: KEY`, mode 0600, removed once
+             the server answers), never on the command line, which every local user sees in `ps`. SGLang has
+             no environment variable for it (its ServerArgs.api_key is a flag or a config-file key only).
+             `launch_argv(spec)` alone writes `--api-key KEY` (for printing: `describe` masks it).
 
 `attach(url)` connects to an already-running server (SGLang or the embedded one): it checks
 /health and /model_info and returns what the server says about itself. Nothing here needs SGLang
@@ -17,12 +21,17 @@ installed; `launch` (which does) refuses clearly when it is missing.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import json
+import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -78,8 +87,9 @@ class SGLangLaunchSpec:
             raise ValueError(f"{where}: sampling_mask_max_tokens = {m!r}; allowed: an integer >= 1 or None")
 
 
-def launch_argv(spec: SGLangLaunchSpec) -> list[str]:
-    """The exact command line of one SGLang replica."""
+def launch_argv(spec: SGLangLaunchSpec, *, api_key_file: str | None = None) -> list[str]:
+    """The exact command line of one SGLang replica. With `api_key_file` (a YAML file holding `api-key`, see
+    `write_api_key_config`) the key is passed as `--config FILE` instead of `--api-key KEY`."""
     argv = [spec.python, "-m", "sglang.launch_server", "--model-path", spec.model_path, "--host", spec.host,
             "--port", str(spec.port), "--tp-size", str(spec.tp_size)]
     if spec.dp_size > 1:
@@ -98,8 +108,23 @@ def launch_argv(spec: SGLangLaunchSpec) -> list[str]:
     if spec.enable_return_routed_experts:
         argv += ["--enable-return-routed-experts"]
     if spec.api_key is not None:
-        argv += ["--api-key", spec.api_key]
+        argv += ["--config", api_key_file] if api_key_file is not None else ["--api-key", spec.api_key]
     return argv + list(spec.extra_args)
+
+
+def write_api_key_config(api_key: str, *, directory: str | Path | None = None) -> Path:
+    """A new private (0600) YAML file `api-key: KEY` for SGLang's `--config`; the caller removes it. JSON
+    quoting makes the value a plain YAML string whatever its characters."""
+    fd, name = tempfile.mkstemp(prefix="mixfleet-sglang-key-", suffix=".yaml",
+                                dir=str(directory) if directory is not None else None)
+    try:
+        with os.fdopen(fd, "w") as f:                 # mkstemp creates it 0600, readable by this user only
+            f.write(f"api-key: {json.dumps(api_key)}\n")
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
+    return Path(name)
 
 
 def _field(group: Any, name: str, default: Any = None) -> Any:
@@ -202,16 +227,23 @@ def launch(spec: SGLangLaunchSpec, *, env: Mapping[str, str] | None = None, wait
     if importlib.util.find_spec("sglang") is None:
         raise RuntimeError("SGLang is not installed here (pip install 'mixfleet[sglang]' on a GPU node); "
                            "the embedded sampler (`mixfleet serve`) needs no SGLang")
-    argv = launch_argv(spec)
-    if argv[0] == "python":
-        argv[0] = sys.executable
-    out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
-    proc = subprocess.Popen(argv, env=dict(env) if env is not None else None, stdout=out, stderr=subprocess.STDOUT)
+    key_file = write_api_key_config(spec.api_key) if spec.api_key is not None else None
     try:
-        attached = attach(f"http://{spec.host}:{spec.port}", wait_s=wait_s, api_key=spec.api_key)
-    except AttachError:
-        proc.terminate()
-        raise
+        argv = launch_argv(spec, api_key_file=str(key_file) if key_file is not None else None)
+        if argv[0] == "python":
+            argv[0] = sys.executable
+        out = open(log_path, "ab") if log_path else subprocess.DEVNULL  # noqa: SIM115 - owned by the child
+        proc = subprocess.Popen(argv, env=dict(env) if env is not None else None, stdout=out,
+                                stderr=subprocess.STDOUT)
+        try:
+            attached = attach(f"http://{spec.host}:{spec.port}", wait_s=wait_s, api_key=spec.api_key)
+        except AttachError:
+            proc.terminate()
+            raise
+    finally:
+        if key_file is not None:                      # read when the server parsed its arguments
+            with contextlib.suppress(OSError):
+                key_file.unlink()
     return proc, attached
 
 
