@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -65,10 +63,11 @@ def test_refuses_a_folder_that_holds_anything(tmp_path: Path) -> None:
 
 
 def test_a_reused_pid_is_not_taken_for_the_run(tmp_path: Path) -> None:
-    """A record whose pid now belongs to another process (other start time) reads as not alive."""
+    """A record whose pid now belongs to another process (other start time, or a process that is not this folder's
+    `mixfleet run`) reads as not alive (issue 24; a real run of ours reads alive: tests/test_probe2_procs.py)."""
     me = rm.ManagedRun(folder=str(tmp_path), pid=os.getpid(), pid_start=rm._pid_start(os.getpid()) or "",
                        command=[], started_utc="", updates=1)
-    assert me.alive()
+    assert not me.alive()                 # the right start time, but pytest is not this folder's `mixfleet run`
     other = rm.ManagedRun(folder=str(tmp_path), pid=os.getpid(), pid_start="1", command=[], started_utc="",
                           updates=1)
     assert not other.alive()
@@ -114,44 +113,42 @@ def test_start_find_refuse_twice_kill(tmp_path: Path) -> None:
 
 
 def test_the_runs_page_offers_controls_only_for_its_own_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A run log the app did not start has no Stop/Kill/Resume; one it started (a managed.json naming a live
-    process of its own) does. The managed process here is a real child that we end ourselves."""
+    """A run log the app did not start has no Stop/Kill/Resume; a run it started does (a real `mixfleet run`
+    with the app's signed managed.json; a hand-written one gets none: tests/test_probe2_procs.py), and Kill
+    ends it while it is still starting."""
     pytest.importorskip("streamlit.testing.v1")
+    from mixfleet.costmodel.model import load_model_spec
     from mixfleet.costmodel.runlog import RunLogWriter
+    from mixfleet.runner.checkpoint.init_model import init_model
     from streamlit.testing.v1 import AppTest
 
     runs = tmp_path / "runs"
     monkeypatch.setenv("MIXFLEET_RUNS_DIR", str(runs))
+    monkeypatch.setenv("MIXFLEET_STATE_DIR", str(tmp_path / "state"))
     plan = load_plan("tiny-cpu")
     with RunLogWriter(runs / "foreign", {"source": "runner", "plan": plan.to_dict(), "seed": 0}) as w:
         w.flush()
-    folder = runs / "mine"
-    (folder / rm.RUN_SUBDIR).mkdir(parents=True)
-    w = RunLogWriter(folder / rm.RUN_SUBDIR, {"source": "runner", "plan": plan.to_dict(), "seed": 0})
-    w.flush()
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    app = str(Path(__file__).resolve().parents[1] / "ui" / "app.py")
+    at = AppTest.from_file(app, default_timeout=240)
+    at.run()
+    at.switch_page("app_runs.py")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not [b for b in at.button if b.label.startswith(("Stop", "Kill", "Resume"))]
+    init = init_model(load_model_spec("tiny"), tmp_path / "init", seed=0)
+    m = rm.start(runs, "mine", _plan_text(), 3, init=str(init))
     try:
-        rec = rm.ManagedRun(folder=str(folder), pid=child.pid, pid_start=rm._pid_start(child.pid) or "",
-                            command=["test"], started_utc="2026-12-01T00:00:00Z", updates=3)
-        (folder / rm.MANAGED_FILE).write_text(json.dumps(rec.__dict__))
-        app = str(Path(__file__).resolve().parents[1] / "ui" / "app.py")
-        at = AppTest.from_file(app, default_timeout=240)
-        at.run()
-        at.switch_page("app_runs.py")
-        at.run()
-        assert not at.exception, [e.value for e in at.exception]
-        at.selectbox(key="runs_pick").set_value(str(runs / "foreign")).run()
-        assert not [b for b in at.button if b.label.startswith(("Stop", "Kill", "Resume"))]
-        at.selectbox(key="runs_pick").set_value(str(folder / rm.RUN_SUBDIR)).run()
+        at.run()                              # the run is starting: its panel, with its controls
         assert not at.exception, [e.value for e in at.exception]
         labels = [b.label for b in at.button]
         assert "Stop (after this update)" in labels and "Kill now" in labels
         kill = next(b for b in at.button if b.label == "Kill now")
         kill.click().run()
-        child.wait(timeout=30)
-        assert child.returncode == -9
-        assert rm.load(folder).state() == "killed"
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{m.pid}").exists() and time.monotonic() < deadline:   # killed, then reaped
+            time.sleep(0.2)
+        assert not Path(f"/proc/{m.pid}").exists()
+        assert rm.load(runs / "mine").state() == "killed"
     finally:
-        if child.poll() is None:
-            child.kill()
-        w.close()
+        if m.alive():
+            os.killpg(m.pid, 9)

@@ -16,6 +16,7 @@ import streamlit as st
 from mixfleet.costmodel.runlog import FIND_MAX_DEPTH, FIND_MAX_DIRS
 from mixfleet.ui import app_charts as charts
 from mixfleet.ui import app_launch as launch
+from mixfleet.ui import run_manager as rm
 from mixfleet.ui.app_common import (
     REFRESH_EVERY_S,
     RunData,
@@ -260,6 +261,14 @@ def render() -> None:
     runs = find_runs(root)
     listed = {str(p) for p, _ in runs}
     for m in launch.pending_runs(root, listed):
+        if (m.run_dir / "run.json").exists():
+            # its log is there but not listed (written since the listing, or unreadable): list it with one rerun,
+            # never in a loop (the pending panel reruns the page while the log exists)
+            once = st.session_state.setdefault("runs_pending_reran", set())
+            if m.folder not in once:
+                once.add(m.folder)
+                st.rerun()
+            continue
         show_pending_fragment(m)
     if not runs:
         st.info(f"No run log under `{root}` yet. Start one with `mixfleet run PLAN` or `mixfleet simulate PLAN -o "
@@ -289,6 +298,8 @@ def render() -> None:
         managed = launch.managed_for(path)
         live = header.get("status") == "running" or (managed is not None and managed.alive())
         auto = st.toggle(f"Auto-refresh every {REFRESH_EVERY_S:.0f} s", value=live)
+    if managed is None and path.name == rm.RUN_SUBDIR and (why := rm.refusal(path.parent)):
+        st.caption(why)              # a managed.json beside it that the app did not write (or a copy): followed only
     if managed is not None:
         st.fragment(run_every=REFRESH_EVERY_S if auto else None)(launch.managed_panel)(managed, overlay)
     st.fragment(run_every=REFRESH_EVERY_S if auto else None)(_view)(str(path), overlay)

@@ -14,6 +14,18 @@ finds it again from managed.json and the process table. A start holds an exclusi
 checks and launches, so two sessions of the app cannot start a run twice. Only runs with a managed.json
 written here are ever stopped or killed: a run the app did not start is followed, never signalled.
 
+Nothing in managed.json is taken on trust (it is a file in a folder others can write or copy):
+- the app signs each record it writes (HMAC-SHA256 with a key of its own, `<state>/ui/managed-runs.key`,
+  mode 0600; state = $MIXFLEET_STATE_DIR or ~/.cache/mixfleet), and the record names the folder it was
+  written in: a hand-written record, an edited one, or one copied into another folder is no managed run;
+- a process is this run's only while `/proc` shows it is: this user's, its command line is
+  `python -m mixfleet.ui.cli run <this folder>/plan.toml --out <this folder>/run ...`, and its start time is
+  the recorded one (so a reused pid is never taken for it); Kill also needs it to lead its own process group;
+- Resume builds the command line itself (`_launch`), from the signed record's checked launch options; the
+  record's `command` is shown, never run. A plan's spec files are copied into the run folder
+  (`self_contained_plan`), since `mixfleet run` reads specs only beside the plan.
+A run that exits is reaped by a thread of the app (it stayed a `<defunct>` child of the app otherwise).
+
 Stop is clean: SIGTERM, on which `mixfleet run` finishes the update it is on, checkpoints and closes its
 run log with status "stopped" (resumable). Kill is SIGKILL to the run's process group (its local Ray
 included); the run log stays readable and `--resume` continues from the last checkpoint.
@@ -22,11 +34,15 @@ included); the run log stays readable and `--resume` continues from the last che
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import json
 import os
 import re
+import secrets
 import signal
 import sys
+import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -41,6 +57,10 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 MAX_PLAN_BYTES = 1 << 20          # a plan file is small; refuse anything bigger
 MAX_UPDATES = 100_000
 LOG_TAIL_BYTES = 16_384
+KEY_FILE = Path("ui") / "managed-runs.key"   # under the state folder (runner/orchestration/local_ray.state_dir)
+SIGNATURE = "signature"
+CLI_MODULE = "mixfleet.ui.cli"
+SPEC_FIELDS = {"model": "models", "workload": "workloads"}   # plan field -> shipped data folder
 
 
 class RunManagerError(ValueError):
@@ -75,8 +95,10 @@ class ManagedRun:
         return Path(self.folder) / LOG_FILE
 
     def alive(self) -> bool:
-        """True while the process that this record names is running (same pid AND same start time)."""
-        return _pid_start(self.pid) == self.pid_start
+        """True while the process that this record names is this run's `mixfleet run`: same pid, same start
+        time, this user's, and its command line is this folder's (`is_run_process`)."""
+        return bool(self.pid_start) and _pid_start(self.pid) == self.pid_start \
+            and is_run_process(self.pid, Path(self.folder))
 
     def header(self) -> dict[str, Any]:
         """The run log's header (run.json), or {} before the run wrote it."""
@@ -119,6 +141,35 @@ def _pid_start(pid: int) -> str | None:
     return rest[19] if len(rest) > 19 else None
 
 
+def _argv(pid: int) -> list[str] | None:
+    """The command line of process `pid` as /proc shows it (None if there is none or it cannot be read)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return None
+    return [a.decode("utf-8", errors="surrogateescape") for a in raw.split(b"\0")[:-1]]
+
+
+def run_argv(folder: str | Path) -> list[str]:
+    """The start of every command line the app runs for the run in `folder` (and the one it looks for)."""
+    folder = Path(folder)
+    return [sys.executable, "-m", CLI_MODULE, "run", str(folder / PLAN_FILE), "--out", str(folder / RUN_SUBDIR)]
+
+
+def is_run_process(pid: int, folder: str | Path) -> bool:
+    """Whether process `pid` is, by /proc, the `mixfleet run` of the run in `folder`: this user's, a Python
+    interpreter running `-m mixfleet.ui.cli run <folder>/plan.toml --out <folder>/run`. Nothing a file says counts."""
+    try:
+        if os.stat(f"/proc/{pid}").st_uid != os.getuid():
+            return False
+    except OSError:
+        return False
+    argv = _argv(pid)
+    want = run_argv(folder)
+    return bool(argv) and len(argv) >= len(want) and Path(argv[0]).name.startswith("python") \
+        and argv[1:len(want)] == want[1:]
+
+
 def _utc() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
@@ -127,6 +178,57 @@ def _write_json(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2))
     os.replace(tmp, path)
+
+
+def _key(create: bool) -> bytes | None:
+    """The app's key for signing managed.json (made on first use, mode 0600), or None if there is none yet."""
+    from mixfleet.runner.orchestration.local_ray import state_dir
+
+    path = state_dir() / KEY_FILE
+    for _ in range(3):
+        try:
+            data = path.read_bytes()
+            if len(data) >= 32:
+                return data
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            raise RunManagerError(f"cannot read the app's record key {path} ({e}); set MIXFLEET_STATE_DIR to a "
+                                  "folder of your own") from None
+        if not create:
+            return None
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        except FileExistsError:
+            time.sleep(0.05)                 # another session is writing it: read it
+            continue
+        except OSError as e:
+            raise RunManagerError(f"cannot write the app's record key {path} ({e}); set MIXFLEET_STATE_DIR to a "
+                                  "writable folder") from None
+        with os.fdopen(fd, "wb") as f:
+            f.write(secrets.token_bytes(32))
+    raise RunManagerError(f"the app's record key {path} is unreadable or too short; delete it (its runs are "
+                          "then followed, no longer controlled)")
+
+
+def _signature(key: bytes, data: dict[str, Any]) -> str:
+    body = json.dumps({k: v for k, v in data.items() if k != SIGNATURE}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key, body.encode(), hashlib.sha256).hexdigest()
+
+
+def save(m: ManagedRun) -> None:
+    """Write `m` as RUNS/<name>/managed.json, signed with the app's key (the only way a record is written)."""
+    data = asdict(m)
+    key = _key(create=True)
+    assert key is not None
+    data[SIGNATURE] = _signature(key, data)
+    _write_json(Path(m.folder) / MANAGED_FILE, data)
+
+
+def _reap(proc: Any) -> None:
+    """Wait for a launched run in a thread of its own, so that it never stays a zombie child of the app."""
+    threading.Thread(target=proc.wait, name=f"mixfleet-reap-{proc.pid}", daemon=True).start()
 
 
 def _inside(root: Path, p: Path) -> bool:
@@ -163,14 +265,47 @@ def _lock(folder: Path):  # type: ignore[no-untyped-def]
 
 
 # ---- the manager -----------------------------------------------------------------------------------
-def load(folder: str | Path) -> ManagedRun | None:
-    """The managed run in `folder`, or None if the app did not start one there."""
+def load_checked(folder: str | Path) -> tuple[ManagedRun | None, str | None]:
+    """(the managed run in `folder`, None), or (None, why not): no managed.json, unreadable, not signed by this
+    app (hand-written or edited), or signed for another folder (a copy). None, None when there is no record."""
     p = Path(folder) / MANAGED_FILE
+    if not p.is_file():
+        return None, None
     try:
+        if p.stat().st_size > MAX_PLAN_BYTES:
+            return None, f"{p}: {p.stat().st_size} bytes, not a record of this app"
         data = json.loads(p.read_text())
-        return ManagedRun(**{k: data[k] for k in ManagedRun.__dataclass_fields__ if k in data})
-    except (OSError, ValueError, TypeError, KeyError):
-        return None
+    except (OSError, ValueError) as e:
+        return None, f"{p}: unreadable ({e})"
+    if not isinstance(data, dict):
+        return None, f"{p}: not a record of this app"
+    key = _key(create=False)
+    sig = data.get(SIGNATURE)
+    if key is None or not isinstance(sig, str) or not hmac.compare_digest(sig, _signature(key, data)):
+        return None, (f"{p} was not written by this app (its signature does not match): the run is followed, "
+                      "never stopped, killed or resumed from here")
+    try:
+        m = ManagedRun(**{k: data[k] for k in ManagedRun.__dataclass_fields__ if k in data})
+    except TypeError as e:
+        return None, f"{p}: not a record of this app ({e})"
+    here = Path(folder).resolve()
+    if not isinstance(m.folder, str) or Path(m.folder).resolve() != here:
+        return None, (f"{p} was written for {m.folder}, not this folder {here} (copied or moved): the run is "
+                      "followed, never stopped, killed or resumed from here")
+    if not (isinstance(m.pid, int) and m.pid > 0 and isinstance(m.pid_start, str) and isinstance(m.updates, int)
+            and isinstance(m.resumes, int) and isinstance(m.extra, dict)):
+        return None, f"{p}: not a record of this app (fields of the wrong type)"
+    return m, None
+
+
+def load(folder: str | Path) -> ManagedRun | None:
+    """The managed run in `folder`, or None if the app did not start one there (see `load_checked`)."""
+    return load_checked(folder)[0]
+
+
+def refusal(folder: str | Path) -> str | None:
+    """Why the managed.json in `folder` is not taken as a run of this app (None: there is none, or it is)."""
+    return load_checked(folder)[1]
 
 
 def find(root: str | Path) -> list[ManagedRun]:
@@ -195,12 +330,27 @@ def run_folder(root: str | Path, name: str) -> Path:
     return folder
 
 
-def _launch(folder: Path, plan: Path, updates: int, resume: bool, init: str | None, address: str | None,
+def _options(extra: Any) -> tuple[str | None, str | None, list[str], bool]:
+    """The launch options of a record (init, address, attach, embedded), each checked for its type."""
+    ex = extra if isinstance(extra, dict) else {}
+    init, address = ex.get("init"), ex.get("address")
+    attach, embedded = ex.get("attach") or [], ex.get("embedded", True)
+    for name, v in (("init", init), ("address", address)):
+        if v is not None and not (isinstance(v, str) and v and not v.startswith("-")):
+            raise RunManagerError(f"launch option {name} = {v!r}: allowed none or a path / address")
+    if not (isinstance(attach, list) and all(isinstance(a, str) and "=" in a and not a.startswith("-")
+                                             for a in attach)):
+        raise RunManagerError(f"launch option attach = {attach!r}: allowed a list of GROUP=URL")
+    if not isinstance(embedded, bool):
+        raise RunManagerError(f"launch option embedded = {embedded!r}: allowed true or false")
+    return init, address, list(attach), embedded
+
+
+def _launch(folder: Path, updates: int, resume: bool, init: str | None, address: str | None,
             attach: list[str], embedded: bool) -> tuple[int, str, list[str]]:
     import subprocess
 
-    cmd = [sys.executable, "-m", "mixfleet.ui.cli", "run", str(plan), "--out", str(folder / RUN_SUBDIR),
-           "--updates", str(updates), "--quiet"]
+    cmd = [*run_argv(folder), "--updates", str(updates), "--quiet"]
     if resume:
         cmd.append("--resume")
     if init:
@@ -217,15 +367,22 @@ def _launch(folder: Path, plan: Path, updates: int, resume: bool, init: str | No
         log.flush()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 cwd=str(folder), env=env, start_new_session=True)
+    _reap(proc)
     start = None
-    for _ in range(50):                      # /proc entry appears at once; be patient on a loaded machine
-        start = _pid_start(proc.pid)
-        if start is not None:
+    for _ in range(250):                     # be patient on a loaded machine: the /proc entry appears at once,
+        start = _pid_start(proc.pid)         # the command line a moment after (the kernel sets the new argv up
+        if start is not None and is_run_process(proc.pid, folder):   # after Popen already saw the exec)
             break
+        start = None
         time.sleep(0.02)
     if start is None:
-        code = proc.poll()
-        raise RunManagerError(f"mixfleet run exited at once (code {code}); see {folder / LOG_FILE}")
+        # running, but /proc does not show it as this run's: the app could never stop it, so it is not kept
+        if proc.returncode is None and _pid_start(proc.pid) is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            raise RunManagerError(f"the launched process {proc.pid} does not show the command line {cmd[:7]} in "
+                                  "/proc, so the app could never stop it; killed it")
+        raise RunManagerError(f"mixfleet run exited at once (code {proc.returncode}); see {folder / LOG_FILE}")
     return proc.pid, start, cmd
 
 
@@ -246,6 +403,50 @@ def parse_plan(plan_text: str) -> Any:
     return plan_from_dict(raw)
 
 
+def self_contained_plan(plan_text: str, root: str | Path, folder: str | Path) -> str:
+    """The plan as the run folder's plan.toml: a model / workload given as a spec file (the Plan page's edited
+    specs, RUNS/ui-specs/...) must lie inside the runs folder; it is copied into `folder` as model.toml /
+    workload.toml and named so (`mixfleet run` reads specs only beside its plan). Shipped names stay."""
+    import tomllib
+
+    import tomli_w
+
+    copies = _spec_files(plan_text, root)
+    if not copies:
+        return plan_text
+    raw = tomllib.loads(plan_text)
+    for key, src in copies.items():
+        dst = Path(folder) / f"{key}.toml"
+        dst.write_bytes(src.read_bytes())
+        raw[key] = dst.name
+    return tomli_w.dumps(raw)
+
+
+def _spec_files(plan_text: str, root: str | Path) -> dict[str, Path]:
+    """The spec files a plan names (field -> resolved path), each checked to be a .toml file inside the runs
+    folder; shipped names are left out. A SpecError names the field, the value and what is allowed."""
+    import tomllib
+
+    from mixfleet.costmodel.errors import SpecError
+    from mixfleet.costmodel.paths import is_shipped_ref, shipped_names
+
+    raw = tomllib.loads(plan_text)
+    root_r = Path(root).resolve()
+    out: dict[str, Path] = {}
+    for key, data_folder in SPEC_FIELDS.items():
+        ref = raw.get(key)
+        if not isinstance(ref, str) or is_shipped_ref(ref):
+            continue
+        src = Path(ref)
+        src = (src if src.is_absolute() else root_r / src).resolve()
+        if Path(ref).suffix != ".toml" or not src.is_relative_to(root_r) or not src.is_file():
+            raise SpecError(f"plan '{raw.get('name')}'", key, ref,
+                            f"a shipped {key} name ({', '.join(shipped_names(data_folder))}) or a .toml file inside "
+                            f"the runs folder {root_r} (the Plan page's edited specs)")
+        out[key] = src
+    return out
+
+
 def start(root: str | Path, name: str, plan_text: str, updates: int, *, init: str | None = None,
           address: str | None = None, attach: list[str] | None = None, embedded: bool = True) -> ManagedRun:
     """Start `mixfleet run` on `plan_text` in RUNS/<name>, in the background.
@@ -261,6 +462,7 @@ def start(root: str | Path, name: str, plan_text: str, updates: int, *, init: st
     parse_plan(plan_text)
     folder = run_folder(root, name)
     root = Path(root).resolve()
+    _spec_files(plan_text, root)            # a spec outside the runs folder: refused before anything is made
     root.mkdir(parents=True, exist_ok=True)
     if folder.exists():
         m = load(folder)
@@ -275,33 +477,51 @@ def start(root: str | Path, name: str, plan_text: str, updates: int, *, init: st
         if load(folder) is not None:
             raise RunManagerError(f"run folder {folder}: another session just started a run there")
         plan_path = folder / PLAN_FILE
-        plan_path.write_text(plan_text)
-        pid, pstart, cmd = _launch(folder, plan_path, int(updates), False, init, address, attach or [], embedded)
+        plan_path.write_text(self_contained_plan(plan_text, root, folder))
+        extra = {"init": init, "address": address, "attach": list(attach or []), "embedded": embedded}
+        opts = _options(extra)
+        _key(create=True)                   # no key, no record: fail before a process is started
+        pid, pstart, cmd = _launch(folder, int(updates), False, *opts)
         m = ManagedRun(folder=str(folder), pid=pid, pid_start=pstart, command=cmd, started_utc=_utc(),
-                       updates=int(updates), extra={"init": init, "address": address, "attach": attach or [],
-                                                    "embedded": embedded})
-        _write_json(folder / MANAGED_FILE, asdict(m))
+                       updates=int(updates), extra=extra)
+        save(m)
     return m
+
+
+def _mark(m: ManagedRun, **changes: str) -> None:
+    """Note a stop or kill in the folder's own record (when it is the app's, for this very process)."""
+    cur = load(m.folder)
+    if cur is not None and cur.pid == m.pid and cur.pid_start == m.pid_start:
+        for k, v in changes.items():
+            setattr(cur, k, v)
+        save(cur)
+    for k, v in changes.items():
+        setattr(m, k, v)
 
 
 def stop(m: ManagedRun) -> None:
     """Ask the run to stop cleanly (SIGTERM: it ends after the current update, checkpointed and closed)."""
-    if not m.alive():
+    if not m.alive():                        # this folder's `mixfleet run`, by /proc, or nothing is signalled
         raise RunManagerError(f"run {m.name} is not running ({m.state()})")
     os.kill(m.pid, signal.SIGTERM)
-    m.stop_requested_utc = _utc()
-    _write_json(Path(m.folder) / MANAGED_FILE, asdict(m))
+    _mark(m, stop_requested_utc=_utc())
 
 
 def kill(m: ManagedRun) -> None:
     """Kill the run at once: SIGKILL to its process group (its local Ray included). Resumable."""
-    if not m.alive():
+    if not m.alive():                        # this folder's `mixfleet run`, by /proc, or nothing is signalled
         raise RunManagerError(f"run {m.name} is not running ({m.state()})")
+    try:
+        group = os.getpgid(m.pid)
+    except ProcessLookupError:
+        group = None
+    if group != m.pid:                       # launched in a session of its own: it leads its process group
+        raise RunManagerError(f"run {m.name}: pid {m.pid} does not lead its own process group (group {group}); "
+                              "not killing a group that is not the run's")
     with contextlib.suppress(ProcessLookupError):
         os.killpg(m.pid, signal.SIGKILL)
-    m.killed_utc = _utc()
-    _write_json(Path(m.folder) / MANAGED_FILE, asdict(m))
-    for _ in range(100):                     # reaped by init (new session); wait until it is gone
+    _mark(m, killed_utc=_utc())
+    for _ in range(100):                     # reaped by the app's reaper thread (or init); wait until it is gone
         if not m.alive():
             break
         time.sleep(0.05)
@@ -313,18 +533,23 @@ def resume(m: ManagedRun, updates: int | None = None) -> ManagedRun:
     target = int(updates if updates is not None else m.updates)
     if not 1 <= target <= MAX_UPDATES:
         raise RunManagerError(f"updates {target}: allowed 1..{MAX_UPDATES}")
+    cur, why = load_checked(folder)          # the folder's own signed record, never the object handed in
+    if cur is None:
+        raise RunManagerError(f"run {m.name}: not a run this app started in {folder}"
+                              + (f" ({why})" if why else " (no managed.json)"))
     with _lock(folder):
-        cur = load(folder) or m
+        cur = load(folder)
+        if cur is None:
+            raise RunManagerError(f"run {m.name}: not a run this app started in {folder}")
         if cur.alive():
             raise RunManagerError(f"run {m.name} is running; stop it before resuming")
         if not (cur.run_dir / "run.json").exists():
             raise RunManagerError(f"run {m.name}: no run log to resume in {cur.run_dir}; start it anew")
-        ex = cur.extra or {}
-        pid, pstart, cmd = _launch(folder, folder / PLAN_FILE, target, True, ex.get("init"), ex.get("address"),
-                                   list(ex.get("attach") or []), bool(ex.get("embedded", True)))
-        new = ManagedRun(folder=str(folder), pid=pid, pid_start=pstart, command=cmd, started_utc=_utc(),
-                         updates=target, resumes=cur.resumes + 1, extra=ex)
-        _write_json(folder / MANAGED_FILE, asdict(new))
+        opts = _options(cur.extra)
+        pid, pstart, cmd = _launch(Path(cur.folder), target, True, *opts)
+        new = ManagedRun(folder=cur.folder, pid=pid, pid_start=pstart, command=cmd, started_utc=_utc(),
+                         updates=target, resumes=cur.resumes + 1, extra=cur.extra)
+        save(new)
     return new
 
 
