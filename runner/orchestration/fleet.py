@@ -7,7 +7,9 @@ Three ways a group becomes replicas:
   down to fit the local machine; the policies, routing weights and run log are the plan's.
 - "sglang": each replica is a real SGLang server launched with the group's flags
   (runner/sampler/sglang_launch.py) by a Ray actor placed on a node carrying the group's accelerator.
-- "attach": replicas already serving at given URLs (`attach={"H100-FP8": ["http://..."]}`).
+- "attach": replicas already serving at given URLs (`attach={"H100-FP8": ["http://..."]}`). Attaching one is
+  a start like any other (runner/orchestration/sampler_fleet.py `_attach`: health, model, the run's weights
+  loaded), so a URL that never passes fails the run or, allowed, loses its group.
 
 Routing weights: capacity-proportional routing needs each group's serving capacity. It comes from the
 cost model for the plan's accelerator / precision / KV dtype / tp / emulated flag at the workload's mean

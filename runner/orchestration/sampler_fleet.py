@@ -11,6 +11,14 @@ a broken image, a checkpoint its engine refuses) fails the run (`RunFailed`, nam
 error) unless the run allows it (`RunConfig.allow_group_loss`): then the group is given up (event
 "group_lost", no more restarts) and reported in the run's summary (`lost_groups`).
 
+Attached servers (`--attach GROUP=URL`) follow the same rule: a start is the attach checks, and a URL that
+fails them is a failed start ("crash", "start failed: ..."), never "ready". The checks (`_attach`): /health
+answers 200 (refused: at once; 503 or no answer: for up to `ATTACH_WAIT_S`), /get_model_info describes a
+generation model of the run's own model type and architectures (the init checkpoint's config.json), and the
+server then loads the run's weights (`/update_weights_from_disk` of the version the run is at) and reports that
+version: a server still holding another run's weights (or its own start-up ones) would otherwise be sampled as
+if it served this run's (on main: staleness -1, a KL 100x higher). Its "placed" event says what it held.
+
 On a cluster: every replica is placed (Ray) on a node carrying its group's accelerator, and says where
 (event "placed": node, bound address, the node-local folder it started from); lost nodes, and how many
 replicas still fit, are placement.py's (`ClusterWatch`). Every replica requires the run's API key
@@ -28,7 +36,9 @@ import secrets
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 from mixfleet.costmodel.ledger import GroupTotals
@@ -43,6 +53,8 @@ MONITOR_INTERVAL_S = 1.0           # the fleet monitor's tick; the autoscaler is
 PROBE_TIMEOUT_S = 10.0             # a /health probe; no answer in time is "undecided", refused is "dead"
 MAX_FAILED_PROBES = 5              # undecided probes in a row of an idle replica that count as a loss
 MAX_START_FAILURES = 3             # failed starts in a row of a group with no replica up: it cannot start
+ATTACH_WAIT_S = 30.0               # how long an attached server that answers but is not healthy (503) is waited for
+ATTACH_POLL_S = 0.5
 
 
 @dataclass
@@ -131,6 +143,7 @@ class SamplerFleet:
         self.api_key = (os.environ.get("MIXFLEET_API_KEY") or None) if spec.mode == "attach" \
             else secrets.token_urlsafe(32)
         self.cluster = ClusterWatch(self)
+        self._run_model: dict[str, Any] | None = None          # model_type / architectures of the run's checkpoint
 
     def restart_clock(self) -> None:
         """A resumed run: replica-seconds count from now (the run clock was set from the checkpoint)."""
@@ -163,11 +176,17 @@ class SamplerFleet:
         self._starting[g.name] += 1
         self._recount(g.name)
         t0 = ctx.now()
-        actor, info = None, {}
+        actor, info, client = None, {}, None
         path, version = self.weights.pin()
         try:
             if self.spec.mode == "attach":
                 url = g.urls[index % len(g.urls)]
+                client = self._client(url)
+                try:
+                    info = await self._attach(client, path, version)
+                except BaseException:
+                    await client.aclose()
+                    raise
             else:
                 if self.weights.caches is not None:
                     self.weights.caches.ensure()         # a cache on every live node, before Ray places it
@@ -195,9 +214,8 @@ class SamplerFleet:
         finally:
             self.weights.unpin(version)
         self._start_failures[g.name] = 0
-        client = SamplerClient(url, config=ClientConfig(max_retries=2, backoff_initial_s=0.05, connect_timeout_s=5.0),
-                               api_key=self.api_key)
-        served = 0 if self.spec.mode == "attach" else version   # an attached server serves what it was started on
+        client = client or self._client(url)
+        served = version                              # an attached server too: it has just loaded it
         rep = Replica(group=g.name, index=index, url=url, client=client, actor=actor, version=served,
                       started_s=ctx.now(), node=info.get("node_id"))
         if info:
@@ -205,7 +223,8 @@ class SamplerFleet:
                 self.weights.caches.note_fetched(rep.node, version, info["transfer_s"])
             ctx.event("placed", g.name, index, version, detail=json.dumps(
                 {"node": rep.node, "host": info.get("host"), "url": url, "accelerator": g.accelerator,
-                 "amount": g.tp, "model_path": info.get("model_path"), "transfer_s": info.get("transfer_s")}))
+                 "amount": g.tp, "model_path": info.get("model_path"), "transfer_s": info.get("transfer_s"),
+                 **({"attached": info["attached"]} if "attached" in info else {})}))
         if self.weights.version > served:             # a push landed while it started (or attached): catch up
             await self.weights.catch_up(rep)          # (still counted as starting: the monitor starts no other)
         self._starting[g.name] -= 1
@@ -217,6 +236,61 @@ class SamplerFleet:
         ctx.event("ready", g.name, index, ctx.version, detail=url, duration_s=ctx.now() - t0)
         ctx.wake.set()
         return rep
+
+    def _client(self, url: str) -> SamplerClient:
+        return SamplerClient(url, config=ClientConfig(max_retries=2, backoff_initial_s=0.05, connect_timeout_s=5.0),
+                             api_key=self.api_key)
+
+    def run_model(self) -> dict[str, Any]:
+        """model_type / architectures of the run's base checkpoint (config.json), what an attached server must serve."""
+        if self._run_model is None:
+            cfg_path = Path(self.ctx.config.init_checkpoint) / "config.json"
+            try:
+                cfg = json.loads(cfg_path.read_text())
+            except (OSError, ValueError):
+                cfg = {}
+            self._run_model = {k: cfg[k] for k in ("model_type", "architectures") if cfg.get(k)}
+        return self._run_model
+
+    async def _attach(self, client: SamplerClient, path: str, version: int) -> dict[str, Any]:
+        """The checks an attached server passes before it is "ready" (module doc); raises AttachFailed with the
+        reason. Returns the "placed" event's fields: what the server held, what it loaded."""
+        url = client.base_url
+        if self._probe_http is None:
+            self._probe_http = httpx.AsyncClient(timeout=PROBE_TIMEOUT_S, trust_env=False)
+        deadline = self.ctx.now() + ATTACH_WAIT_S
+        while True:
+            try:
+                status = (await self._probe_http.get(f"{url}/health")).status_code
+                reason = f"/health answered HTTP {status}"
+            except httpx.ConnectError as e:
+                raise AttachFailed(f"{url}: nothing listens there (connection refused: {e})") from None
+            except httpx.HTTPError as e:
+                status, reason = 0, f"/health: {type(e).__name__}: {e}"
+            if status == 200:
+                break
+            if self.ctx.now() >= deadline:
+                raise AttachFailed(f"{url}: not a healthy sampler after {ATTACH_WAIT_S:.0f} s ({reason})")
+            await asyncio.sleep(ATTACH_POLL_S)
+        info = await client.model_info()
+        if not isinstance(info, dict) or not info.get("is_generation", False):
+            raise AttachFailed(f"{url}: /get_model_info does not describe a generation model: {str(info)[:200]}")
+        for key, want in self.run_model().items():
+            have = info.get(key)
+            if have and have != want:
+                raise AttachFailed(f"{url}: serves {key} {have!r}, the run trains {want!r} "
+                                   f"({self.ctx.config.init_checkpoint}); attach servers of the run's model")
+        held = {"weight_version": str(info.get("weight_version", "")), "model_path": str(info.get("model_path", ""))}
+        res = await client.update_weights_from_disk(path, weight_version=str(version))
+        if not res.get("success"):
+            why = res.get("message") or res.get("error") or res
+            raise AttachFailed(f"{url}: did not load the run's weights (version {version}, {path}): {str(why)[:300]}")
+        now = await client.weight_version()
+        if now != str(version):
+            raise AttachFailed(f"{url}: reports weight_version {now!r} after loading the run's version {version}")
+        return {"host": urlsplit(url).hostname, "url": url, "model_path": path,
+                "attached": {"held_weight_version": held["weight_version"], "held_model_path": held["model_path"],
+                             **{k: info.get(k) for k in ("model_type", "architectures") if info.get(k)}}}
 
     def _start_failed(self, group: str, error: str) -> None:
         """One more failed start of `group`; `MAX_START_FAILURES` in a row with nothing up or starting: the
@@ -391,6 +465,10 @@ class SamplerFleet:
                         ray.kill(r.actor, no_restart=True)
         if self._probe_http is not None:
             await self._probe_http.aclose()
+
+
+class AttachFailed(RuntimeError):
+    """An attached server failed its checks (the reason in the message): a failed start of its group."""
 
 
 def _last_line(error: str, limit: int = 400) -> str:
