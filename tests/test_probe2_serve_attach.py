@@ -1,0 +1,149 @@
+"""Issue 24 (the second probe): attach mode follows the group-start rule, and loads the run's weights first.
+
+Real runs (tiny model, Ray, the Megatron-core trainer) attached to real servers over HTTP on 127.0.0.1: group
+`cpu-bf16` is attached to `http://127.0.0.1:9`, where nothing listens (the probe's URL), and `cpu-fp8` to a live
+embedded server that still holds another run's weights (seed 1, weight version "7").
+
+On main the dead URL was logged "ready" without a probe and crash-looped, the run ended "done" with exit 0 and
+`lost_groups {}` (`--allow-group-loss` changed nothing), and the live server was sampled on the other run's
+weights (staleness -1.00 at update 1, a KL 100x higher). Now the attach checks are a start: 3 failed in a row
+fail the run (`RunFailed`, exit 1) or, allowed, lose the group (exit 3); a server is "ready" only after it loaded
+the run's weights.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+from mixfleet.costmodel.runlog import RunLog
+from mixfleet.policies.plan import load_plan
+from mixfleet.runner.orchestration.orchestrator import RunConfig, RunFailed, run_plan
+from mixfleet.runner.orchestration.sampler_fleet import MAX_START_FAILURES
+from runplans import CPU_BF16, CPU_FP8, FIXED_EVERY_1S, run_files, run_plan_toml
+from sampler_helpers import make_checkpoint
+
+pytestmark = pytest.mark.slow
+
+DEAD = "http://127.0.0.1:9"
+PLAN = run_plan_toml(
+    "attach-probe-test", [CPU_BF16, CPU_FP8], trainer={"loss": "sc_mis"}, autoscaler=FIXED_EVERY_1S,
+    batcher={"prompts_per_update": 2, "samples_per_prompt": 2, "inflight_prompts": 4},
+    embedded={"max_turns": 2, "max_new_tokens": 8})
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory):
+    from mixfleet.runner.sampler.engine import Engine
+    from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
+
+    with socket.socket() as s:                                   # the probe's URL: nothing listens on port 9
+        assert s.connect_ex(("127.0.0.1", 9)) != 0, "something listens on 127.0.0.1:9; this test needs it dead"
+    root = tmp_path_factory.mktemp("attach-probe")
+    init, plan_path = run_files(root, PLAN)
+    other = make_checkpoint(root / "other-run", seed=1, weight_version="7")   # another run's weights
+    engine = Engine(other, precision="fp8", kv_cache_dtype="fp8_e4m3", max_running_requests=16)
+    handle = start_in_thread(engine, server_args=ServerArgs(port=0))
+    try:
+        yield {"root": root, "init": str(init), "plan": load_plan(plan_path), "plan_path": plan_path,
+               "engine": engine, "other": other, "url": handle.url,
+               "attach": {"cpu-bf16": [DEAD], "cpu-fp8": [handle.url]}}
+    finally:
+        handle.stop()
+
+
+def _run(setup: dict, name: str, **cfg: object) -> tuple[Path, dict | BaseException]:
+    out = setup["root"] / name
+    config = RunConfig(out_dir=out, updates=1, init_checkpoint=setup["init"], eval_every=0, trainer_threads=1,
+                       ray_num_cpus=2, fleet_mode="attach", attach=setup["attach"], **cfg)
+    try:
+        return out, run_plan(setup["plan"], config)
+    except RunFailed as e:
+        return out, e
+
+
+def _events(out: Path, kind: str, group: str):  # noqa: ANN202
+    ev = RunLog.open(out).events
+    return ev[(ev["kind"] == kind) & (ev["group"] == group)]
+
+
+def _serve_other_runs_weights(setup: dict) -> None:
+    """The live server back on the other run's checkpoint (an earlier test's run left its own weights there)."""
+    r = httpx.post(setup["url"] + "/update_weights_from_disk", json={"model_path": str(setup["other"]),
+                   "weight_version": "7"}, timeout=120, trust_env=False)
+    assert r.status_code == 200 and r.json()["success"], r.text
+    assert str(setup["engine"].weight_version) == "7"
+
+
+@pytest.fixture(scope="module")
+def allowed_run(setup: dict) -> tuple[Path, dict | BaseException]:
+    _serve_other_runs_weights(setup)
+    return _run(setup, "allowed", allow_group_loss=True)
+
+
+def test_a_dead_attach_url_fails_the_run(setup: dict) -> None:
+    out, res = _run(setup, "fails")
+    assert isinstance(res, RunFailed), f"the run went on without the group: {res}"
+    msg = str(res)
+    print("\nRunFailed:", msg)
+    assert "'cpu-bf16' cannot start" in msg and "nothing listens there" in msg and "--allow-group-loss" in msg
+    assert json.loads((out / "run.json").read_text())["status"] == "failed"
+    crashes = _events(out, "crash", "cpu-bf16")
+    assert list(crashes["detail"].str.startswith("start failed: AttachFailed: http://127.0.0.1:9: nothing listens")) \
+        == [True] * MAX_START_FAILURES
+    assert _events(out, "ready", "cpu-bf16").empty                   # on main: "ready", without a probe
+    assert len(_events(out, "ready", "cpu-fp8")) == 1
+
+
+def test_an_allowed_dead_attach_url_is_a_lost_group(allowed_run: tuple) -> None:
+    out, res = allowed_run
+    assert isinstance(res, dict), res
+    assert res["version"] == 1 and set(res["lost_groups"]) == {"cpu-bf16"}    # on main: {}
+    header = json.loads((out / "run.json").read_text())
+    assert header["status"] == "finished" and set(header["lost_groups"]) == {"cpu-bf16"}
+    lost = _events(out, "group_lost", "cpu-bf16")
+    assert len(lost) == 1 and json.loads(lost["detail"].iloc[0])["starts_failed"] == MAX_START_FAILURES
+    assert len(_events(out, "crash", "cpu-bf16")) == MAX_START_FAILURES     # given up: no crash loop
+    traj = RunLog.open(out).trajectories
+    assert set(traj[traj["trained_version"] == 1]["group"]) == {"cpu-fp8"}
+
+
+def test_an_attached_server_holding_another_runs_weights_loads_the_runs_first(setup: dict,
+                                                                              allowed_run: tuple) -> None:
+    out, res = allowed_run
+    assert isinstance(res, dict), res
+    placed = _events(out, "placed", "cpu-fp8")
+    assert len(placed) == 1
+    detail = json.loads(placed["detail"].iloc[0])
+    assert detail["attached"]["held_weight_version"] == "7"              # what it served before the run
+    assert detail["attached"]["held_model_path"].endswith("other-run")
+    assert detail["model_path"] == setup["init"] and detail["url"] == setup["url"]
+    log = RunLog.open(out)
+    traj = log.trajectories
+    first = traj[traj["trained_version"] == 1]
+    assert len(first) and (first["version_start"] == 0).all() and (first["version_end"] == 0).all()
+    upd = log.updates
+    u1 = upd[upd["version"] == 1].iloc[0]
+    print("\nupdate 1: staleness mean", u1["staleness_mean"], "k3", u1.get("kl_k3"))
+    assert u1["staleness_mean"] == 0.0                                      # on main: -1.00 (sampled by v"7")
+    assert str(setup["engine"].weight_version) == "1"                       # and it was pushed the run's update
+
+
+def test_mixfleet_run_exit_codes_with_a_dead_attach_url(setup: dict) -> None:
+    """`mixfleet run --attach`: 1 and the reason when the group cannot start; 3 when it was allowed."""
+    from mixfleet.ui.cli import app
+    from typer.testing import CliRunner
+
+    base = ["run", str(setup["plan_path"]), "--updates", "1", "--init", setup["init"], "--eval-every", "0",
+            "--quiet", "--attach", f"cpu-bf16={DEAD}", "--attach", f"cpu-fp8={setup['url']}"]
+    r = CliRunner().invoke(app, [*base, "--out", str(setup["root"] / "cli-fails")])
+    print("\n", r.output[-600:])
+    assert r.exit_code == 1, r.output
+    assert "the run failed: sampler group 'cpu-bf16' cannot start" in r.output
+    r = CliRunner().invoke(app, [*base, "--out", str(setup["root"] / "cli-allowed"), "--allow-group-loss"])
+    print(r.output[-600:])
+    assert r.exit_code == 3, r.output                                       # on main: 0 either way
+    assert "done: version 1" in r.output and "'cpu-bf16' never started and was left out" in r.output
