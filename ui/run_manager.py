@@ -185,7 +185,7 @@ def _key(create: bool) -> bytes | None:
     from mixfleet.runner.orchestration.local_ray import state_dir
 
     path = state_dir() / KEY_FILE
-    for _ in range(3):
+    for _ in range(40):
         try:
             data = path.read_bytes()
             if len(data) >= 32:
@@ -279,7 +279,10 @@ def load_checked(folder: str | Path) -> tuple[ManagedRun | None, str | None]:
         return None, f"{p}: unreadable ({e})"
     if not isinstance(data, dict):
         return None, f"{p}: not a record of this app"
-    key = _key(create=False)
+    try:
+        key = _key(create=False)
+    except RunManagerError as e:
+        return None, str(e)
     sig = data.get(SIGNATURE)
     if key is None or not isinstance(sig, str) or not hmac.compare_digest(sig, _signature(key, data)):
         return None, (f"{p} was not written by this app (its signature does not match): the run is followed, "

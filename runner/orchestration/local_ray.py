@@ -31,6 +31,7 @@ Cluster mode (`--address`) is a separate matter (its own keys and addresses) and
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -164,6 +165,7 @@ def _marked(token: str) -> list[Any]:
     return found
 
 
+@functools.lru_cache(maxsize=1)
 def _ray_package_dir() -> str | None:
     """The installed `ray` package's folder (found without importing Ray), or None when Ray is not installed."""
     import importlib.util
