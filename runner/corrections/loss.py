@@ -18,7 +18,8 @@ ratio r(v) = p(v) / q(v) is always exp(clamp(log p(v) - log q(v), -20, 20)) with
 Token weights w (never differentiated): none (w = 1), MIS (w = r on the band lo <= r <= hi, else 0;
 default band [0.5, 2]) or TIS (w = min(r, C)).
 
-Surrogate losses (minimized; reduced by a token-mean over the original loss mask):
+Surrogate losses (minimized; reduced by a token-mean over the original loss mask, or with
+`loss_agg="seq_mean_token_mean"` by a mean over trajectories of each one's token-mean):
     grpo:  -A log p(a)                         expected update under q: -A (q - p), a drift to q
     mis:   -A w(a) log p(a)                    expected update: -A (p_B - P_B p), B the band set
     tis:   -A w(a) log p(a)                    expected update: -A (m - M p), m = min(p, C q)
@@ -76,6 +77,7 @@ from mixfleet.runner.corrections.chunked import (
 METHODS = ("grpo", "mis", "tis", "sc", "sc_mis", "sc_tis")
 IMPLEMENTATIONS = ("chunked", "naive")
 WEIGHT_LEVELS = ("token", "sequence")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
 LOG_RATIO_CLAMP = 20.0          # |log r| is clamped to this before exp
 TAIL_MASS_FLOOR = 1e-6          # floor on 1 - Q_H and 1 - P_H
 DIAGNOSTIC_BAND = (0.2, 5.0)    # the seed's extreme-ratio band, reported per sampler group
@@ -97,6 +99,7 @@ class CorrectionConfig:
     top_p_replay: bool = False               # renormalize over the recorded kept set (batch.kept_*)
     ppo_clip_eps: float | None = None        # PPO ratio clip epsilon in (0, 1); grpo/mis/tis only
     weight_level: str = "token"              # "token", or "sequence" (geometric-mean ratio; mis/tis only)
+    loss_agg: str = "token_mean"             # how per-token losses become one: see LOSS_AGGS and the module doc
 
     def __post_init__(self) -> None:
         where = "CorrectionConfig"
@@ -116,6 +119,8 @@ class CorrectionConfig:
             raise SpecError(where, "implementation", self.implementation, IMPLEMENTATIONS)
         if self.weight_level not in WEIGHT_LEVELS:
             raise SpecError(where, "weight_level", self.weight_level, WEIGHT_LEVELS)
+        if self.loss_agg not in LOSS_AGGS:
+            raise SpecError(where, "loss_agg", self.loss_agg, LOSS_AGGS)
         if self.ppo_clip_eps is not None and not (0.0 < self.ppo_clip_eps < 1.0):
             raise SpecError(where, "ppo_clip_eps", self.ppo_clip_eps, "None or a number in (0, 1)")
         centered = self.method.startswith("sc")
@@ -295,6 +300,9 @@ def _check_values(batch: CorrectionBatch, mask: torch.Tensor, vocab_size: int, c
                         f"the sampler's top-K ids and log-probs (or top-p kept sets) for method {config.method!r}")
     if config.weight_level == "sequence" and batch.sequence_ids is None:
         raise SpecError("CorrectionBatch", "sequence_ids", None, "per-token sequence ids for weight_level='sequence'")
+    if config.loss_agg == "seq_mean_token_mean" and batch.sequence_ids is None:
+        raise SpecError("CorrectionBatch", "sequence_ids", None,
+                        "per-token sequence ids for loss_agg='seq_mean_token_mean'")
 
 
 def _gather_ids(batch: CorrectionBatch, labels: torch.Tensor) -> tuple[torch.Tensor, int, int]:
@@ -389,8 +397,7 @@ def _loss_from_gathered(
         with torch.no_grad():
             _, big_p, big_q, rho = _centering_coefficients(*head, kind, config, exact=False)
 
-    n_tokens = mask.sum()
-    loss = torch.where(mask, per_token, zero).sum() / n_tokens.clamp(min=1).to(cd)
+    loss = torch.where(mask, per_token * _aggregation_weights(batch, mask, config, cd), zero).sum()
 
     with torch.no_grad():
         kept_size = None if kept is None else kept[2].sum(dim=1).to(cd)
@@ -401,6 +408,25 @@ def _loss_from_gathered(
     keys = list(metrics)
     values = torch.stack([metrics[k].to(torch.float64).reshape(()) for k in keys]).cpu().tolist()
     return loss, dict(zip(keys, values, strict=True))
+
+
+def _aggregation_weights(batch: CorrectionBatch, mask: torch.Tensor, config: CorrectionConfig,
+                         cd: torch.dtype) -> torch.Tensor:
+    """Per-token weights (detached, summing to 1 over the loss mask) that turn per-token losses into the loss.
+
+    token_mean: 1 / N for each of the N trained tokens, so a trajectory weighs in proportion to its length.
+    seq_mean_token_mean: 1 / (S n_i) for the n_i trained tokens of each of the S trajectories that have any, so
+    every trajectory weighs the same (GRPO's own 1/G sum_i 1/|o_i| sum_t). With sequence-level rewards where failures
+    run longer than successes (a turn cap, a repeated tool error), token_mean lets the failures' tokens outweigh
+    the successes' in every prompt-group although their advantages sum to zero (docs/learning.md)."""
+    m = mask.to(cd)
+    if config.loss_agg == "token_mean":
+        return m / m.sum().clamp(min=1.0)
+    seq = torch.unique(batch.sequence_ids, return_inverse=True)[1]
+    n_seq = int(seq.max().item()) + 1 if seq.numel() else 0
+    per_seq = torch.zeros(n_seq, dtype=cd, device=m.device).index_add_(0, seq, m)
+    trained = (per_seq > 0).sum().to(cd).clamp(min=1.0)
+    return m / (per_seq[seq].clamp(min=1.0) * trained)
 
 
 def _metric_parts(
