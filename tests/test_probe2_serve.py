@@ -21,7 +21,6 @@ from mixfleet.costmodel import limits
 from mixfleet.costmodel.dist import Dist
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.workload import load_workload, workload_from_dict
-from mixfleet.runner.sampler.server import check_browser_request
 from sampler_helpers import make_checkpoint, served_engine
 
 GEN = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 2}}
@@ -129,6 +128,8 @@ def test_local_clients_are_served(server, headers: dict) -> None:
 
 
 def test_a_server_bound_elsewhere_takes_any_host_but_no_foreign_origin() -> None:
+    from mixfleet.runner.sampler.server import check_browser_request
+
     h = httpx.Headers
     assert check_browser_request("GET", h({"host": "node-7.cluster:30000"}), "10.0.0.5") is None
     assert check_browser_request("GET", h({"host": "node-7.cluster:30000"}), "127.0.0.1")[0] == 403
@@ -278,15 +279,23 @@ def test_a_huge_integer_uniform_mean_takes_no_memory() -> None:
 
 
 def test_the_plan_command_refuses_the_probes_workload(tmp_path: Path) -> None:
-    """`mixfleet plan --workload FILE` (and the Plan page's box, the same `workload_from_dict`): one line, exit 2."""
-    from mixfleet.ui.cli import app
-    from typer.testing import CliRunner
+    """`mixfleet plan --workload FILE` (the Plan page's box takes the same `workload_from_dict`): one line, exit 2.
+    Run as its own process under a 3 GiB address-space limit, as the probe did: on main it ended in a MemoryError
+    traceback (exit 1) there, and without a limit it grew to 19.8 GB."""
+    import resource
+    import subprocess
 
-    raw = _tiny(turns={"kind": "uniform", "low": 2, "high": 1e8, "integer": True})
     import tomli_w
 
     path = tmp_path / "huge-turns.toml"
-    path.write_text(tomli_w.dumps(raw))
-    r = CliRunner().invoke(app, ["plan", "--workload", str(path), "--model", "tiny"])
-    assert r.exit_code == 2, r.output
-    assert "at most 4,096 (MAX_TURNS" in r.output and "Traceback" not in r.output
+    path.write_text(tomli_w.dumps(_tiny(turns={"kind": "uniform", "low": 2, "high": 1e8, "integer": True})))
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (3 << 30, 3 << 30))
+
+    r = subprocess.run([sys.executable, "-c", "from mixfleet.ui.cli import app; app(prog_name='mixfleet')", "plan",
+                        "--workload", str(path), "--model", "tiny"], capture_output=True, text=True, timeout=300,
+                       preexec_fn=limit)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-2000:]
+    assert "at most 4,096 (MAX_TURNS" in out and "Traceback" not in out and "MemoryError" not in out
