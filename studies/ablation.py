@@ -29,19 +29,13 @@ keeps K children going.
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import shutil
-import subprocess
-import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from mixfleet.policies.plan import Plan, load_plan, with_overrides
+from mixfleet.studies.runs import StudyRun, StudySettings, run_state, run_study
 
 ABLATION_FILE = "ablation.json"
 RUN_FILE = "ablation_run.json"
@@ -177,22 +171,6 @@ def variant_plan(base: Plan, variant_key: str, seed: int, *, top_p: float = DEFA
     return with_overrides(base, over)
 
 
-def run_state(spec: RunSpec, updates: int) -> str:
-    """"new" (no log), "finished" (log finished at >= updates), "partial" (anything else with a log)."""
-    run_json = spec.out_dir / "run.json"
-    if not run_json.exists():
-        return "new"
-    try:
-        from mixfleet.costmodel.runlog import RunLog
-
-        log = RunLog.open(spec.out_dir)
-        done = int(log.updates["version"].max()) if len(log.updates) else 0
-        status = str(log.header.get("status", ""))
-    except Exception:  # noqa: BLE001 - an unreadable log is unfinished
-        return "partial"
-    return "finished" if status == "finished" and done >= updates else "partial"
-
-
 def resolve_base_policy(config: AblationConfig) -> str:
     """The base policy checkpoint: the configured one, else the cached `mixfleet pretrain` (trained if missing)."""
     if config.base_policy:
@@ -205,170 +183,34 @@ def resolve_base_policy(config: AblationConfig) -> str:
     return str(pretrain().path)
 
 
-def _child_argv(spec: RunSpec, config: AblationConfig, base_policy: str, resume: bool) -> list[str]:
-    job = {"fleet": spec.fleet, "variant": spec.variant, "seed": spec.seed, "out_dir": str(spec.out_dir),
-           "plan": config.plan_ref(spec.fleet), "updates": config.updates, "base_policy": base_policy,
-           "resume": resume, "top_p": config.top_p, "lr": config.lr, "eval_every": config.eval_every}
-    return [sys.executable, "-m", "mixfleet.studies.ablation", "--child", json.dumps(job)]
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=1, default=str))
-    os.replace(tmp, path)
-
-
 def run_ablation(config: AblationConfig, *, log: Callable[[str], Any] = print) -> dict[str, Any]:
-    """Run (or continue) the study; returns the manifest (also written to OUT/ablation.json)."""
-    specs = run_specs(config)
-    states = {s.name: run_state(s, config.updates) for s in specs}
-    partial = [s.name for s in specs if states[s.name] == "partial"]
-    if partial and not config.resume:
-        raise ValueError(f"ablation: unfinished runs under {config.out_dir}: {', '.join(partial)}; allowed: "
-                         "pass resume (--resume) to continue them, or remove their folders")
+    """Run (or continue) the study; returns the manifest (also written to OUT/ablation.json). The runs go through
+    the studies' one driver (studies/runs.py): child processes, resume, retries, time-outs."""
     for f in config.fleets:                                    # bad plans fail before anything starts
         load_plan(config.plan_ref(f))
+    specs = run_specs(config)
+    runs = [StudyRun(name=s.name, out_dir=s.out_dir, plan=config.plan_ref(s.fleet),
+                     overrides={**variant(s.variant).overrides(config.top_p), "seed": int(s.seed),
+                                "name": f"{load_plan(config.plan_ref(s.fleet)).name}-{s.variant}-s{s.seed}"},
+                     run={"updates": config.updates, "seed": int(s.seed), "lr": config.lr,
+                          "eval_every": config.eval_every, "eval_at_start": bool(config.eval_every)},
+                     meta={"fleet": s.fleet, "variant": s.variant, "label": LABELS[s.variant], "seed": s.seed,
+                           "updates": config.updates, "lr": config.lr},
+                     run_file=RUN_FILE)
+            for s in specs]
+    state_before = {r.name: run_state(r.out_dir, r.updates) for r in runs}
+    partial = [n for n, st in state_before.items() if st == "partial"]
+    if partial and not config.resume:                          # said in the ablation's own words (its CLI flag)
+        raise ValueError(f"ablation: unfinished runs under {config.out_dir}: {', '.join(partial)}; allowed: "
+                         "pass resume (--resume) to continue them, or remove their folders")
     base_policy = resolve_base_policy(config)
-    config.out_dir.mkdir(parents=True, exist_ok=True)
-    manifest_path = config.out_dir / ABLATION_FILE
-    old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    manifest: dict[str, Any] = {
-        "format": "mixfleet-ablation", "format_version": 1,
-        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
-        "base_policy": base_policy, "variants": {v.key: {"label": v.label, "overrides": v.overrides(config.top_p)}
-                                                 for v in VARIANTS if v.key in config.variants},
-        "plans": {f: config.plan_ref(f) for f in config.fleets},
-        "runs": old.get("runs", {}), "started_unix_s": old.get("started_unix_s", time.time())}
-    for s in specs:
-        manifest["runs"].setdefault(s.name, {})["state"] = states[s.name]
-    _write_json(manifest_path, manifest)
-    todo = [s for s in specs if states[s.name] != "finished"]
-    log(f"ablation: {len(specs)} runs, {len(specs) - len(todo)} finished, {len(todo)} to run "
-        f"(parallel {config.parallel}), base policy {base_policy}")
-    running: list[tuple[RunSpec, subprocess.Popen, float, Any]] = []
-    queue = list(todo)
-    attempts = {s.name: 0 for s in specs}
-    last_start = -float("inf")
-    while queue or running:
-        while queue and len(running) < config.parallel and time.monotonic() - last_start >= config.start_gap_s:
-            last_start = time.monotonic()
-            s = queue.pop(0)
-            s.out_dir.mkdir(parents=True, exist_ok=True)
-            attempts[s.name] += 1
-            resume = states[s.name] == "partial"
-            fh = open(s.out_dir / "driver.log", "a")  # noqa: SIM115 - closed when the child ends
-            child = subprocess.Popen(_child_argv(s, config, base_policy, resume), stdout=fh, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-            running.append((s, child, time.monotonic(), fh))
-            manifest["runs"][s.name].update(state="running", resumed=resume, pid=child.pid)
-            _write_json(manifest_path, manifest)
-            log(f"  start {s.name}{' (resume)' if resume else ''}")
-        time.sleep(0.5)
-        for item in list(running):
-            s, child, t0, fh = item
-            rc = child.poll()
-            timed_out = rc is None and time.monotonic() - t0 > config.run_timeout_s
-            if timed_out:
-                _kill_group(child)
-                rc = child.wait()
-            if rc is None:
-                continue
-            fh.close()
-            running.remove(item)
-            state = run_state(s, config.updates)
-            status = "timeout" if timed_out else state if rc == 0 else f"failed (exit {rc})"
-            wall = time.monotonic() - t0
-            entry = manifest["runs"][s.name]
-            entry.update(state=state, status=status, wall_s=entry.get("wall_s", 0.0) + wall, exit_code=rc)
-            entry.pop("pid", None)
-            _write_json(manifest_path, manifest)
-            log(f"  done  {s.name}: {status} in {wall:.0f} s")
-            if state != "finished" and not timed_out and attempts[s.name] <= config.retries:
-                states[s.name] = "partial" if state == "partial" else "new"
-                queue.append(s)                                # continue it from its checkpoint, at the end
-                log(f"  retry {s.name} later (attempt {attempts[s.name] + 1} of {config.retries + 1})")
-    manifest["finished_unix_s"] = time.time()
-    _write_json(manifest_path, manifest)
-    return manifest
-
-
-def _kill_group(child: subprocess.Popen) -> None:
-    import signal
-
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-
-
-def run_child(job: dict[str, Any]) -> dict[str, Any]:
-    """One run, in this process (the driver's child): the variant's plan through the real runner."""
-    import torch
-    from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
-
-    torch.set_num_threads(1)
-    out = Path(job["out_dir"])
-    if not job["resume"]:
-        for name in ("run.json", "trajectories", "updates", "groups", "events", "trainer_state", "weights"):
-            p = out / name
-            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-    plan = variant_plan(load_plan(job["plan"]), job["variant"], int(job["seed"]), top_p=float(job["top_p"]))
-    _write_json(out / RUN_FILE, {"fleet": job["fleet"], "variant": job["variant"], "label": LABELS[job["variant"]],
-                                 "seed": job["seed"], "plan_ref": job["plan"], "updates": job["updates"],
-                                 "base_policy": job["base_policy"], "lr": job["lr"],
-                                 "overrides": variant(job["variant"]).overrides(float(job["top_p"]))})
-    cfg = RunConfig(out_dir=out, updates=int(job["updates"]), init_checkpoint=job["base_policy"],
-                    resume=bool(job["resume"]), seed=int(job["seed"]), lr=float(job["lr"]),
-                    eval_every=int(job["eval_every"]), eval_at_start=bool(job["eval_every"]), trainer_threads=1,
-                    sampler_threads=1, ray_num_cpus=2)
-
-    _start_ray(plan)
-
-    def on_update(view: Any, _orch: Any) -> None:
-        print(f"update {view.version}/{view.target} reward {view.reward_mean:.3f} k3 {view.kl_k3:.2e} "
-              f"t {view.elapsed_s:.0f}s", flush=True)
-
-    result = run_plan(plan, cfg, on_update=on_update)
-    # the run's checkpoints are only needed to resume it; keep the log, drop the weights (disk)
-    shutil.rmtree(out / "weights", ignore_errors=True)
-    return result
-
-
-RAY_START_ATTEMPTS = 4
-
-
-def _start_ray(plan: Plan) -> None:
-    """Start the child's local Ray as the runner would (same resources), retrying: on a loaded host Ray's own
-    30 s start-up wait can run out. The runner's `init_ray` then finds it started."""
-    import ray
-    from mixfleet.runner.orchestration.actors import init_ray
-    from mixfleet.runner.orchestration.fleet import fleet_from_plan
-
-    resources = dict(fleet_from_plan(plan, mode="embedded").resources)
-    for attempt in range(RAY_START_ATTEMPTS):
-        try:
-            init_ray(num_cpus=2, resources=resources)
-            return
-        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception on a start-up timeout
-            print(f"ray start attempt {attempt + 1} failed: {e}", flush=True)
-            with contextlib.suppress(Exception):
-                ray.shutdown()
-            if attempt == RAY_START_ATTEMPTS - 1:
-                raise
-            time.sleep(10.0 * (attempt + 1))
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`python -m mixfleet.studies.ablation --child JOB_JSON` (what `run_ablation` starts per run)."""
-    args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) != 2 or args[0] != "--child":
-        print("usage: python -m mixfleet.studies.ablation --child JOB_JSON (use `mixfleet experiment ablation`)",
-              file=sys.stderr)
-        return 2
-    result = run_child(json.loads(args[1]))
-    print(json.dumps({"result": result}, default=str), flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    extra = {"format": "mixfleet-ablation", "format_version": 1,
+             "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
+             "variants": {v.key: {"label": v.label, "overrides": v.overrides(config.top_p)}
+                          for v in VARIANTS if v.key in config.variants},
+             "plans": {f: config.plan_ref(f) for f in config.fleets}}
+    return run_study(runs, manifest_path=config.out_dir / ABLATION_FILE, manifest_extra=extra,
+                     base_policy=base_policy, log=log,
+                     settings=StudySettings(resume=config.resume, parallel=config.parallel,
+                                            run_timeout_s=config.run_timeout_s, start_gap_s=config.start_gap_s,
+                                            retries=config.retries))

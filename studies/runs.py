@@ -1,0 +1,239 @@
+"""Studies of many real runs (the ablation, the learning ladder): one driver that starts, watches, retries and
+resumes them, each in its own child process with its own local Ray.
+
+A study is a list of `StudyRun`s: a name, an output folder, a plan (a shipped name or a TOML path) with dotted-key
+overrides (`policies.plan.with_overrides`), and the runner's settings (`RunConfig` fields). Everything a run is
+goes to `RUN_FILE` in its folder (what it is, before it starts) and the study's manifest (its state, status, wall
+time, attempts), both written atomically.
+
+Resumable: a run whose log says "finished" at >= its target updates is skipped; an unfinished one (killed, failed,
+or finished at fewer updates than now asked) is continued from its trainer checkpoint with `resume=True` (the
+runner cuts its log back to that checkpoint), and refused without it, so nothing is silently overwritten. Runs go
+one at a time by default (`parallel=1`: a 2-core machine); a run that fails is continued from its checkpoint up
+to `retries` times; one still going after `run_timeout_s` is killed with its process group.
+
+    python -m mixfleet.studies.runs --child JOB_JSON     # what `run_study` starts per run
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+RUN_FILE = "study_run.json"
+LOG_PARTS = ("run.json", "trajectories", "updates", "groups", "events", "trainer_state", "weights")
+RAY_START_ATTEMPTS = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class StudyRun:
+    """One run of a study: its plan, the overrides that make it, and the runner's settings."""
+
+    name: str                                        # e.g. "mixed/grpo/seed0" (unique in the study)
+    out_dir: Path
+    plan: str                                        # shipped plan name or TOML path
+    overrides: Mapping[str, Any] = field(default_factory=dict)   # dotted plan keys -> values
+    run: Mapping[str, Any] = field(default_factory=dict)         # RunConfig fields (updates, seed, lr, mode, ...)
+    meta: Mapping[str, Any] = field(default_factory=dict)        # written to RUN_FILE with the rest (labels, ...)
+    run_file: str = RUN_FILE
+
+    @property
+    def updates(self) -> int:
+        return int(self.run.get("updates", 30))
+
+
+@dataclass(frozen=True, kw_only=True)
+class StudySettings:
+    """How a study's runs are driven (validated on construction)."""
+
+    resume: bool = False
+    parallel: int = 1
+    run_timeout_s: float = 3600.0
+    start_gap_s: float = 30.0                       # between two child starts (Ray start-ups overload a small host)
+    retries: int = 2
+    keep_weights: bool = False                      # the weights folder is only needed to resume a run
+
+    def __post_init__(self) -> None:
+        for name, lo in (("parallel", 1), ("retries", 0)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
+                raise ValueError(f"study {name} = {v!r}; allowed: an integer >= {lo}")
+        if not self.run_timeout_s > 0:
+            raise ValueError(f"study run_timeout_s = {self.run_timeout_s!r}; allowed: > 0")
+        if not self.start_gap_s >= 0:
+            raise ValueError(f"study start_gap_s = {self.start_gap_s!r}; allowed: >= 0")
+
+
+def run_state(out_dir: Path, updates: int) -> str:
+    """"new" (no log), "finished" (log finished at >= updates), "partial" (anything else with a log)."""
+    if not (out_dir / "run.json").exists():
+        return "new"
+    try:
+        from mixfleet.costmodel.runlog import RunLog
+
+        log = RunLog.open(out_dir)
+        done = int(log.updates["version"].max()) if len(log.updates) else 0
+        status = str(log.header.get("status", ""))
+    except Exception:  # noqa: BLE001 - an unreadable log is unfinished
+        return "partial"
+    return "finished" if status == "finished" and done >= updates else "partial"
+
+
+def write_json(path: Path, data: Mapping[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=str))
+    os.replace(tmp, path)
+
+
+def _job(run: StudyRun, base_policy: str, resume: bool) -> dict[str, Any]:
+    return {"name": run.name, "out_dir": str(run.out_dir), "plan": run.plan, "overrides": dict(run.overrides),
+            "run": dict(run.run), "meta": dict(run.meta), "run_file": run.run_file, "base_policy": base_policy,
+            "resume": resume}
+
+
+def run_study(runs: Sequence[StudyRun], *, manifest_path: Path, manifest_extra: Mapping[str, Any],
+              base_policy: str, settings: StudySettings, log: Callable[[str], Any] = print,
+              child_module: str = "mixfleet.studies.runs") -> dict[str, Any]:
+    """Run (or continue) every run; returns the manifest (also written to `manifest_path`)."""
+    names = [r.name for r in runs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"study: run names must be distinct; got {names}")
+    states = {r.name: run_state(r.out_dir, r.updates) for r in runs}
+    partial = [r.name for r in runs if states[r.name] == "partial"]
+    if partial and not settings.resume:
+        raise ValueError(f"study: unfinished runs under {manifest_path.parent}: {', '.join(partial)}; allowed: "
+                         "pass resume (--resume) to continue them, or remove their folders")
+    manifest_path.parent.mkdir(parents=True, exist_ok=True)
+    old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
+    manifest: dict[str, Any] = {**manifest_extra, "base_policy": base_policy, "runs": old.get("runs", {}),
+                                "started_unix_s": old.get("started_unix_s", time.time())}
+    for r in runs:
+        manifest["runs"].setdefault(r.name, {})["state"] = states[r.name]
+    write_json(manifest_path, manifest)
+    todo = [r for r in runs if states[r.name] != "finished"]
+    log(f"study: {len(runs)} runs, {len(runs) - len(todo)} finished, {len(todo)} to run "
+        f"(parallel {settings.parallel}), base policy {base_policy}")
+    running: list[tuple[StudyRun, subprocess.Popen, float, Any]] = []
+    queue = list(todo)
+    attempts = {r.name: 0 for r in runs}
+    last_start = -float("inf")
+    while queue or running:
+        while queue and len(running) < settings.parallel and time.monotonic() - last_start >= settings.start_gap_s:
+            last_start = time.monotonic()
+            r = queue.pop(0)
+            r.out_dir.mkdir(parents=True, exist_ok=True)
+            attempts[r.name] += 1
+            resume = states[r.name] == "partial"
+            argv = [sys.executable, "-m", child_module, "--child", json.dumps(_job(r, base_policy, resume))]
+            fh = open(r.out_dir / "driver.log", "a")  # noqa: SIM115 - closed when the child ends
+            child = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            running.append((r, child, time.monotonic(), fh))
+            manifest["runs"][r.name].update(state="running", resumed=resume, pid=child.pid)
+            write_json(manifest_path, manifest)
+            log(f"  start {r.name}{' (resume)' if resume else ''}")
+        time.sleep(0.5)
+        for item in list(running):
+            r, child, t0, fh = item
+            rc = child.poll()
+            timed_out = rc is None and time.monotonic() - t0 > settings.run_timeout_s
+            if timed_out:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.pid, signal.SIGKILL)       # our own child's new session: the run and its Ray
+                rc = child.wait()
+            if rc is None:
+                continue
+            fh.close()
+            running.remove(item)
+            state = run_state(r.out_dir, r.updates)
+            status = "timeout" if timed_out else state if rc == 0 else f"failed (exit {rc})"
+            wall = time.monotonic() - t0
+            entry = manifest["runs"][r.name]
+            entry.update(state=state, status=status, wall_s=entry.get("wall_s", 0.0) + wall, exit_code=rc,
+                         attempts=attempts[r.name])
+            entry.pop("pid", None)
+            write_json(manifest_path, manifest)
+            log(f"  done  {r.name}: {status} in {wall:.0f} s")
+            if state != "finished" and not timed_out and attempts[r.name] <= settings.retries:
+                states[r.name] = "partial" if state == "partial" else "new"
+                queue.append(r)                                # continue it from its checkpoint, at the end
+                log(f"  retry {r.name} later (attempt {attempts[r.name] + 1} of {settings.retries + 1})")
+    manifest["finished_unix_s"] = time.time()
+    write_json(manifest_path, manifest)
+    return manifest
+
+
+def run_child(job: Mapping[str, Any]) -> dict[str, Any]:
+    """One run, in this process (the driver's child): the plan with its overrides through the real runner."""
+    import torch
+    from mixfleet.policies.plan import load_plan, with_overrides
+    from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
+
+    torch.set_num_threads(1)
+    out = Path(job["out_dir"])
+    if not job["resume"]:
+        for name in LOG_PARTS:
+            p = out / name
+            shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
+    plan = with_overrides(load_plan(job["plan"]), dict(job["overrides"]))
+    write_json(out / job["run_file"], {**job["meta"], "name": job["name"], "plan_ref": job["plan"],
+                                       "overrides": job["overrides"], "run": job["run"],
+                                       "base_policy": job["base_policy"]})
+    settings = {"trainer_threads": 1, "sampler_threads": 1, "ray_num_cpus": 2, **dict(job["run"])}
+    cfg = RunConfig.for_plan(plan, out_dir=out, init_checkpoint=job["base_policy"], resume=bool(job["resume"]),
+                             **settings)
+    start_ray(plan)
+
+    def on_update(view: Any, _orch: Any) -> None:
+        print(f"update {view.version}/{view.target} reward {view.reward_mean:.3f} k3 {view.kl_k3:.2e} "
+              f"t {view.elapsed_s:.0f}s", flush=True)
+
+    result = run_plan(plan, cfg, on_update=on_update)
+    if not job["meta"].get("keep_weights", False):
+        shutil.rmtree(out / "weights", ignore_errors=True)   # only needed to resume; the log stays
+    return result
+
+
+def start_ray(plan: Any) -> None:
+    """Start the child's local Ray as the runner would (same resources), retrying: on a loaded host Ray's own
+    30 s start-up wait can run out. The runner's `init_ray` then finds it started."""
+    import ray
+    from mixfleet.runner.orchestration.actors import init_ray
+    from mixfleet.runner.orchestration.fleet import fleet_from_plan
+
+    resources = dict(fleet_from_plan(plan, mode="embedded").resources)
+    for attempt in range(RAY_START_ATTEMPTS):
+        try:
+            init_ray(num_cpus=2, resources=resources)
+            return
+        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception on a start-up timeout
+            print(f"ray start attempt {attempt + 1} failed: {e}", flush=True)
+            with contextlib.suppress(Exception):
+                ray.shutdown()
+            if attempt == RAY_START_ATTEMPTS - 1:
+                raise
+            time.sleep(10.0 * (attempt + 1))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m mixfleet.studies.runs --child JOB_JSON` (what `run_study` starts per run)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) != 2 or args[0] != "--child":
+        print("usage: python -m mixfleet.studies.runs --child JOB_JSON (started by a study driver)", file=sys.stderr)
+        return 2
+    result = run_child(json.loads(args[1]))
+    print(json.dumps({"result": result}, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
