@@ -129,6 +129,9 @@ def test_an_attached_server_holding_another_runs_weights_loads_the_runs_first(se
     u1 = upd[upd["version"] == 1].iloc[0]
     print("\nupdate 1: staleness mean", u1["staleness_mean"], "k3", u1.get("kl_k3"))
     assert u1["staleness_mean"] == 0.0                                      # on main: -1.00 (sampled by v"7")
+    on_policy = res["on_policy_kl_by_group"]["cpu-fp8"]
+    print("on-policy KL of cpu-fp8:", on_policy)
+    assert on_policy["tokens"] > 0 and on_policy["k3"] < 0.1                # on main: k3 10.4 (another run's policy)
     assert str(setup["engine"].weight_version) == "1"                       # and it was pushed the run's update
 
 
