@@ -29,6 +29,7 @@ keeps K children going.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -40,8 +41,9 @@ from mixfleet.studies.runs import StudyRun, StudySettings, run_state, run_study
 ABLATION_FILE = "ablation.json"
 RUN_FILE = "ablation_run.json"
 DEFAULT_TOP_P = 0.95            # the top-p of the two top-p variants (the shipped tiny-cpu plan's)
-FLEET_PLANS = {"mixed": "ablation-mixed", "homogeneous": "ablation-homogeneous"}
-FLEET_CHOICES = ("mixed", "homogeneous", "both")
+FLEET_PLANS = {"mixed": "ablation-mixed", "homogeneous": "ablation-homogeneous", "mixed-moe": "ablation-mixed-moe",
+               "mixed-moe-replay": "ablation-mixed-moe-replay"}
+FLEET_CHOICES = ("mixed", "homogeneous", "both", "mixed-moe", "mixed-moe-replay", "moe")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,10 +82,11 @@ def variant(key: str) -> Variant:
 
 
 def fleets_for(choice: str) -> tuple[str, ...]:
-    """"mixed" | "homogeneous" | "both" -> the fleets to run."""
+    """A fleet name, "both" (mixed + homogeneous) or "moe" (the mixed fleet on tiny-qwen3-moe, routing free and
+    replayed) -> the fleets to run."""
     if choice not in FLEET_CHOICES:
         raise ValueError(f"ablation fleet = {choice!r}; allowed: {', '.join(FLEET_CHOICES)}")
-    return ("mixed", "homogeneous") if choice == "both" else (choice,)
+    return {"both": ("mixed", "homogeneous"), "moe": ("mixed-moe", "mixed-moe-replay")}.get(choice, (choice,))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,14 +97,14 @@ class AblationConfig:
     fleets: tuple[str, ...] = ("mixed", "homogeneous")
     variants: tuple[str, ...] = VARIANT_KEYS
     seeds: tuple[int, ...] = (0, 1)
-    updates: int = 20                          # trainer updates per run
+    updates: int = 30                          # trainer updates per run
     resume: bool = False                       # continue unfinished runs (else they are refused)
     parallel: int = 1                          # child runs at once (1: this 2-core machine)
     base_policy: str = ""                      # HF checkpoint of the base policy; "": the cached `mixfleet pretrain`
     plans: dict[str, str] = field(default_factory=dict)   # fleet -> plan file/name (default FLEET_PLANS)
     top_p: float = DEFAULT_TOP_P
-    lr: float = 1e-4                           # trainer learning rate (AdamW), the same for every run
-    eval_every: int = 0                        # pass@k evaluations (0: none; they cost a CPU run dearly)
+    lr: float | None = None                    # trainer learning rate (AdamW) for every run; None: the plans' own
+    eval_every: int = 10                       # held-out evaluations every N updates (0: none)
     run_timeout_s: float = 3600.0              # a child still running after this is killed (status "timeout")
     start_gap_s: float = 30.0                  # seconds between two child starts (Ray start-ups overload a small host)
     retries: int = 2                           # a run that fails (e.g. workers killed by Ray's memory monitor on a
@@ -132,7 +135,7 @@ class AblationConfig:
                 raise ValueError(f"ablation plans: fleet {f!r}; allowed: {', '.join(FLEET_PLANS)}")
         if not (isinstance(self.top_p, int | float) and 0.0 < self.top_p < 1.0):
             raise ValueError(f"ablation top_p = {self.top_p!r}; allowed: a number in (0, 1)")
-        if not (isinstance(self.lr, int | float) and 0.0 < self.lr < 1.0):
+        if self.lr is not None and not (isinstance(self.lr, int | float) and 0.0 < self.lr < 1.0):
             raise ValueError(f"ablation lr = {self.lr!r}; allowed: a number in (0, 1)")
         if not self.run_timeout_s > 0:
             raise ValueError(f"ablation run_timeout_s = {self.run_timeout_s!r}; allowed: > 0")
@@ -171,16 +174,17 @@ def variant_plan(base: Plan, variant_key: str, seed: int, *, top_p: float = DEFA
     return with_overrides(base, over)
 
 
-def resolve_base_policy(config: AblationConfig) -> str:
-    """The base policy checkpoint: the configured one, else the cached `mixfleet pretrain` (trained if missing)."""
+def resolve_base_policy(config: AblationConfig, model: str = "tiny") -> str:
+    """The base policy checkpoint: the configured one, else the cached `mixfleet pretrain` of the plan's model
+    (trained if missing)."""
     if config.base_policy:
         if not (Path(config.base_policy) / "config.json").exists():
             raise ValueError(f"ablation base_policy = {config.base_policy!r}; allowed: a Hugging Face layout "
                              "checkpoint folder (config.json + safetensors)")
         return str(Path(config.base_policy).resolve())
-    from mixfleet.runner.orchestration.pretrain import pretrain
+    from mixfleet.runner.orchestration.pretrain import PretrainConfig, pretrain
 
-    return str(pretrain().path)
+    return str(pretrain(PretrainConfig(model=model)).path)
 
 
 def run_ablation(config: AblationConfig, *, log: Callable[[str], Any] = print) -> dict[str, Any]:
@@ -192,8 +196,9 @@ def run_ablation(config: AblationConfig, *, log: Callable[[str], Any] = print) -
     runs = [StudyRun(name=s.name, out_dir=s.out_dir, plan=config.plan_ref(s.fleet),
                      overrides={**variant(s.variant).overrides(config.top_p), "seed": int(s.seed),
                                 "name": f"{load_plan(config.plan_ref(s.fleet)).name}-{s.variant}-s{s.seed}"},
-                     run={"updates": config.updates, "seed": int(s.seed), "lr": config.lr,
-                          "eval_every": config.eval_every, "eval_at_start": bool(config.eval_every)},
+                     run={"updates": config.updates, "seed": int(s.seed), "eval_every": config.eval_every,
+                          "eval_at_start": bool(config.eval_every),
+                          **({"lr": config.lr} if config.lr is not None else {})},
                      meta={"fleet": s.fleet, "variant": s.variant, "label": LABELS[s.variant], "seed": s.seed,
                            "updates": config.updates, "lr": config.lr},
                      run_file=RUN_FILE)
@@ -203,12 +208,15 @@ def run_ablation(config: AblationConfig, *, log: Callable[[str], Any] = print) -
     if partial and not config.resume:                          # said in the ablation's own words (its CLI flag)
         raise ValueError(f"ablation: unfinished runs under {config.out_dir}: {', '.join(partial)}; allowed: "
                          "pass resume (--resume) to continue them, or remove their folders")
-    base_policy = resolve_base_policy(config)
+    models = {f: load_plan(config.plan_ref(f)).model for f in config.fleets}
+    bases = {m: resolve_base_policy(config, m) for m in sorted(set(models.values()))}
+    runs = [dataclasses.replace(r, base_policy=bases[models[s.fleet]]) for r, s in zip(runs, specs, strict=True)]
+    base_policy = bases[models[config.fleets[0]]]
     extra = {"format": "mixfleet-ablation", "format_version": 1,
              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
              "variants": {v.key: {"label": v.label, "overrides": v.overrides(config.top_p)}
                           for v in VARIANTS if v.key in config.variants},
-             "plans": {f: config.plan_ref(f) for f in config.fleets}}
+             "plans": {f: config.plan_ref(f) for f in config.fleets}, "base_policies": bases}
     return run_study(runs, manifest_path=config.out_dir / ABLATION_FILE, manifest_extra=extra,
                      base_policy=base_policy, log=log,
                      settings=StudySettings(resume=config.resume, parallel=config.parallel,

@@ -46,6 +46,7 @@ class StudyRun:
     run: Mapping[str, Any] = field(default_factory=dict)         # RunConfig fields (updates, seed, lr, mode, ...)
     meta: Mapping[str, Any] = field(default_factory=dict)        # written to RUN_FILE with the rest (labels, ...)
     run_file: str = RUN_FILE
+    base_policy: str = ""                            # this run's base checkpoint ("": the study's)
 
     @property
     def updates(self) -> int:
@@ -97,8 +98,8 @@ def write_json(path: Path, data: Mapping[str, Any]) -> None:
 
 def _job(run: StudyRun, base_policy: str, resume: bool) -> dict[str, Any]:
     return {"name": run.name, "out_dir": str(run.out_dir), "plan": run.plan, "overrides": dict(run.overrides),
-            "run": dict(run.run), "meta": dict(run.meta), "run_file": run.run_file, "base_policy": base_policy,
-            "resume": resume}
+            "run": dict(run.run), "meta": dict(run.meta), "run_file": run.run_file,
+            "base_policy": run.base_policy or base_policy, "resume": resume}
 
 
 def run_study(runs: Sequence[StudyRun], *, manifest_path: Path, manifest_extra: Mapping[str, Any],

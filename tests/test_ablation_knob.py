@@ -124,6 +124,10 @@ def test_config_validation_and_layout(tmp_path: Path) -> None:
             AblationConfig(out_dir=tmp_path, **bad)
     with pytest.raises(ValueError, match="fleet"):
         fleets_for("all")
+    assert fleets_for("moe") == ("mixed-moe", "mixed-moe-replay")
+    moe, replay = load_plan("ablation-mixed-moe"), load_plan("ablation-mixed-moe-replay")
+    assert (moe.model, moe.trainer.routing, replay.trainer.routing) == ("tiny-qwen3-moe", "free", "replay")
+    assert [g.weight_noise for g in moe.groups] == [0.0, 0.3, 0.6]
 
 
 def test_refuses_a_bad_base_policy_before_starting(tmp_path: Path) -> None:

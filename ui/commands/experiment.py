@@ -36,8 +36,9 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
 
 @experiment_app.command("ablation")
 def ablation(
-    fleet: str = typer.Option("both", "--fleet", help="mixed | homogeneous | both."),
-    updates: int = typer.Option(12, "--updates", "-n", min=1, help="Trainer updates per run."),
+    fleet: str = typer.Option("both", "--fleet", help="mixed | homogeneous | both | mixed-moe | mixed-moe-replay | "
+                                                       "moe (the two mixed-moe fleets)."),
+    updates: int = typer.Option(30, "--updates", "-n", min=1, help="Trainer updates per run."),
     seeds: str = typer.Option("2", "--seeds", help="A count N (seeds 0..N-1) or a comma list (0,3)."),
     out: Path = typer.Option(Path("runs/ablation"), "--out", "-o", help="Study folder (one run log per run)."),
     resume: bool = typer.Option(False, "--resume", help="Continue unfinished runs (finished ones are skipped)."),
@@ -45,7 +46,9 @@ def ablation(
                                                            "sc_mis, sc_mis_topp) or all."),
     parallel: int = typer.Option(1, "--parallel", min=1, help="Runs at once (1 on a small CPU machine)."),
     init: str = typer.Option("", "--init", help="Base policy checkpoint (default: the cached `mixfleet pretrain`)."),
-    lr: float = typer.Option(1e-4, "--lr", help="Trainer learning rate (the same for every run)."),
+    lr: float = typer.Option(None, "--lr", help="Trainer learning rate for every run (default: the plans' own, "
+                                                "tiny-cpu's 3e-4 with its warm-up)."),
+    eval_every: int = typer.Option(10, "--eval-every", min=0, help="Held-out evaluations every N updates (0: none)."),
     mixed_plan: str = typer.Option("", "--mixed-plan", help="Plan for the mixed fleet (default ablation-mixed)."),
     homogeneous_plan: str = typer.Option("", "--homogeneous-plan",
                                          help="Plan for the homogeneous fleet (default ablation-homogeneous)."),
@@ -59,6 +62,7 @@ def ablation(
     try:
         cfg = AblationConfig(out_dir=out, fleets=fleets_for(fleet), seeds=_ints(seeds, "--seeds"), updates=updates,
                              resume=resume, parallel=parallel, base_policy=init, lr=lr, plans=plans,
+                             eval_every=eval_every,
                              variants=VARIANT_KEYS if variants == "all" else
                              tuple(v.strip() for v in variants.split(",") if v.strip()))
         manifest = run_ablation(cfg, log=typer.echo)
