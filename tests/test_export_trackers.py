@@ -267,3 +267,90 @@ def test_export_to_wandb_offline_read_back_and_no_network(tmp_path: Path) -> Non
     assert_same(got, steps, rel=1e-12)
     assert config["source"] == "runner" and config["plan"] == {"name": "p"} and config["seed"] == 0
     assert res["steps"] == 3 and "eval/pass_at_k" in res["metrics"]
+
+
+# ---- live: what `mixfleet run --tracker` does after each update ---------------------------------------------
+@needs_tb
+def test_live_tracker_writes_each_update_as_it_is_logged_and_a_resume_replaces_replayed_steps(tmp_path: Path) -> None:
+    from mixfleet.costmodel.trackers import LiveTracker
+
+    run, tb = tmp_path / "run", tmp_path / "tb"
+    w = RunLogWriter(run, {"source": "runner", "plan": {"name": "p"}}, flush_every_s=None)
+    live = LiveTracker.from_options([f"tensorboard={tb}"], run)
+    assert live is not None and not tb.exists()                              # opened at the first update
+
+    def update(v: int, reward: float) -> None:
+        w.append(UpdateRecord(version=v, start_s=v, end_s=v + 0.5, train_step_s=0.4, weight_sync_s=0.1, tokens=8,
+                              trajectories=2, staleness_mean=0, staleness_p50=0, staleness_p95=0, staleness_max=0,
+                              cost_sampler_usd=v, cost_trainer_usd=0, reward_mean=reward))
+        w.flush()
+        live.on_update(v)
+
+    update(1, 0.1)
+    assert tb_scalars(tb)["train/reward_mean"].keys() == {1}                # written now, not at the end
+    update(2, 0.2)
+    assert {s: v for s, (v, _) in tb_scalars(tb)["train/reward_mean"].items()} == pytest.approx({1: 0.1, 2: 0.2})
+    live.close()
+    w.close()
+    # a fresh run into the same folder is refused (--force replaces); a resume streams the log again, and
+    # TensorBoard keeps the resumed file's values where the two differ (the replayed update 2)
+    with pytest.raises(ValueError, match="--force replaces them"):
+        LiveTracker.from_options([f"tensorboard={tb}"], run)
+    w = RunLogWriter(run, {"source": "runner"}, flush_every_s=None)
+    w.truncate_after_version(1)
+    live = LiveTracker.from_options([f"tensorboard={tb}"], run, resume=True)
+    assert live is not None
+    update(2, 0.25)
+    update(3, 0.3)
+    live.close()
+    w.close()
+    got = {s: v for s, (v, _) in tb_scalars(tb)["train/reward_mean"].items()}
+    assert got == pytest.approx({1: 0.1, 2: 0.25, 3: 0.3}) and len(list(tb.glob("events.out.tfevents.*"))) == 2
+    with pytest.raises(ValueError, match="'--tracker' = 'mlflow'"):
+        LiveTracker.from_options(["mlflow"], run)
+    with pytest.raises(ValueError, match="outside the run folder"):
+        LiveTracker.from_options([f"tensorboard={run / 'tb'}"], run)
+
+
+@pytest.mark.slow
+@needs_tb
+@needs_wandb
+def test_mixfleet_run_tracker_on_a_real_tiny_run_streams_what_export_writes(tmp_path: Path) -> None:
+    """A real run (tiny model, Ray, the trainer, embedded samplers): 2 updates, a held-out evaluation at the
+    start and at update 2, streamed live to TensorBoard and wandb; read back, both equal the export of the
+    finished run log."""
+    from runplans import CPU_BF16, CPU_FP8, run_files, run_plan_toml
+
+    plan_toml = run_plan_toml(
+        "test-tracker", [CPU_BF16, CPU_FP8], embedded={"max_turns": 2, "max_new_tokens": 8, "eval_every": 2,
+                                                        "pass_k": 2, "extra": {"eval_problems": 2}},
+        batcher={"prompts_per_update": 2, "samples_per_prompt": 2, "inflight_prompts": 4})
+    init, plan = run_files(tmp_path, plan_toml)
+    out, tb, wb = tmp_path / "runs" / "live", tmp_path / "tb-live", tmp_path / "wb-live"
+    r = runner.invoke(app, ["run", str(plan), "--out", str(out), "--init", str(init), "--updates", "2", "--quiet",
+                            "--tracker", f"tensorboard={tb}", "--tracker", f"wandb={wb}"])
+    assert r.exit_code == 0, r.output[-3000:]
+    log = RunLog.open(out)
+    assert log.header["status"] == "finished" and log.source == "runner"
+    steps = log_step_metrics(log)
+    assert [s.step for s in steps] == [0, 1, 2]                              # eval of the base policy, 2 updates
+    live = tb_scalars(tb)
+    assert_same({t: {s: v for s, (v, _) in d.items()} for t, d in live.items()}, steps)
+    assert {"train/reward_mean", "train/kl_k3", "train/ess", "time/train_step_s", "group/cpu-fp8/kl_k3",
+            "group/cpu-bf16/utilization", "eval/pass_at_k", "eval/reward"} <= set(live)
+    assert set(live["eval/pass_at_k"]) == {0, 2}
+    # the export of the finished (real) log: the same scalars, the same wall times
+    r = runner.invoke(app, ["export", str(out), "--to", "tensorboard"])
+    assert r.exit_code == 0, r.output
+    exported = tb_scalars(tmp_path / "runs" / "tensorboard" / "live")
+    assert exported.keys() == live.keys()
+    for t in live:
+        assert exported[t] == pytest.approx(live[t]), t
+    (run_dir,) = (wb / "wandb").glob("offline-run-*")
+    hist, config = wandb_history(run_dir)
+    got: dict[str, dict[int, float]] = {}
+    for st, vals in hist.items():
+        for n, v in vals.items():
+            got.setdefault(n, {})[st] = v
+    assert_same(got, steps, rel=1e-12)
+    assert config["plan"]["name"] == "test-tracker" and config["source"] == "runner"
