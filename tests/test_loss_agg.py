@@ -1,8 +1,8 @@
 """How per-token losses become the loss (`CorrectionConfig.loss_agg`), in float64.
 
-The defect this guards against (docs/learning.md): with sequence-level rewards whose failures run longer than
-their successes, a token-mean lets the failures' tokens outweigh the successes' in a prompt-group whose
-advantages sum to zero. `seq_mean_token_mean` weighs every trajectory the same.
+With sequence-level rewards whose failures run longer than their successes, a token-mean lets the failures'
+tokens outweigh the successes' in a prompt-group whose advantages sum to zero; `seq_mean_token_mean` (GRPO's
+own 1/G sum_i 1/|o_i| sum_t) weighs every trajectory the same. Both are checked against their definitions.
 """
 
 from __future__ import annotations

@@ -418,7 +418,7 @@ def _aggregation_weights(batch: CorrectionBatch, mask: torch.Tensor, config: Cor
     seq_mean_token_mean: 1 / (S n_i) for the n_i trained tokens of each of the S trajectories that have any, so
     every trajectory weighs the same (GRPO's own 1/G sum_i 1/|o_i| sum_t). With sequence-level rewards where failures
     run longer than successes (a turn cap, a repeated tool error), token_mean lets the failures' tokens outweigh
-    the successes' in every prompt-group although their advantages sum to zero (docs/learning.md)."""
+    the successes' in every prompt-group although their advantages sum to zero (docs/corrections.md)."""
     m = mask.to(cd)
     if config.loss_agg == "token_mean":
         return m / m.sum().clamp(min=1.0)
