@@ -121,6 +121,14 @@ def test_planner_runs_with_the_defaults_and_shows_a_mix(env: Path) -> None:
     plan = plan_from_dict(__import__("tomllib").loads(plan_toml))  # the download is a valid plan
     assert [g.name for g in plan.groups] == list(mix["group"])
     assert [b.label for b in at.get("download_button")] == ["Download the plan TOML"]
+    # the same inputs again, in this session and in a new one (another tab): the cached plan, no error (issue 26:
+    # the progress bar inside st.cache_data made the repeat fail with CacheReplayClosureError)
+    for again in (at, _app()):
+        again.button(key="pl_go").click()
+        again.run()
+        assert not again.exception, [e.value for e in again.exception]
+        assert not again.error, [e.value for e in again.error]
+        assert again.table[0].value.equals(mix)
     at.switch_page("app_dryrun.py")
     at.run()  # the Dry-run page offers the planned mix as plan A, a shipped fleet as plan B
     assert not at.exception, [e.value for e in at.exception]

@@ -10,8 +10,12 @@ costmodel and written as spec files under the runs folder, which the plan then n
 
 from __future__ import annotations
 
+import copy
 import hashlib
+import json
+import threading
 import tomllib
+from collections import OrderedDict
 from typing import Any
 
 import pandas as pd
@@ -94,10 +98,31 @@ def _validated_spec(kind: str, text: str) -> str:
     return str(path)
 
 
-@st.cache_data(show_spinner=False, max_entries=8)
-def _plan_cached(inputs: dict[str, Any], pool: pd.DataFrame, _progress: Any) -> planner.PlannerView:
-    """The planner + twin checks for these exact inputs (a repeat is instant; the twin runs are also on disk)."""
-    return planner.run(pool=pool, progress=_progress, **inputs)
+PLAN_CACHE_ENTRIES = 8
+_plan_cache: OrderedDict[str, planner.PlannerView] = OrderedDict()
+_plan_cache_lock = threading.Lock()
+
+
+def _plan_cached(inputs: dict[str, Any], pool: pd.DataFrame, progress: Any) -> planner.PlannerView:
+    """The planner + twin checks for these exact inputs: a repeat, from any session of this app, is instant.
+
+    A plain process-wide LRU rather than `st.cache_data`: the planner drives the page's progress bar, and
+    Streamlit cannot replay a cached call that drew elements (it raised CacheReplayClosureError on the second
+    press of Run planner with the same inputs, in any tab). Each caller gets its own deep copy, as from
+    `st.cache_data`."""
+    key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()
+                         + pool.to_csv(index=False).encode()).hexdigest()
+    with _plan_cache_lock:
+        hit = _plan_cache.get(key)
+        if hit is not None:
+            _plan_cache.move_to_end(key)
+            return copy.deepcopy(hit)
+    view = planner.run(pool=pool, progress=progress, **inputs)
+    with _plan_cache_lock:
+        _plan_cache[key] = copy.deepcopy(view)
+        while len(_plan_cache) > PLAN_CACHE_ENTRIES:
+            _plan_cache.popitem(last=False)
+    return view
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------
