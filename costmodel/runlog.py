@@ -71,6 +71,7 @@ FIND_MAX_DIRS = 10_000      # ... and at most this many folders in all
 
 _PART_RE = re.compile(r"^part-(\d{6,})\.parquet$")
 _TMP_RE = re.compile(r"^\.part-(\d{6,})\.parquet\.[0-9a-f]+\.tmp$")
+_HEADER_TMP_RE = re.compile(r"^\.run\.json\.[0-9a-f]{8}\.tmp$")
 _NAN = float("nan")
 
 
@@ -335,6 +336,32 @@ def _now_utc() -> str:
     return datetime.now(UTC).isoformat(timespec="seconds")
 
 
+def _flat(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
+    if isinstance(value, Mapping):
+        for k, v in value.items():
+            _flat(v, f"{prefix}.{k}" if prefix else str(k), out)
+    elif (isinstance(value, list) and value and all(isinstance(v, Mapping) and "name" in v for v in value)
+          and len({str(v["name"]) for v in value}) == len(value)):
+        for v in value:                       # [[groups]]: by name, so a reordering is no difference
+            _flat({k: x for k, x in v.items() if k != "name"}, f"{prefix}.{v['name']}", out)
+            out.setdefault(f"{prefix}.{v['name']}", "<present>")
+    else:
+        out[prefix] = value
+    return out
+
+
+def plan_differences(recorded: Any, given: Any, *, ignore: Iterable[str] = ("description",)) -> list[str]:
+    """The dotted fields where two plan tables (as a header holds them) differ, each "field: old -> new"
+    (groups keyed by name; fields in `ignore` are not compared). Empty when they are the same plan."""
+    def plain(x: Any) -> dict[str, Any]:
+        d = json.loads(json.dumps(x if isinstance(x, Mapping) else {}, default=str))
+        return _flat({k: v for k, v in d.items() if k not in set(ignore)}, "", {})
+
+    a, b = plain(recorded), plain(given)
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
+            for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
+
+
 # ---- writer -----------------------------------------------------------------------------------
 class RunLogWriter:
     """Appends records to a run-log folder; one Parquet part file per table per flush.
@@ -369,6 +396,11 @@ class RunLogWriter:
             if "run_id" in given and given["run_id"] != old.get("run_id"):
                 raise SpecError("RunLogWriter header", "run_id", given["run_id"],
                                 f"the existing log's run_id ({old.get('run_id')!r}) when resuming")
+            if "plan" in given and (diff := plan_differences(old.get("plan"), given["plan"])):
+                more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
+                raise SpecError("RunLogWriter header", "plan", (given["plan"] or {}).get("name"),
+                                f"the plan the log in {self.directory} was started with, to resume it (it differs: "
+                                f"{'; '.join(diff[:4])}{more})")
             self.header = {**old, **given, "status": "running", "resumes": int(old.get("resumes", 0)) + 1,
                            "resumed_utc": _now_utc()}
         else:
@@ -396,6 +428,9 @@ class RunLogWriter:
                     p.unlink(missing_ok=True)
             nums = _part_numbers(folder)
             self._next_part[t] = nums[-1] + 1 if nums else 0
+        for p in self.directory.iterdir():      # a killed header write's temp file
+            if _HEADER_TMP_RE.match(p.name) and p.is_file():
+                p.unlink(missing_ok=True)
         _write_json_atomic(header_path, self.header)
         self._last_flush = time.monotonic()
 
@@ -544,6 +579,7 @@ class RunLog:
         self._seen: dict[str, set[str]] = {t: set() for t in TABLES}
         self._frames: dict[str, pd.DataFrame] = {t: empty_frame(t) for t in TABLES}
         self.skipped: list[Path] = []
+        self.skip_reasons: dict[Path, str] = {}      # why each skipped part was not read
 
     @classmethod
     def open(cls, directory: str | os.PathLike[str]) -> RunLog:
@@ -626,6 +662,7 @@ class RunLog:
                     warnings.warn(f"run log {self.directory}: skipping unreadable part {t}/{path.name}: {exc}",
                                   RunLogWarning, stacklevel=2)
                     self.skipped.append(path)
+                    self.skip_reasons[path] = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
                     self._seen[t].add(path.name)  # warn once, not on every refresh
                     continue
                 self._seen[t].add(path.name)

@@ -48,11 +48,13 @@ plus `mixfleet_weight_version` (the trainer version that wrote the weights; HF i
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -297,16 +299,87 @@ def check_finite(tensors: Mapping[str, torch.Tensor], where: str) -> None:
                                     f"{', '.join(bad[:3])}{more}")
 
 
+def _fsync_dir(path: Path) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def set_aside_name(directory: Path, pid: int | None = None) -> Path:
+    """Where `replace_dir_atomically` puts the old folder between its two renames: `.NAME.old.<pid>`."""
+    return directory.with_name(f".{directory.name}.old.{os.getpid() if pid is None else pid}")
+
+
 def replace_dir_atomically(tmp: Path, directory: Path) -> None:
     """Put the finished folder `tmp` at `directory`, replacing any old one by renames (a reader sees the old
-    folder or the new one, never a mix); `tmp` must be beside `directory` (same filesystem)."""
+    folder or the new one, never a mix); `tmp` must be beside `directory` (same filesystem).
+
+    Killed between the two renames, it leaves the old folder as `.NAME.old.<pid>` beside no `NAME`:
+    `recover_replaced_dir` puts it back."""
     if directory.exists():
-        old = directory.with_name(f".{directory.name}.old.{os.getpid()}")
+        old = set_aside_name(directory)
+        if old.exists():                       # ours, left by a killed replace of a process with this pid
+            shutil.rmtree(old)
         os.replace(directory, old)
         os.replace(tmp, directory)
+        _fsync_dir(directory.parent)
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, directory)
+        _fsync_dir(directory.parent)
+
+
+_SET_ASIDE = r"\.old\.\d+"
+_MKDTEMP = r"\.[a-z0-9_]{8}"            # tempfile.mkdtemp's random part (`save_checkpoint`, `Trainer.save_state`)
+
+
+def leftovers(directory: Path) -> list[Path]:
+    """What killed writers of `directory` left beside it: set-aside old folders (`.NAME.old.<pid>`) and
+    unfinished temp folders (`.NAME.<8 random>`, from tempfile.mkdtemp), by name only."""
+    pattern = re.compile(rf"^\.{re.escape(directory.name)}(?:{_SET_ASIDE}|{_MKDTEMP})$")
+    parent = directory.parent
+    if not parent.is_dir():
+        return []
+    return sorted(p for p in parent.iterdir() if pattern.match(p.name))
+
+
+def recover_replaced_dir(directory: Path, *, complete: Callable[[Path], bool],
+                         fallback: Path | None = None, dry_run: bool = False) -> Path | None:
+    """A replace killed between its two renames leaves `.NAME.old.<pid>` beside no `NAME`: rename that old,
+    complete folder back. With none, `fallback` (e.g. a staging folder the replace had not moved yet) if it
+    is complete. Returns the folder restored from, or None (nothing to do: `directory` exists, or nothing
+    complete is there); `dry_run`: only say which. Two complete old folders: a ValueError naming them (which
+    one to keep is ambiguous)."""
+    if directory.exists() or directory.is_symlink():
+        return None
+    old = [p for p in leftovers(directory) if re.search(rf"{_SET_ASIDE}$", p.name) and p.is_dir()
+           and not p.is_symlink() and complete(p)]
+    if len(old) > 1:
+        raise ValueError(f"{directory}: missing, and {len(old)} complete old copies of it are beside it "
+                         f"({', '.join(p.name for p in old)}); rename the one to keep to {directory.name}")
+    src = old[0] if old else (fallback if fallback is not None and fallback.is_dir() and not fallback.is_symlink()
+                              and complete(fallback) else None)
+    if src is None or dry_run:
+        return src
+    os.replace(src, directory)
+    _fsync_dir(directory.parent)
+    return src
+
+
+def remove_leftovers(directory: Path, *, may_remove: Callable[[Path], bool]) -> list[str]:
+    """Delete the `leftovers` of `directory` that `may_remove` accepts (the caller checks their contents are
+    its own), once `directory` itself is in place; returns the names removed."""
+    if not directory.is_dir():
+        return []
+    removed = []
+    for p in leftovers(directory):
+        if not p.is_symlink() and p.is_dir() and may_remove(p):
+            shutil.rmtree(p)
+            removed.append(p.name)
+    return removed
 
 
 def save_checkpoint(directory: str | Path, cfg: HFConfig, tensors: Mapping[str, torch.Tensor],
