@@ -79,6 +79,8 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name} = {v!r}; allowed: an integer >= {lo}")
         if not self.lr > 0:
             raise ValueError(f"RunConfig.lr = {self.lr!r}; allowed: > 0")
+        if self.task:                              # "" = the plan's [embedded] task (checked when the run starts)
+            check_task(self.task, self.task_options, where="RunConfig.task")
 
     @classmethod
     def for_plan(cls, plan: Plan, **kw: Any) -> RunConfig:
@@ -94,6 +96,17 @@ class RunConfig:
         extra.update({k: v for k, v in kw.items() if v is not None})
         return cls(**extra)
 
+
+def check_task(name: str, options: dict[str, Any] | None = None, *, where: str = "task") -> None:
+    """A registered task whose options its config takes; else a ValueError naming `where`, the value and the
+    known tasks (a run refuses it before Ray or a sampler starts)."""
+    from mixfleet.runner.rollout.tasks import task_config, task_names
+
+    if name not in task_names():
+        raise ValueError(f"{where} = {name!r}; allowed: {', '.join(task_names())}")
+    if not isinstance(options or {}, dict):
+        raise ValueError(f"{where} {name!r}: task_options = {options!r}; allowed: a table of the task's options")
+    task_config(name, **(options or {}))
 
 
 

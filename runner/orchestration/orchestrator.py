@@ -28,17 +28,31 @@ import contextlib
 import json
 import math
 import os
+import re
 import shutil
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
+import pandas as pd
 from mixfleet.costmodel.catalog import load_catalog
+from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.ledger import GroupTotals, trainer_usd_per_hour
-from mixfleet.costmodel.runlog import EventRecord
-from mixfleet.policies.plan import EmbeddedPlan, Plan
+from mixfleet.costmodel.outdir import STAGING_SUFFIX, is_our_temp, lock_output_dir
+from mixfleet.costmodel.runlog import EventRecord, RunLog, plan_differences
+from mixfleet.policies.plan import EmbeddedPlan, Plan, plan_from_dict
 from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
+from mixfleet.runner.checkpoint.hf_checkpoint import recover_replaced_dir, remove_leftovers, replace_dir_atomically
 from mixfleet.runner.orchestration.batching import BatchItem, BatchOptions, build_batch
-from mixfleet.runner.orchestration.config import ORCH_STATE_FILE, STATE_DIR, RunConfig, RunContext, RunFailed
+from mixfleet.runner.orchestration.config import (
+    ORCH_STATE_FILE,
+    STATE_DIR,
+    RunConfig,
+    RunContext,
+    RunFailed,
+    check_task,
+)
 from mixfleet.runner.orchestration.fleet import fleet_from_plan
 from mixfleet.runner.orchestration.placement import trainer_placement
 from mixfleet.runner.orchestration.recorder import RunRecorder, UpdateView
@@ -153,15 +167,21 @@ class Orchestrator:
         from mixfleet.runner.orchestration.actors import init_ray, remote_trainer
 
         ctx, cfg = self.ctx, self.config
-        self.out.mkdir(parents=True, exist_ok=True)
+        emb = self.plan.embedded
+        check_task(self.task, cfg.task_options, where=f"plan '{self.plan.name}' [embedded] task"
+                   if not cfg.task and emb is not None and emb.task else "RunConfig.task")
+        # one writer per run folder, for the whole run (released by _stop); then what a kill left is put right
+        self._out_lock = lock_output_dir(self.out, where="mixfleet run")
         state_dir = self.out / STATE_DIR
-        resuming = cfg.resume and (state_dir / "trainer_meta.json").exists()
-        if cfg.resume and not resuming and (self.out / "run.json").exists():
-            # killed before the first checkpoint: nothing trained is kept; start over in a fresh log
-            for name in ("run.json", "trajectories", "updates", "groups", "events"):
-                p = self.out / name
-                shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-        writer = self.recorder.open(self._header())
+        point = prepare_resume(self.out, self.plan) if cfg.resume else None
+        if point is None and (state_dir.exists() or (self.out / "run.json").exists()):
+            raise SpecError("mixfleet run", "--out", str(self.out), "a new or empty folder (it holds a run: "
+                            "pass resume=True / --resume to continue it)")
+        resuming = point is not None and point.from_state
+        header = self._header()
+        if point is not None:
+            header["plan"] = point.plan             # the same plan (checked): keep it as the log recorded it
+        writer = self.recorder.open(header)
         if cfg.address is None:
             init_ray(num_cpus=cfg.ray_num_cpus, resources=dict(self.spec.resources))
         else:
@@ -174,13 +194,17 @@ class Orchestrator:
             init_from=cfg.init_checkpoint, state_dir=str(state_dir), correction=self.correction,
             optimizer={"lr": cfg.lr, "grad_clip_norm": cfg.grad_clip_norm},
             threads=cfg.trainer_threads, resume=resuming, routing=self.plan.trainer.routing)
-        if not resuming:                  # samplers load the base policy: start them while the trainer builds
+        if point is None:                 # samplers load the base policy: start them while the trainer builds
             await self.weights.begin()
-            ctx.version, *_ = await asyncio.gather(self.trainer.version.remote(), *self.fleet.start_planned(reserved))
+            ctx.version, *_ = await asyncio.gather(_trainer_version(self.trainer, None),
+                                                   *self.fleet.start_planned(reserved))
             return
-        ctx.version = await self.trainer.version.remote()
+        ctx.version = await _trainer_version(self.trainer, state_dir if resuming else None)
+        if ctx.version != point.version:
+            raise RunFailed(f"{state_dir}: the trainer loaded version {ctx.version}, its trainer_meta.json says "
+                            f"{point.version}: not one checkpoint; nothing was changed in the run log")
         dropped = writer.truncate_after_version(ctx.version, tables=("updates", "groups", "trajectories"))
-        st = json.loads((state_dir / ORCH_STATE_FILE).read_text()) if (state_dir / ORCH_STATE_FILE).exists() else {}
+        st = point.state
         self.prompts.restore(st)
         self.rollouts.restarts = int(st.get("restarts", 0))
         self.trainer_busy_s = float(st.get("trainer_busy_s", 0.0))
@@ -188,7 +212,8 @@ class Orchestrator:
         self.recorder.restore(st, float(st.get("elapsed_s", 0.0)))
         self.fleet.restart_clock()
         ctx.event("resume", version=ctx.version, detail=json.dumps(   # the ids this segment admits start there
-            {"dropped_rows": dropped, "first_prompt_id": self.prompts.started}))
+            {"dropped_rows": dropped, "first_prompt_id": self.prompts.started,
+             **({"recovered": list(point.notes)} if point.notes else {})}))
         await self.weights.begin(publish_base=ctx.version == 0)
         if ctx.version > 0:
             await self.weights.export(self.trainer, ctx.version)
@@ -233,13 +258,20 @@ class Orchestrator:
         return res.pass_at_k
 
     async def _checkpoint(self) -> None:
+        """The trainer's state and the orchestrator's (orchestrator.json) as one folder, replaced at once: both
+        are written into the staging folder `.trainer_state.next`, which then replaces `trainer_state` by
+        renames (`replace_dir_atomically`). A kill at any point leaves the previous checkpoint or this one,
+        never a trainer state without its orchestrator state; `prepare_resume` puts back what a kill between
+        the renames set aside."""
         state_dir = self.out / STATE_DIR
-        await self.trainer.save_state.remote(str(state_dir))
-        tmp = state_dir / f".{ORCH_STATE_FILE}.tmp"
-        tmp.write_text(json.dumps({"version": self.version, **self.prompts.state(), "restarts": self.restarts,
-                                   "trainer_busy_s": self.trainer_busy_s, "elapsed_s": self.now(),
-                                   **self.recorder.state(self._totals())}))
-        os.replace(tmp, state_dir / ORCH_STATE_FILE)
+        staged = staging_dir(state_dir)
+        if staged.exists():                                      # a killed checkpoint's: ours, unfinished
+            shutil.rmtree(staged)
+        await self.trainer.save_state.remote(str(staged))
+        _write_json_durably(staged / ORCH_STATE_FILE, {
+            "version": self.version, **self.prompts.state(), "restarts": self.restarts,
+            "trainer_busy_s": self.trainer_busy_s, "elapsed_s": self.now(), **self.recorder.state(self._totals())})
+        replace_dir_atomically(staged, state_dir)
 
     # ---- the loop --------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
@@ -317,6 +349,8 @@ class Orchestrator:
                             on_policy_kl_by_group=self.recorder.on_policy_kl(), cpu_s=cpu,
                             lost_groups=dict(self.fleet.lost_groups),
                             cpu_s_total=sum(cpu.values()), **self.loop_stats())
+        if getattr(self, "_out_lock", None) is not None:       # the run log is closed: the folder is free
+            self._out_lock.release()
 
 
 def run_plan(plan: Plan, config: RunConfig, *, on_update: Callable[[UpdateView, Orchestrator], Any] | None = None,
@@ -335,3 +369,207 @@ def run_plan(plan: Plan, config: RunConfig, *, on_update: Callable[[UpdateView, 
 
             if ray.is_initialized():
                 ray.shutdown()
+
+
+# ---- resume: what a kill left in the run folder, checked and put right before anything starts ------------
+@dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run continues (`prepare_resume`)."""
+
+    version: int                          # the trainer version it continues from (0: the base policy)
+    from_state: bool                      # a trainer state to load (False: nothing was checkpointed yet)
+    state: dict[str, Any]                 # the orchestrator's checkpoint (orchestrator.json), or rebuilt from the log
+    plan: dict[str, Any]                  # the plan as the run log recorded it
+    notes: tuple[str, ...] = ()           # what was recovered or cleaned up
+
+
+def staging_dir(state_dir: Path) -> Path:
+    """Where `_checkpoint` puts a checkpoint together before it replaces `state_dir`."""
+    return state_dir.with_name(f".{state_dir.name}{STAGING_SUFFIX}")
+
+
+def _write_json_durably(path: Path, obj: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    with contextlib.suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _state_complete(d: Path) -> bool:
+    return (d / "trainer_meta.json").is_file() and (d / "trainer_state.pt").is_file()
+
+
+def _staged_complete(d: Path) -> bool:
+    return _state_complete(d) and (d / ORCH_STATE_FILE).is_file()
+
+
+def _recover_state_dir(state_dir: Path, *, apply: bool = True) -> tuple[Path, list[str]]:
+    """Put back a trainer state that a kill between `replace_dir_atomically`'s renames set aside (or a complete
+    staged checkpoint the kill kept from its rename), then delete the unfinished temp folders of the trainer
+    state and of the staging folder (mixfleet's own names holding only trainer-state files). Returns where the
+    state is (`state_dir`, or with `apply=False` the folder it would be restored from) and what was done."""
+    notes = []
+    staged = staging_dir(state_dir)
+    try:
+        src = recover_replaced_dir(state_dir, complete=_state_complete, fallback=staged, dry_run=not apply)
+    except ValueError as e:
+        raise SpecError("mixfleet run --resume", "--out", str(state_dir.parent), f"one trainer state ({e})") from None
+    if src is not None:
+        notes.append(f"restored {state_dir.name} from {src.name}")
+        if not apply:
+            return src, notes
+    if apply and state_dir.is_dir():
+        removed = remove_leftovers(state_dir, may_remove=is_our_temp)
+        removed += remove_leftovers(staged, may_remove=is_our_temp)
+        if staged.is_dir() and is_our_temp(staged):
+            shutil.rmtree(staged)
+            removed.append(staged.name)
+        if removed:
+            notes.append("removed unfinished " + ", ".join(sorted(removed)))
+    return state_dir, notes
+
+
+def _read_json_file(path: Path, what: str) -> dict[str, Any]:
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise SpecError(str(path), "<file>", f"{type(e).__name__}: {e}", f"{what}, as JSON; the file is unreadable "
+                        "or not valid JSON (cut or edited?): restore it, or start over with --force") from None
+    if not isinstance(raw, dict):
+        raise SpecError(str(path), "<file>", type(raw).__name__, f"{what}, as a JSON object")
+    return raw
+
+
+_ORCH_INTS = ("version", "started_prompts", "taken_prompts", "restarts", "trained_restarted")
+_ORCH_FLOATS = ("elapsed_s", "trainer_busy_s")
+
+
+def _check_orch_state(st: dict[str, Any], path: Path) -> dict[str, Any]:
+    for k in _ORCH_INTS:
+        if k in st and (isinstance(st[k], bool) or not isinstance(st[k], int) or st[k] < 0):
+            raise SpecError(str(path), k, st[k], "an integer >= 0 (the file is not the orchestrator state "
+                                                 "mixfleet wrote: restore it, or start over with --force)")
+    for k in _ORCH_FLOATS:
+        if k in st and (isinstance(st[k], bool) or not isinstance(st[k], int | float) or not math.isfinite(st[k])
+                        or st[k] < 0):
+            raise SpecError(str(path), k, st[k], "seconds >= 0 (the file is not the orchestrator state mixfleet "
+                                                 "wrote: restore it, or start over with --force)")
+    for k in ("cost_usd_by_group", "fresh_kl"):
+        if k in st and not isinstance(st[k], dict):
+            raise SpecError(str(path), k, st[k], "a JSON object of groups")
+    return st
+
+
+def _state_from_log(log: RunLog, version: int) -> dict[str, Any]:
+    """An orchestrator state rebuilt from the run log, for a checkpoint without one (nothing checkpointed yet,
+    or a trainer state written before orchestrator.json went into the same folder): prompt ids continue after
+    the log's highest, the run clock after its last record, costs and trainer seconds as logged up to
+    `version`. What the log does not hold (restarts, the on-policy KL sums) starts again from 0."""
+    tr, up, gr, ev = log.trajectories, log.updates, log.groups, log.events
+    ids = pd.to_numeric(tr["prompt_id"], errors="coerce").dropna() if len(tr) else pd.Series([], dtype=float)
+    trained = tr[(tr["trained_version"] > 0) & (tr["trained_version"] <= version)] if len(tr) else tr
+    ends = [float(x.max()) for x in (tr["end_s"], up["end_s"], ev["time_s"]) if len(x)]
+    up_v = up[up["version"] <= version]
+    gr_v = gr[gr["version"] <= version]
+    return {"version": version, "started_prompts": int(ids.max()) + 1 if len(ids) else 0,
+            "taken_prompts": int(trained["prompt_id"].nunique()) if len(trained) else 0,
+            "elapsed_s": max([0.0, *ends]), "trainer_busy_s": float(up_v["train_step_s"].sum()),
+            "cost_usd_by_group": {str(g): float(c) for g, c in gr_v.groupby("group")["cost_usd"].sum().items()},
+            "trained_restarted": int((trained["restarts"] > 0).sum()) if len(trained) else 0}
+
+
+def prepare_resume(out: Path, plan: Plan, *, where: str = "mixfleet run --resume",
+                   apply: bool = True) -> ResumePoint | None:
+    """Check that the run in `out` can continue with `plan`, and put right what a kill left (under the run
+    folder's lock): None when there is no run log yet (a new run). Refused (SpecError, nothing changed):
+
+    - a different plan than the log's (the resolved plans are compared, not the file names);
+    - a trainer state that is gone while the log holds updates (its rows came from it: they cannot be
+      continued); a state set aside by a killed replace (`.trainer_state.old.<pid>`) is put back instead;
+    - a trainer_meta.json or orchestrator.json that is unreadable, not JSON or of the wrong types (named).
+
+    A run log without a trainer state and without updates (killed before its first checkpoint) continues from
+    the base policy in the same log; nothing is deleted. `apply=False` changes nothing (a check before the
+    run starts: the run's own call then recovers and records it in its resume event)."""
+    out = Path(out)
+    state_dir = out / STATE_DIR
+    if not (out / "run.json").exists():
+        if state_dir.exists() or any(out.glob(f".{STATE_DIR}.old.*")):
+            raise SpecError(where, "--out", str(out), "a run folder with its run log; it has a trainer state but no "
+                                                      "run.json: restore run.json, or choose another folder")
+        return None
+    log = RunLog.open(out)
+    recorded = log.header.get("plan")
+    try:
+        normal = plan_from_dict(dict(recorded)).to_dict() if isinstance(recorded, dict) else recorded
+    except (SpecError, TypeError, ValueError):
+        normal = recorded                          # a plan of an older schema: compared as recorded
+    diff = plan_differences(normal, plan.to_dict())
+    if diff:
+        name = recorded.get("name") if isinstance(recorded, dict) else None
+        more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
+        raise SpecError(where, "PLAN", plan.name, f"the plan the run in {out} was started with ({name!r}, as its "
+                        f"run.json records it); this one differs in {len(diff)} field(s): {'; '.join(diff[:6])}{more}. "
+                        "Resume with that plan, or start a new run (another --out, or --force to replace this one)")
+    found, notes = _recover_state_dir(state_dir, apply=apply)
+    up = log.updates
+    if not _state_complete(found):
+        if len(up):
+            n_tr = int((log.trajectories["trained_version"] > 0).sum())
+            raise SpecError(where, "--out", str(out), f"a run whose trainer state is there to continue from; "
+                            f"{state_dir} is {'incomplete' if state_dir.exists() else 'missing'} (and no old copy is "
+                            f"beside it), but the run log holds updates {int(up['version'].min())}.."
+                            f"{int(up['version'].max())} ({n_tr} trained trajectories) that came from it, so they "
+                            "cannot be continued; nothing was changed. Put the trainer_state folder back, or start "
+                            "over with --force (replaces this run) or another --out")
+        return ResumePoint(version=0, from_state=False, state=_state_from_log(log, 0), plan=dict(recorded or {}),
+                           notes=(*notes, "no checkpoint yet: continues from the base policy"))
+    meta = _read_json_file(found / "trainer_meta.json", "the trainer's checkpoint metadata")
+    version = meta.get("version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 0:
+        raise SpecError(str(found / "trainer_meta.json"), "version", version, "an integer >= 0")
+    orch_path = found / ORCH_STATE_FILE
+    if orch_path.exists():
+        st = _check_orch_state(_read_json_file(orch_path, "the orchestrator's checkpoint"), orch_path)
+        if st.get("version", version) != version:
+            raise SpecError(str(orch_path), "version", st.get("version"), f"{version}, the version of the trainer "
+                            "state beside it (these files are not one checkpoint: restore them, or start over "
+                            "with --force)")
+    else:
+        st = _state_from_log(log, version)
+        notes.append(f"no {ORCH_STATE_FILE}: prompt ids, clock and costs rebuilt from the run log")
+    return ResumePoint(version=version, from_state=True, state=st, plan=dict(recorded or {}), notes=tuple(notes))
+
+
+_ERROR_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)):\s?(.*)$")
+
+
+def trainer_error(exc: BaseException) -> str:
+    """The trainer's own error in one line ("ValueError: ..."), from the Ray error that wraps it with the
+    actor's traceback (a failed __init__ arrives as an ActorDiedError of ~90 lines)."""
+    lines = str(exc).splitlines()
+    for line in reversed(lines):
+        m = _ERROR_LINE.match(line)
+        if m and not m.group(1).startswith(("RayTaskError", "ActorDiedError", "RayActorError")):
+            return f"{m.group(1)}: {m.group(2)}".strip()
+    return next((ln.strip() for ln in lines if ln.strip()), type(exc).__name__)
+
+
+async def _trainer_version(trainer: Any, state_dir: Path | None) -> int:
+    """The trainer actor's version once it is built; a trainer that cannot start (e.g. it refuses its saved
+    state) is a RunFailed with its own error in one line, not Ray's wrapped traceback."""
+    from ray.exceptions import RayActorError, RayTaskError
+
+    try:
+        return int(await trainer.version.remote())
+    except (RayActorError, RayTaskError) as e:
+        what = f"refused its saved state {state_dir}" if state_dir is not None else "could not start"
+        raise RunFailed(f"the trainer {what}: {trainer_error(e)}") from None

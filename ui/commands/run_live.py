@@ -99,6 +99,40 @@ def _parse_attach(items: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def _parse_kill_at(items: list[str], plan: Any, updates: int) -> dict[int, list[str]]:
+    """--kill-at GROUP@UPDATE items as {update: [groups]}; a bad one is a SpecError naming the flag."""
+    from mixfleet.costmodel.errors import SpecError
+
+    names = [g.name for g in plan.groups]
+    kills: dict[int, list[str]] = {}
+    for item in items:
+        g, sep, u = item.rpartition("@")
+        if not sep or not g:
+            raise SpecError("command line", "--kill-at", item, f"GROUP@UPDATE (e.g. {names[0]}@1)")
+        if g not in names:
+            raise SpecError("command line", "--kill-at", item, f"GROUP@UPDATE with GROUP one of the plan's groups "
+                                                              f"({', '.join(names)})")
+        try:
+            at = int(u)
+        except ValueError:
+            at = 0
+        if not u.strip().isdigit() or not 1 <= at <= updates:
+            raise SpecError("command line", "--kill-at", item, f"GROUP@UPDATE with UPDATE an integer in 1..{updates} "
+                                                              "(--updates)")
+        kills.setdefault(at, []).append(g)
+    return kills
+
+
+def _check_task(plan: Any, task: str | None) -> None:
+    """The task (--task, else the plan's [embedded] task) and its options exist: refused before anything starts."""
+    from mixfleet.runner.orchestration.config import check_task
+
+    emb = plan.embedded
+    name = task or (emb.task if emb and emb.task else "guess")
+    options = ((emb.extra or {}) if emb is not None else {}).get("task_options")
+    check_task(name, options, where="--task" if task else f"plan '{plan.name}' [embedded] task")
+
+
 def default_base_policy(progress: bool = True, model: str = "tiny") -> str:
     """The cached `mixfleet pretrain --model MODEL` checkpoint (trained now if missing: minutes on a CPU)."""
     from mixfleet.runner.orchestration.pretrain import PretrainConfig, pretrain
@@ -117,15 +151,18 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
     import torch
     from mixfleet.costmodel.catalog import load_catalog
     from mixfleet.costmodel.errors import SpecError
-    from mixfleet.costmodel.outdir import prepare_output_dir
+    from mixfleet.costmodel.outdir import lock_output_dir, prepare_output_dir
     from mixfleet.policies.plan import load_plan
-    from mixfleet.runner.checkpoint.hf_checkpoint import NonFiniteWeightsError
-    from mixfleet.runner.orchestration.orchestrator import RunConfig, RunFailed, run_plan
+    from mixfleet.runner.orchestration.orchestrator import RunConfig, prepare_resume
 
     torch.set_num_threads(1)
+    lock = None
     try:
         plan = load_plan(plan_ref)
-        prepare_output_dir(out, "run", where="mixfleet run", resume=resume, force=force)
+        # everything that needs no folder is checked first: a bad flag or plan field changes nothing on disk
+        kills = _parse_kill_at(kill_at, plan, updates or 30)
+        _check_task(plan, task)
+        prepare_output_dir(out, "run", where="mixfleet run", resume=resume, force=force, clear=False)
         attach_map = _parse_attach(attach)
         cat = load_catalog(plan.price_table or None)
         kinds = set()
@@ -144,13 +181,12 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
                             "Ray cluster whose nodes carry these accelerators, or --attach GROUP=URL")
         else:
             fleet_mode = "sglang"
-        kills: dict[int, list[str]] = {}
-        for k in kill_at:
-            if "@" not in k:
-                raise typer.BadParameter(f"--kill-at {k!r}: allowed GROUP@UPDATE")
-            g, u = k.rsplit("@", 1)
-            plan.group(g)
-            kills.setdefault(int(u), []).append(g)
+        # one writer per run folder, held until this command ends (the run takes it again, re-entrantly); the
+        # folder is checked again under the lock, and a resume checked before the base policy and Ray start
+        lock = lock_output_dir(out, where="mixfleet run")
+        prepare_output_dir(out, "run", where="mixfleet run", resume=resume, force=force)
+        if resume:
+            prepare_resume(out, plan, apply=False)
         init_path = init or default_base_policy(progress=not quiet, model=plan.model)
         emb = plan.embedded
         cfg = RunConfig.for_plan(plan, out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
@@ -158,10 +194,23 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
                                  task=task or (emb.task if emb and emb.task else "guess"), eval_every=eval_every,
                                  trainer_threads=trainer_threads, allow_group_loss=allow_group_loss)
     except (SpecError, ValueError) as e:
+        if lock is not None:
+            lock.release()
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
+    try:
+        _run_locked(plan, cfg, out, quiet, kills, fleet_mode, attach_map)
+    finally:
+        lock.release()
 
+
+def _run_locked(plan: Any, cfg: Any, out: Path, quiet: bool, kills: dict[int, list[str]], fleet_mode: str,
+                attach_map: dict[str, list[str]]) -> None:
+    """The run itself, with the live view and SIGTERM handling (the run folder is locked by the caller)."""
+    from mixfleet.costmodel.errors import SpecError
+    from mixfleet.runner.checkpoint.hf_checkpoint import NonFiniteWeightsError
     from mixfleet.runner.orchestration.fleet import fleet_from_plan
+    from mixfleet.runner.orchestration.orchestrator import RunFailed, run_plan
 
     groups = list(fleet_from_plan(plan, mode=fleet_mode, attach=attach_map).group_names)
     view = LiveView(plan.name, groups, cfg.updates, quiet=quiet)
