@@ -38,6 +38,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import warnings
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
@@ -53,7 +54,7 @@ from mixfleet.costmodel.model import ModelSpec, load_model_spec
 from mixfleet.costmodel.planspec import GroupPlan, PlanData, group_replica_model, plan_data_from_dict
 from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, Efficiency, ReplicaModel, trainer_step_s
 from mixfleet.costmodel.roofline import weight_sync_s as prior_sync
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.runlog import RunLog, RunLogWarning
 from mixfleet.costmodel.tomlread import read_toml
 from mixfleet.costmodel.workload import WorkloadSpec, load_workload, workload_from_dict
 
@@ -66,6 +67,11 @@ DURATION_RESIDUALS = "relative"    # "relative" (each trajectory counts alike) |
 MAX_GROWTH_PER_VERSION = 10.0      # cap on a mismatch's relative growth per version of staleness
 EMPIRICAL_MAX_VALUES = 512         # workload distributions keep at most this many values
 SESSION_ITERATIONS = 3             # refits of the duration model (its concurrency uses the fitted turn latency)
+
+
+class CalibrationWarning(UserWarning):
+    """Part of a run log was left out of the fit (an unreadable part file, a segment it cannot use): the
+    message says which and why; `Calibration.skipped` keeps the list."""
 
 
 class CalibrationError(SpecError):
@@ -182,6 +188,7 @@ class Calibration:
     counts: dict[str, int] = field(default_factory=dict)
     created_utc: str = ""
     source_path: str = ""
+    skipped: tuple[str, ...] = ()            # what of the run logs was left out of the fit, and why
 
     def group(self, name: str = "", key: tuple[str, str, str, str] | None = None) -> GroupCalibration | None:
         """The calibration of a group: same name first, else same (accelerator, precision, kv_dtype, kernel)."""
@@ -235,6 +242,8 @@ class Calibration:
         out["groups"] = groups
         if self.workload is not None:
             out["workload"] = self.workload
+        if self.skipped:
+            out["skipped"] = list(self.skipped)
         return out
 
     def save(self, path: str | os.PathLike[str]) -> Path:
@@ -286,7 +295,8 @@ class Calibration:
                    model=str(raw.get("model", "")), runs=tuple(str(r) for r in raw.get("runs", [])), workload=wl,
                    residuals={k: float(v) for k, v in raw.get("residuals", {}).items()},
                    counts={k: int(v) for k, v in raw.get("counts", {}).items()},
-                   created_utc=str(raw.get("created_utc", "")), source_path=where)
+                   created_utc=str(raw.get("created_utc", "")), source_path=where,
+                   skipped=tuple(str(x) for x in raw.get("skipped", [])))
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Calibration:
@@ -321,13 +331,24 @@ class _Run:
     trainer_gpus: int
 
 
-def _read_run(path: str | os.PathLike[str], missing: list[str]) -> _Run | None:
+def _skip(skipped: list[str], note: str) -> None:
+    """Say what of a run log the fit leaves out and why (a CalibrationWarning now, `Calibration.skipped` after)."""
+    skipped.append(note)
+    warnings.warn(f"calibration: {note}", CalibrationWarning, stacklevel=3)
+
+
+def _read_run(path: str | os.PathLike[str], missing: list[str], skipped: list[str] | None = None) -> _Run | None:
     where = str(path)
     why = RunLog.not_a_run_log(path)
     if why is not None:
         missing.append(f"{where}: not a run log ({why})")
         return None
-    log = RunLog.open(path)
+    with warnings.catch_warnings():           # said once below, as what the calibration leaves out
+        warnings.simplefilter("ignore", RunLogWarning)
+        log = RunLog.open(path)
+    for part in log.skipped:
+        _skip(skipped if skipped is not None else [], f"run log {where}: part {part.parent.name}/{part.name} "
+              f"skipped, its rows are not in the fit: unreadable ({log.skip_reasons.get(part, 'unknown')})")
     raw = log.header.get("plan")
     if not isinstance(raw, dict) or not raw.get("groups"):
         missing.append(f"{where}: the header has no plan with groups (which accelerator / precision ran)")
@@ -443,20 +464,27 @@ def complete_until_s(tr: pd.DataFrame, inflight_prompts: int | None = None, firs
     return bound
 
 
-def complete_windows(log: RunLog, inflight_prompts: int | None = None) -> list[tuple[float, float]]:
+def complete_windows(log: RunLog, inflight_prompts: int | None = None,
+                     skipped: list[str] | None = None) -> list[tuple[float, float]]:
     """The run-clock windows (after, until] in which the log knows every session that ran: one per segment of
     a run resumed after a stop or a kill (its "resume" events). The prompts in flight at a stop are never
     logged, so `complete_until_s` alone would end at the first stop; each resumed segment starts its own
     count at the first prompt id it admitted (the event's `first_prompt_id`; older logs: the smallest id
-    of the trajectories that started after the resume)."""
+    of the trajectories that started after the resume). `skipped`: a note is added for each resumed segment
+    left out, with the reason."""
     tr = log.trajectories
     windows = [(-math.inf, complete_until_s(tr, inflight_prompts))]
     ev = log.events
     resumes = ev[ev["kind"] == "resume"] if len(ev) else ev
     if not len(resumes) or not len(tr):
         return windows
+    name = getattr(log, "directory", "")
     ids = pd.to_numeric(tr["prompt_id"], errors="coerce")
     if ids.isna().any():
+        if skipped is not None:
+            _skip(skipped, f"run log {name}: its {len(resumes)} resumed segment(s) skipped: prompt ids are not all "
+                           "numbers, so which sessions a segment's log knows cannot be told (only its first part is "
+                           "used)")
         return windows
     for t_r, detail in zip(resumes["time_s"], resumes["detail"], strict=True):
         try:
@@ -466,6 +494,9 @@ def complete_windows(log: RunLog, inflight_prompts: int | None = None) -> list[t
         if not isinstance(first, int) or isinstance(first, bool):
             after = ids[tr["start_s"] >= float(t_r)]
             if not len(after):
+                if skipped is not None:
+                    _skip(skipped, f"run log {name}: the segment resumed at {float(t_r):.1f} s skipped: no "
+                                   "trajectory of it is in the log")
                 continue
             first = int(after.min())
         windows.append((float(t_r), complete_until_s(tr, inflight_prompts, first)))
@@ -629,9 +660,10 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
     """
     paths = [str(p) for p in runlogs]
     missing: list[str] = []
+    skipped: list[str] = []
     if not paths:
         raise CalibrationError(["at least one run log"])
-    runs = [r for r in (_read_run(p, missing) for p in paths) if r is not None]
+    runs = [r for r in (_read_run(p, missing, skipped) for p in paths) if r is not None]
     if missing:
         raise CalibrationError(missing)
     models = {r.model.name for r in runs}
@@ -652,7 +684,7 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
             keyed.setdefault((g.accelerator, g.precision, g.kv_dtype, g.kernel), []).append((r, g))
     # per run, once: the windows in which its log knows every session (`complete_windows`) and the
     # trajectories inside them
-    windows = {id(r): complete_windows(r.log, inflight_limit(r.log.header)) for r in runs}
+    windows = {id(r): complete_windows(r.log, inflight_limit(r.log.header), skipped) for r in runs}
     known = {id(r): in_windows(r.log.trajectories, windows[id(r)]) for r in runs}
     counts: dict[tuple[str, str, str, str], int] = {}
     for key, members in keyed.items():
@@ -667,7 +699,7 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
                            f"{min_trajectories} finished trajectories with tokens, ending while the log still knows "
                            f"every session on its replica (got {n}; run more updates)")
     if missing:
-        raise CalibrationError(missing)
+        raise CalibrationError(missing + [f"(left out of the fit: {s})" for s in skipped])
 
     # ---- sessions: one time scale per group (decode + prefill), turn latency shared --------------
     keys = list(keyed)
@@ -814,7 +846,7 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
                    **{f"duration_rel_rms[{k}]": v for k, v in resid_by_group.items()}},
         counts={"runs": len(runs), "updates": n_updates, "trajectories": int(m), "weight_pushes":
                 sum(len(v) for v in push_by_key.values())},
-        created_utc=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+        created_utc=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), skipped=tuple(skipped))
 
 
 def calibration_dict(cal: Calibration) -> dict[str, Any]:
