@@ -145,13 +145,14 @@ def default_base_policy(progress: bool = True, model: str = "tiny") -> str:
 def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, embedded: bool, address: str | None,
                 init: str | None, mode: str, attach: list[str], kill_at: list[str], eval_every: int | None,
                 task: str | None, quiet: bool, trainer_threads: int | None = None, force: bool = False,
-                allow_group_loss: bool = False) -> None:
+                allow_group_loss: bool = False, tracker: list[str] | None = None) -> None:
     """Body of `mixfleet run` (see its help). Exit codes: 0 done, 1 the run failed or stopped on an error
     (run log kept), 2 bad input, 3 done without a sampler group that could not start (--allow-group-loss)."""
     import torch
     from mixfleet.costmodel.catalog import load_catalog
     from mixfleet.costmodel.errors import SpecError
     from mixfleet.costmodel.outdir import lock_output_dir, prepare_output_dir
+    from mixfleet.costmodel.trackers import LiveTracker
     from mixfleet.policies.plan import load_plan
     from mixfleet.runner.orchestration.orchestrator import RunConfig, prepare_resume
 
@@ -162,6 +163,7 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
         # everything that needs no folder is checked first: a bad flag or plan field changes nothing on disk
         kills = _parse_kill_at(kill_at, plan, updates or 30)
         _check_task(plan, task)
+        live = LiveTracker.from_options(tracker or [], out, resume=resume, force=force)   # --tracker (export's metrics)
         prepare_output_dir(out, "run", where="mixfleet run", resume=resume, force=force, clear=False)
         attach_map = _parse_attach(attach)
         cat = load_catalog(plan.price_table or None)
@@ -199,13 +201,13 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     try:
-        _run_locked(plan, cfg, out, quiet, kills, fleet_mode, attach_map)
+        _run_locked(plan, cfg, out, quiet, kills, fleet_mode, attach_map, live)
     finally:
         lock.release()
 
 
 def _run_locked(plan: Any, cfg: Any, out: Path, quiet: bool, kills: dict[int, list[str]], fleet_mode: str,
-                attach_map: dict[str, list[str]]) -> None:
+                attach_map: dict[str, list[str]], live: Any = None) -> None:
     """The run itself, with the live view and SIGTERM handling (the run folder is locked by the caller)."""
     from mixfleet.costmodel.errors import SpecError
     from mixfleet.runner.checkpoint.hf_checkpoint import NonFiniteWeightsError
@@ -217,6 +219,8 @@ def _run_locked(plan: Any, cfg: Any, out: Path, quiet: bool, kills: dict[int, li
 
     def on_update(v: Any, orch: Any) -> None:
         view.on_update(v, orch)
+        if live is not None:
+            live.on_update(v.version)
         for g in kills.pop(v.version, []):
             idx = orch.kill_replica(g)
             view.on_event(type("E", (), {"kind": "note", "time_s": v.elapsed_s, "group": g, "replica": idx,
@@ -268,6 +272,8 @@ def _run_locked(plan: Any, cfg: Any, out: Path, quiet: bool, kills: dict[int, li
             raise typer.Exit(2) from None
         finally:
             signal.signal(signal.SIGTERM, previous)
+            if live is not None:
+                live.close()
     word = "stopped" if stop["asked"] and res["version"] < cfg.updates else "done"
     typer.echo(f"{word}: version {res['version']} in {res['elapsed_s']:.0f} s, trainer idle "
                f"{res['trainer_idle_share']:.0%}, restarts {res['restarts']}; run log: {res['out']}")
@@ -305,6 +311,8 @@ def register_run(app: typer.Typer) -> None:
                                               help="Go on without a sampler group none of whose replicas can "
                                                    "start (reported; exit code 3) instead of failing the run."),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="Plain progress lines instead of the live view."),
+        tracker: list[str] = typer.Option([], "--tracker", help="Stream the metrics to tensorboard or wandb (offline) "
+                                          "after each update: NAME or NAME=DIR, repeatable (docs/runlog.md)."),
     ) -> None:
         """Run a plan for real: fully asynchronous RL, Megatron-core trainer, mixed samplers, the plan's policies.
 
@@ -313,4 +321,4 @@ def register_run(app: typer.Typer) -> None:
             typer.secho(f"error: --mode {mode!r}; allowed: async, sync", fg=typer.colors.RED, err=True)
             raise typer.Exit(2)
         run_command(plan, out, updates, resume, embedded, address, init, mode, attach, kill_at, eval_every, task,
-                    quiet, trainer_threads, force, allow_group_loss)
+                    quiet, trainer_threads, force, allow_group_loss, tracker)
