@@ -312,6 +312,23 @@ def test_live_tracker_writes_each_update_as_it_is_logged_and_a_resume_replaces_r
         LiveTracker.from_options([f"tensorboard={run / 'tb'}"], run)
 
 
+def test_mixfleet_run_tracker_bad_input_is_refused_before_anything_starts(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    out = tmp_path / "out"
+    r = runner.invoke(app, ["run", "tiny-cpu", "--out", str(out), "--tracker", "mlflow"])
+    assert r.exit_code == 2 and "'--tracker' = 'mlflow'" in r.output and not out.exists()
+    r = runner.invoke(app, ["run", "tiny-cpu", "--out", str(out), "--tracker", "tensorboard",
+                            "--tracker", "tensorboard=x"])
+    assert r.exit_code == 2 and "each tracker once" in r.output and not out.exists()
+    with monkeypatch.context() as m:
+        for name in [n for n in sys.modules if n == "wandb" or n.startswith("wandb.")] or ["wandb"]:
+            m.setitem(sys.modules, name, None)
+        m.setitem(sys.modules, "wandb", None)
+        r = runner.invoke(app, ["run", "tiny-cpu", "--out", str(out), "--tracker", "wandb"])
+    assert r.exit_code == 2 and "--tracker wandb: the wandb tracker needs the 'wandb' package" in r.output
+    assert 'pip install "mixfleet[trackers]"' in r.output and not out.exists()
+
+
 @pytest.mark.slow
 @needs_tb
 @needs_wandb
