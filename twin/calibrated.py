@@ -32,7 +32,7 @@ from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.planspec import group_replica_model, nominal_point
-from mixfleet.costmodel.roofline import weight_sync_s
+from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, weight_sync_s
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.costmodel.runsummary import summarize
 from mixfleet.costmodel.workload import load_workload
@@ -68,7 +68,8 @@ def calibrated_setup(plan: Plan, cal: Calibration, *, price_table: str | None = 
         models[g.name] = rm
         tps, usd_mtok = nominal_point(rm if calibrated_routing else prior_rm, ctx)
         groups.append(GroupSetup(
-            name=g.name, rates=TabulatedRates(rm, workload.max_context), replicas=g.replicas,
+            name=g.name, rates=TabulatedRates(rm, workload.max_context, DEFAULT_MAX_BATCH * rm.dp_attention),
+            replicas=g.replicas,
             min_replicas=g.min_replicas, max_replicas=g.max_replicas, capacity_tokens_per_s=tps,
             usd_per_mtoken=usd_mtok, weight_sync_s=sync, kl_k3=kl, extreme_share=ext, kl_growth_per_version=growth))
     if plan.trainer.accelerator != cal.trainer_accelerator:

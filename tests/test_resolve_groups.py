@@ -1,0 +1,59 @@
+"""A plan group is priced the same in the twin's calibrated and uncalibrated setups (issue 25 item 1)."""
+
+from __future__ import annotations
+
+from mixfleet.costmodel.calibration import Calibration, Fitted, GroupCalibration
+from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH
+from mixfleet.policies.plan import plan_from_dict
+from mixfleet.twin.calibrated import calibrated_setup
+from mixfleet.twin.rates import Setup, build_setup
+
+# an attention-DP group (DEP4: 4 ranks, each its own scheduler) and a plain one, on a small workload
+DP_PLAN = {"name": "dp", "seed": 0, "model": "qwen3-30b-a3b", "workload": "tiny-cpu", "price_table": "modal",
+           "groups": [{"name": "H200-DEP4", "accelerator": "H200", "precision": "fp8", "tp": 4, "dp_attention": 4,
+                       "ep": 4, "replicas": 1},
+                      {"name": "H100-FP8", "accelerator": "H100", "precision": "fp8", "replicas": 1}],
+           "policies": {"batcher": {"name": "fifo", "prompts_per_update": 64, "samples_per_prompt": 8,
+                                    "inflight_prompts": 256}}}
+
+
+def _fit(name: str, accelerator: str, precision: str, kv: str = "fp8_e4m3", kernel: str = "",
+         scale: float = 1.2) -> GroupCalibration:
+    return GroupCalibration(name=name, accelerator=accelerator, precision=precision, kv_dtype=kv, kernel=kernel,
+                            decode_scale=Fitted(value=scale), prefill_overhead_s=Fitted(value=0.01),
+                            weight_sync_s=Fitted(value=3.0), kl_k3=Fitted(value=1e-3),
+                            kl_growth_per_staleness=Fitted(value=0.1), extreme_share=Fitted(value=1e-4),
+                            extreme_growth_per_staleness=Fitted(value=0.0))
+
+
+def _cal(*groups: GroupCalibration, trainer: str = "CPU-2core") -> Calibration:
+    return Calibration(groups=groups, trainer_accelerator=trainer, trainer_gpus=1, trainer_scale=Fitted(value=0.7),
+                       trainer_overhead_s=Fitted(value=0.5), update_overhead_s=Fitted(value=0.0),
+                       turn_latency_s=Fitted(value=0.05), model="tiny")
+
+
+def _grid(s: Setup) -> list[tuple]:
+    """Every number the world reads of each group, the rates at sample points included."""
+    out = []
+    for g in s.groups:
+        r = g.rates
+        pts = [(b, c) for b in (1, 7, 100, 256, 300, r.max_running) if b <= r.max_running
+               for c in (10.0, 500.0, 1024.0)]
+        out.append((g.name, r.max_running, r.kv_capacity_tokens, r.price_usd_per_hour, r.cold_start_s,
+                    tuple(r.decode_step_s(b, c) for b, c in pts), tuple(r.prefill_s(n) for n in (1.0, 64.0, 900.0)),
+                    g.replicas, g.min_replicas, g.max_replicas, g.capacity_tokens_per_s, g.usd_per_mtoken,
+                    g.weight_sync_s, g.kl_k3, g.extreme_share, g.kl_growth_per_version))
+    return out
+
+
+def test_an_attention_dp_groups_batch_cap_is_the_same_calibrated_or_not() -> None:
+    # main: the calibrated setup capped a DEP4 replica at 256 running requests, the uncalibrated one (and the
+    # runner's fleet) at 256 per attention-DP rank: a calibrated dry run ran the group at a quarter of its cap
+    plan = plan_from_dict(DP_PLAN)
+    cal = _cal(_fit("cpu-fp8", "CPU-2core", "fp8"))        # covers no group of the plan
+    prior, (calibrated, _) = build_setup(plan), calibrated_setup(plan, cal)
+    assert [g.rates.max_running for g in prior.groups] == [4 * DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH]
+    assert [g.rates.max_running for g in calibrated.groups] == [4 * DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH]
+    assert _grid(calibrated) == _grid(prior)
+    dep, _ = calibrated_setup(plan, _cal(_fit("H200-DEP4", "H200", "fp8")))   # the DP group calibrated
+    assert dep.groups[0].rates.max_running == 4 * DEFAULT_MAX_BATCH
