@@ -57,3 +57,37 @@ def test_an_attention_dp_groups_batch_cap_is_the_same_calibrated_or_not() -> Non
     assert _grid(calibrated) == _grid(prior)
     dep, _ = calibrated_setup(plan, _cal(_fit("H200-DEP4", "H200", "fp8")))   # the DP group calibrated
     assert dep.groups[0].rates.max_running == 4 * DEFAULT_MAX_BATCH
+
+
+def _generated(plan_raw: dict) -> float:
+    from mixfleet.costmodel.workload import load_workload
+    from mixfleet.twin.episodes import workload_shape
+
+    wl = load_workload(plan_raw["workload"])
+    shape = workload_shape(wl, wl.samples_per_prompt)
+    return wl.prompts_per_update * wl.samples_per_prompt * shape.generated_per_episode
+
+
+def test_a_trainer_fit_applies_on_its_own_accelerator_in_the_twin_as_in_the_planner() -> None:
+    # main: a calibrated dry run applied a trainer fit made on another accelerator (the CPU's scale on a B200
+    # trainer), while the planner's screen used the prior there: the screen and its verification disagreed
+    import numpy as np
+    import pytest
+    from mixfleet.twin.planner import PlannerConfig, group_types, metrics
+
+    raw = {**DP_PLAN, "trainer": {"accelerator": "H100", "gpus": 8}}
+    plan = plan_from_dict(raw)
+    on, off = _cal(trainer="H100"), _cal(trainer="B200")
+    prior = build_setup(plan)
+    assert calibrated_setup(plan, off)[0].trainer.train_step_s(1e6) == prior.trainer.train_step_s(1e6)
+    assert calibrated_setup(plan, on)[0].trainer.train_step_s(1e6) != prior.trainer.train_step_s(1e6)
+    cfg = dict(model=plan.model, workload=plan.workload, trainer_accelerator="H100", trainer_gpus=8, verify=0)
+    types = group_types(PlannerConfig(**cfg), only=[(g.accelerator, g.precision, g.kv_dtype, g.emulated, g.tp,
+                                                     g.dp_attention, g.ep) for g in plan.groups])
+    n, k = np.full((1, len(types)), 64.0), np.array([4096])          # samplers to spare: trainer-bound
+    for cal in (on, off):
+        m = metrics(types, n, k, PlannerConfig(**cfg, calibration=cal))
+        assert m["trainer_bound"][0]
+        train_s = m["time_per_update_s"][0] - max(t.sync_s for t in types)
+        assert train_s == pytest.approx(calibrated_setup(plan, cal)[0].trainer.train_step_s(_generated(raw)),
+                                        rel=1e-12)

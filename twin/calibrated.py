@@ -32,7 +32,7 @@ from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.planspec import group_replica_model, nominal_point
-from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, weight_sync_s
+from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, trainer_step_s, weight_sync_s
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.costmodel.runsummary import summarize
 from mixfleet.costmodel.workload import load_workload
@@ -72,23 +72,16 @@ def calibrated_setup(plan: Plan, cal: Calibration, *, price_table: str | None = 
             replicas=g.replicas,
             min_replicas=g.min_replicas, max_replicas=g.max_replicas, capacity_tokens_per_s=tps,
             usd_per_mtoken=usd_mtok, weight_sync_s=sync, kl_k3=kl, extreme_share=ext, kl_growth_per_version=growth))
-    if plan.trainer.accelerator != cal.trainer_accelerator:
+    same = plan.trainer.accelerator == cal.trainer_accelerator
+    if not same:
         notes.append(f"trainer {plan.trainer.accelerator} differs from the calibrated {cal.trainer_accelerator}: "
-                     "the fitted scale and overheads are applied as is")
+                     "its prior step time is used (a trainer fit applies to the accelerator it was made on)")
     gpus = plan.trainer.gpus
     trainer = TrainerSetup(
-        train_step_s=lambda tokens: float(cal.trainer_step_s(model, cat, gpus, tokens)
-                                          if plan.trainer.accelerator == cal.trainer_accelerator
-                                          else _other_trainer(cal, model, cat, trainer_acc.name, gpus, tokens)),
+        train_step_s=lambda tokens: float(cal.trainer_step_s(model, cat, gpus, tokens) if same
+                                          else trainer_step_s(model, trainer_acc, gpus, tokens)),
         usd_per_hour=gpus * trainer_acc.price_usd_per_gpu_hour)
     return Setup(groups=groups, trainer=trainer, workload=workload, models=models), notes
-
-
-def _other_trainer(cal: Calibration, model: Any, cat: Any, acc: str, gpus: int, tokens: float) -> float:
-    from mixfleet.costmodel.roofline import trainer_step_s
-
-    base = float(trainer_step_s(model, cat.accelerator(acc), gpus, tokens, overhead_s=0.0))
-    return cal.trainer_scale.value * base + cal.trainer_overhead_s.value + cal.update_overhead_s.value
 
 
 def plan_as_run(plan: Plan, log: RunLog) -> Plan:
