@@ -29,7 +29,16 @@ def test_tiny_cpu_plan_has_three_cpu_precisions() -> None:
     assert {g.accelerator for g in p.groups} == {"CPU-2core"}
     assert p.policies.router.name == "capacity_proportional"
     assert (p.trainer.loss, p.trainer.top_p_replay) == ("sc_mis", True)
-    assert p.policies.batcher.settings["prompts_per_update"] == 16 and p.embedded is not None
+    b = p.policies.batcher.settings
+    assert (b["prompts_per_update"], b["samples_per_prompt"]) == (8, 8) and p.embedded is not None
+    # the learning recipe (docs/learning.md) reaches the runner through [embedded.extra]
+    from mixfleet.runner.orchestration.config import RunConfig
+
+    cfg = RunConfig.for_plan(p, out_dir="/nonexistent", init_checkpoint="/nonexistent")
+    assert (cfg.lr, cfg.lr_warmup_steps, cfg.loss_agg, cfg.advantage_std) == (3e-4, 3, "seq_mean_token_mean", True)
+    for field, bad in (("lr_warmup_steps", -1), ("loss_agg", "sum"), ("advantage_std", "yes")):
+        with pytest.raises(ValueError, match=field):
+            RunConfig(out_dir="/nonexistent", init_checkpoint="/nonexistent", **{field: bad})
 
 
 def test_tiny_moe_cpu_plans_are_the_tiny_cpu_fleet_on_the_moe() -> None:

@@ -52,7 +52,10 @@ class RunConfig:
     temperature: float | None = None
     top_k_record: int = 16                     # top-K log-probs recorded per sampled token (corrections' head)
     lr: float = 1e-4
+    lr_warmup_steps: int = 0                   # linear warm-up of the learning rate over the first updates
     grad_clip_norm: float = 1.0
+    loss_agg: str = "token_mean"               # token_mean | seq_mean_token_mean (CorrectionConfig.loss_agg)
+    advantage_std: bool = False                # GRPO advantages divided by their prompt-group's std
     trainer_threads: int = 1
     sampler_threads: int | None = None         # None: the plan's embedded.threads_per_replica
     eval_every: int | None = None              # None: the plan's embedded.eval_every (0 = never)
@@ -79,6 +82,15 @@ class RunConfig:
                 raise ValueError(f"RunConfig.{name} = {v!r}; allowed: an integer >= {lo}")
         if not self.lr > 0:
             raise ValueError(f"RunConfig.lr = {self.lr!r}; allowed: > 0")
+        if not isinstance(self.lr_warmup_steps, int) or isinstance(self.lr_warmup_steps, bool) \
+                or self.lr_warmup_steps < 0:
+            raise ValueError(f"RunConfig.lr_warmup_steps = {self.lr_warmup_steps!r}; allowed: an integer >= 0")
+        from mixfleet.runner.corrections.loss import LOSS_AGGS
+
+        if self.loss_agg not in LOSS_AGGS:
+            raise ValueError(f"RunConfig.loss_agg = {self.loss_agg!r}; allowed: {', '.join(LOSS_AGGS)}")
+        if not isinstance(self.advantage_std, bool):
+            raise ValueError(f"RunConfig.advantage_std = {self.advantage_std!r}; allowed: true or false")
         if self.task:                              # "" = the plan's [embedded] task (checked when the run starts)
             check_task(self.task, self.task_options, where="RunConfig.task")
 
@@ -86,7 +98,8 @@ class RunConfig:
     def for_plan(cls, plan: Plan, **kw: Any) -> RunConfig:
         """A RunConfig from the plan's `[embedded.extra]` runner settings (e.g. lr, trainer_threads,
         eval_problems, top_k_record), then `kw` (explicit arguments win; None values are ignored)."""
-        settable = {"lr", "grad_clip_norm", "trainer_threads", "sampler_threads", "eval_problems", "top_k_record",
+        settable = {"lr", "lr_warmup_steps", "loss_agg", "advantage_std", "grad_clip_norm", "trainer_threads",
+                    "sampler_threads", "eval_problems", "top_k_record",
                     "task_options", "max_turns", "max_new_tokens", "temperature", "eval_at_start"}
         extra = dict((plan.embedded.extra if plan.embedded is not None else {}) or {})
         for key in extra:

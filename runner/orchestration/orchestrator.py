@@ -97,7 +97,7 @@ class Orchestrator:
                                         context_length=1024)
         self.task = config.task or emb.task or "guess"
         self.correction = {"method": plan.trainer.loss, "temperature": float(self.sampling.temperature),
-                           "top_p_replay": self.top_p_replay}
+                           "top_p_replay": self.top_p_replay, "loss_agg": config.loss_agg}
         self.eval_every = config.eval_every if config.eval_every is not None else emb.eval_every
         self.pass_k = config.pass_k or emb.pass_k
         # the parts
@@ -192,7 +192,7 @@ class Orchestrator:
         reserved = {placement["accelerator"]: float(placement["amount"])} if placement else {}
         self.trainer = remote_trainer(**placement).remote(
             init_from=cfg.init_checkpoint, state_dir=str(state_dir), correction=self.correction,
-            optimizer={"lr": cfg.lr, "grad_clip_norm": cfg.grad_clip_norm},
+            optimizer={"lr": cfg.lr, "grad_clip_norm": cfg.grad_clip_norm, "warmup_steps": cfg.lr_warmup_steps},
             threads=cfg.trainer_threads, resume=resuming, routing=self.plan.trainer.routing)
         if point is None:                 # samplers load the base policy: start them while the trainer builds
             await self.weights.begin()
@@ -237,7 +237,8 @@ class Orchestrator:
         items = [BatchItem(episode=ep, prompt_id=p.prompt_id, sample_index=s.sample_index)
                  for p in prompts for s, ep in p.samples]
         batch = build_batch(items, trained_version=self.version + 1, group_names=self.spec.group_names,
-                            options=BatchOptions(top_k=self.config.top_k_record, top_p_replay=self.top_p_replay))
+                            options=BatchOptions(top_k=self.config.top_k_record, top_p_replay=self.top_p_replay,
+                                                 normalize_std=self.config.advantage_std))
         t0 = self.now()
         metrics = await self.trainer.train.remote(batch.tensors)
         dt = self.now() - t0

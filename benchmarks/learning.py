@@ -1,0 +1,292 @@
+"""The learning ladder: does RL improve the policy, rung by rung from the plainest loop to the mixed fleet?
+
+    python benchmarks/learning.py [--rungs a0,a,b,c] [--seeds 0,1,2] [--updates 30] [--out runs/learning] [--resume]
+    python benchmarks/learning.py --report-only --out runs/learning       # re-read the logs, write the results
+
+Rungs (docs/learning.md), each a real run with a reward curve and held-out evaluations:
+    a0          synchronous on-policy GRPO in one process (runner/orchestration/onpolicy.py: engine + trainer, no Ray)
+    a           the same through the real runner: `mixfleet run --mode sync`, one fp32 sampler group (fp32 kernel
+                and KV, exactly the trainer's numbers), GRPO, plan learning-onpolicy
+    b           a, fully asynchronous (`--mode async`) with the plan's staleness bound (max_staleness 2)
+    b-c         b with c's correction (SC + MIS + top-p 0.95 replay): the homogeneous fleet c is held against
+    c           the mixed CPU fleet of tiny-cpu (bf16 / fp8 + fp8 KV / nvfp4 + fp8 KV), SC + MIS + top-p 0.95 replay
+    d-a, d-c    a (plan learning-onpolicy-moe) and c (tiny-moe-cpu) on tiny-qwen3-moe with trainer routing free;
+    d-c-replay  d-c with routing replay (tiny-moe-cpu-replay)
+
+Held-out evaluation (the runner's, runner/rollout/evaluation.py): `--eval-problems` problems of the task's eval
+split (the same ones every time), `--eval-samples` episodes each, sampled at T = 1 over the full vocabulary by a
+bf16 engine loading the exported version; its mean reward is the "held-out reward at T = 1" below (pass@k comes
+with it). Every run is resumable: `--resume` continues unfinished runs from their checkpoints (studies/runs.py),
+finished ones are skipped. Results: benchmarks/results/learning.json (per run: curves, settings, seed, the
+command; per rung: start -> end with the spread over seeds) and docs/img/learning.png (or .html without kaleido).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mixfleet.costmodel.jsonsafe import json_safe
+
+RESULTS = Path(__file__).resolve().parent / "results" / "learning.json"
+FIGURES = Path(__file__).resolve().parents[1] / "docs" / "img"
+INPROCESS_FILE = "onpolicy_result.json"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rung:
+    key: str
+    label: str
+    plan: str = ""                                   # "" = the in-process loop (a0)
+    model: str = "tiny"
+    mode: str = "async"
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+RUNGS: dict[str, Rung] = {r.key: r for r in (
+    Rung(key="a0", label="on-policy GRPO, in process (no Ray)"),
+    Rung(key="a", label="on-policy GRPO, runner, sync, one fp32 group", plan="learning-onpolicy", mode="sync"),
+    Rung(key="b", label="GRPO, runner, async (staleness <= 2), one fp32 group", plan="learning-onpolicy"),
+    Rung(key="b-c", label="SC+MIS+top-p, runner, async, one fp32 group", plan="learning-onpolicy",
+         overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95, "trainer.top_p_replay": True}),
+    Rung(key="c", label="SC+MIS+top-p, runner, async, mixed fleet (bf16 / fp8 / nvfp4)", plan="tiny-cpu"),
+    Rung(key="d-a", label="MoE: on-policy GRPO, sync, one fp32 group, routing free",
+         plan="learning-onpolicy-moe", model="tiny-qwen3-moe", mode="sync"),
+    Rung(key="d-c", label="MoE: SC+MIS+top-p, async, mixed fleet, routing free", plan="tiny-moe-cpu",
+         model="tiny-qwen3-moe"),
+    Rung(key="d-c-replay", label="MoE: SC+MIS+top-p, async, mixed fleet, routing replay",
+         plan="tiny-moe-cpu-replay", model="tiny-qwen3-moe"),
+)}
+
+
+def base_policy(model: str) -> str:
+    from mixfleet.runner.orchestration.pretrain import PretrainConfig, pretrain
+
+    return str(pretrain(PretrainConfig(model=model)).path)
+
+
+def run_inprocess(out: Path, seeds: list[int], args: argparse.Namespace, log: Any) -> None:
+    from mixfleet.runner.orchestration.onpolicy import OnPolicyConfig, train_on_policy
+
+    base = base_policy("tiny")
+    for seed in seeds:
+        folder = out / "a0" / f"seed{seed}"
+        done = folder / INPROCESS_FILE
+        if done.exists() and json.loads(done.read_text())["config"]["updates"] >= args.updates:
+            log(f"  a0/seed{seed}: finished, skipped")
+            continue
+        cfg = OnPolicyConfig(updates=args.updates, seed=seed, eval_every=args.eval_every,
+                             eval_problems=args.eval_problems, eval_samples=args.eval_samples)
+        t0 = time.time()
+
+        def progress(kind: str, rec: dict[str, Any], seed: int = seed, t0: float = t0) -> None:
+            if kind == "eval":
+                log(f"  a0/seed{seed}: eval v{rec['version']} held-out reward {rec['reward']:.3f}")
+            elif rec["version"] % 5 == 0:
+                log(f"  a0/seed{seed}: update {rec['version']} reward {rec['reward']:.3f} "
+                    f"({time.time() - t0:.0f} s)")
+
+        res = train_on_policy(base, cfg, out_dir=folder / "exports", progress=progress)
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / INPROCESS_FILE).write_text(json.dumps(res.to_dict(), indent=1))
+
+
+def study_runs(rungs: list[str], seeds: list[int], args: argparse.Namespace, out: Path) -> list[Any]:
+    from mixfleet.studies.runs import StudyRun
+
+    runs = []
+    for key in rungs:
+        r = RUNGS[key]
+        for seed in seeds:
+            runs.append(StudyRun(
+                name=f"{key}/seed{seed}", out_dir=out / key / f"seed{seed}", plan=r.plan,
+                overrides={**r.overrides, "seed": seed}, run_file="learning_run.json",
+                run={"updates": args.updates, "seed": seed, "mode": r.mode, "eval_every": args.eval_every,
+                     "eval_at_start": True, "eval_problems": args.eval_problems, "pass_k": args.eval_samples},
+                meta={"rung": key, "label": r.label, "model": r.model, "seed": seed}))
+    return runs
+
+
+def _eval_curve(events: Any) -> list[dict[str, float]]:
+    out = []
+    for d in events[events["kind"] == "note"]["detail"]:
+        try:
+            rec = json.loads(d)
+        except (TypeError, ValueError):
+            continue
+        if rec.get("eval") == "pass_at_k":
+            out.append({"version": int(rec["version"]), "reward": float(rec["reward"]),
+                        "pass_at_k": float(rec["pass_at_k"]), "k": int(rec["k"]), "problems": int(rec["problems"])})
+    return sorted(out, key=lambda e: e["version"])
+
+
+def read_run(folder: Path, rung: str, seed: int) -> dict[str, Any] | None:
+    """One run's curves from its run log (or the in-process result file); None if it has not started."""
+    if rung == "a0":
+        f = folder / INPROCESS_FILE
+        if not f.exists():
+            return None
+        res = json.loads(f.read_text())
+        return {"rung": rung, "seed": seed, "status": "finished", "updates": len(res["updates"]),
+                "train_reward": [u["reward"] for u in res["updates"]],
+                "no_tool_call_share": [u["no_tool_call_share"] for u in res["updates"]],
+                "kl_k3": [u["k3"] for u in res["updates"]], "entropy": [u["entropy"] for u in res["updates"]],
+                "evals": res["evals"], "wall_s": res["wall_s"], "config": res["config"]}
+    if not (folder / "run.json").exists():
+        return None
+    from mixfleet.costmodel.runlog import RunLog
+
+    log = RunLog.open(folder)
+    u = log.updates.sort_values("version")
+    tr = log.trajectories
+    trained = tr[tr["trained_version"] >= 1] if len(tr) else tr
+    ntc = trained.groupby("trained_version")["finish_reason"].apply(lambda s: float((s == "no_tool_call_3x").mean()))
+    groups: dict[str, list[float]] = {}
+    if len(log.groups):
+        for name, rows in log.groups.sort_values("version").groupby("group"):
+            groups[str(name)] = [float(x) for x in rows["kl_k3"]]
+    return {"rung": rung, "seed": seed, "status": log.header.get("status"), "updates": int(len(u)),
+            "train_reward": [float(x) for x in u["reward_mean"]],
+            "no_tool_call_share": [float(ntc.get(int(v), math.nan)) for v in u["version"]],
+            "kl_k3": [float(x) for x in u["kl_k3"]], "kl_k3_by_group": groups,
+            "staleness_mean": [float(x) for x in u["staleness_mean"]], "evals": _eval_curve(log.events),
+            "wall_s": float(u["end_s"].max()) if len(u) else math.nan, "plan": log.header.get("plan", {}).get("name")}
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    v = [x for x in values if math.isfinite(x)]
+    if not v:
+        return {"mean": math.nan, "min": math.nan, "max": math.nan, "sd": math.nan, "n": 0}
+    return {"mean": statistics.fmean(v), "min": min(v), "max": max(v),
+            "sd": statistics.stdev(v) if len(v) > 1 else 0.0, "n": len(v)}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    by_rung: dict[str, list[dict[str, Any]]] = {}
+    for r in runs:
+        by_rung.setdefault(r["rung"], []).append(r)
+    out: dict[str, Any] = {}
+    for key, rs in by_rung.items():
+        start = [r["evals"][0]["reward"] for r in rs if r["evals"] and r["evals"][0]["version"] == 0]
+        end = [r["evals"][-1]["reward"] for r in rs if len(r["evals"]) > 1]
+        first5 = [float(np.mean(r["train_reward"][:5])) for r in rs if len(r["train_reward"]) >= 10]
+        last5 = [float(np.mean(r["train_reward"][-5:])) for r in rs if len(r["train_reward"]) >= 10]
+        out[key] = {"label": RUNGS[key].label, "seeds": sorted(r["seed"] for r in rs),
+                    "heldout_start": _spread(start), "heldout_end": _spread(end),
+                    "heldout_gain": _spread([b - a for a, b in zip(start, end, strict=False)]),
+                    "train_reward_first5": _spread(first5), "train_reward_last5": _spread(last5),
+                    "end_version": [r["evals"][-1]["version"] for r in rs if r["evals"]]}
+    for ref in ("b", "b-c"):
+        if ref in out and "c" in out:
+            out[f"c_minus_{ref}_end"] = out["c"]["heldout_end"]["mean"] - out[ref]["heldout_end"]["mean"]
+    if "d-a" in out and "d-c" in out:
+        out["dc_minus_da_end"] = out["d-c"]["heldout_end"]["mean"] - out["d-a"]["heldout_end"]["mean"]
+    return out
+
+
+def plot(runs: list[dict[str, Any]], out_dir: Path) -> str:
+    """Training reward per update and held-out reward per evaluated version, mean over seeds with a min..max
+    band; PNG through plotly + kaleido where they work, else HTML (studies/ablation_report.py's one saver)."""
+    import plotly.graph_objects as go
+    from mixfleet.studies.ablation_report import _png_ok, _save
+    from plotly.colors import qualitative
+    from plotly.subplots import make_subplots
+
+    rungs = sorted({r["rung"] for r in runs}, key=list(RUNGS).index)
+    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08, subplot_titles=(
+        "training reward per update (band: min..max over seeds)", "held-out reward at T = 1 (bf16 engine)"))
+    for i, key in enumerate(rungs):
+        rs = [r for r in runs if r["rung"] == key]
+        color = qualitative.Plotly[i % len(qualitative.Plotly)]
+        curves = [("train", [list(range(1, len(r["train_reward"]) + 1)) for r in rs],
+                   [r["train_reward"] for r in rs], 1),
+                  ("held-out", [[e["version"] for e in r["evals"]] for r in rs],
+                   [[e["reward"] for e in r["evals"]] for r in rs], 2)]
+        for what, xs_all, ys_all, col in curves:
+            n = min((len(y) for y in ys_all), default=0)
+            if n == 0:
+                continue
+            xs = xs_all[0][:n]
+            ys = np.array([y[:n] for y in ys_all], dtype=float)
+            if len(rs) > 1:
+                fig.add_trace(go.Scatter(x=xs + xs[::-1], y=list(ys.max(0)) + list(ys.min(0))[::-1], fill="toself",
+                                         line={"width": 0}, fillcolor=color, opacity=0.15, showlegend=False,
+                                         hoverinfo="skip"), row=1, col=col)
+            fig.add_trace(go.Scatter(x=xs, y=ys.mean(0), mode="lines+markers" if what == "held-out" else "lines",
+                                     line={"color": color}, name=f"{key} ({len(rs)} seeds)", legendgroup=key,
+                                     showlegend=what == "train"), row=1, col=col)
+    fig.update_xaxes(title_text="update", row=1, col=1)
+    fig.update_xaxes(title_text="trainer version", row=1, col=2)
+    fig.update_yaxes(title_text="reward", row=1, col=1)
+    fig.update_layout(template="plotly_white", margin={"l": 50, "r": 20, "t": 40, "b": 40})
+    out_dir.mkdir(parents=True, exist_ok=True)
+    return _save(fig, out_dir, "learning", _png_ok(), 1200, 430)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rungs", default="a0,a,b,c", help=f"comma-separated, of {', '.join(RUNGS)}")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--updates", type=int, default=30)
+    ap.add_argument("--eval-every", type=int, default=10)
+    ap.add_argument("--eval-problems", type=int, default=64)
+    ap.add_argument("--eval-samples", type=int, default=2)
+    ap.add_argument("--out", default="runs/learning")
+    ap.add_argument("--resume", action="store_true", help="continue unfinished runs from their checkpoints")
+    ap.add_argument("--report-only", action="store_true", help="only read the logs and write the results")
+    ap.add_argument("--results", default=str(RESULTS))
+    args = ap.parse_args(argv)
+    rungs = [s.strip() for s in args.rungs.split(",") if s.strip()]
+    for key in rungs:
+        if key not in RUNGS:
+            ap.error(f"--rungs: {key!r}; allowed: {', '.join(RUNGS)}")
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    except ValueError:
+        ap.error(f"--seeds: {args.seeds!r}; allowed: comma-separated integers >= 0")
+    out = Path(args.out)
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+
+    if not args.report_only:
+        if "a0" in rungs:
+            run_inprocess(out, seeds, args, log)
+        real = [k for k in rungs if k != "a0"]
+        from mixfleet.studies.runs import StudySettings, run_study
+
+        for model in sorted({RUNGS[k].model for k in real}):
+            keys = [k for k in real if RUNGS[k].model == model]
+            run_study(study_runs(keys, seeds, args, out), manifest_path=out / f"learning-{model}.json",
+                      manifest_extra={"format": "mixfleet-learning", "rungs": keys, "model": model},
+                      base_policy=base_policy(model), log=log,
+                      settings=StudySettings(resume=args.resume, start_gap_s=5.0, run_timeout_s=5400.0))
+    runs = [r for key in rungs for s in seeds
+            if (r := read_run(out / key / f"seed{s}", key, s)) is not None]
+    command = " ".join(["python", "benchmarks/learning.py", *(sys.argv[1:] if argv is None else argv)])
+    results = {"generated_unix_s": time.time(), "command": command,
+               "evaluation": {"problems": args.eval_problems, "samples_per_problem": args.eval_samples,
+                              "temperature": 1.0, "top_p": 1.0, "precision": "bf16", "split": "eval"},
+               "summary": summarize(runs), "runs": runs}
+    Path(args.results).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.results).write_text(json.dumps(json_safe(results), indent=1))
+    figure = plot(runs, FIGURES) if runs else ""
+    for key, s in results["summary"].items():
+        if isinstance(s, dict):
+            a, b = s["heldout_start"], s["heldout_end"]
+            print(f"{key:>10}: held-out reward {a['mean']:.3f} -> {b['mean']:.3f} "
+                  f"(end min..max {b['min']:.3f}..{b['max']:.3f}, {b['n']} seeds)  {s['label']}")
+    print(f"wrote {args.results}" + (f" and docs/img/{figure}" if figure else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
