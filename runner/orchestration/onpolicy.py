@@ -60,6 +60,8 @@ class OnPolicyConfig:
     max_turns: int = 8
     max_new_tokens: int = 24
     temperature: float = 1.0
+    top_p: float = 1.0                       # < 1: top-p sampling, the kept sets recorded and replayed in the loss
+    top_k_record: int = 16                   # top-K log-probs recorded per token for the centered losses (sc*)
     eval_every: int = 5                      # updates between held-out evaluations (0: only before and after)
     eval_problems: int = 64
     eval_samples: int = 2
@@ -77,13 +79,16 @@ class OnPolicyConfig:
             raise ValueError(f"OnPolicyConfig.lr = {self.lr!r}; allowed: a number in (0, 1)")
         if not self.temperature > 0:
             raise ValueError(f"OnPolicyConfig.temperature = {self.temperature!r}; allowed: > 0")
+        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
+            raise ValueError(f"OnPolicyConfig.top_p = {self.top_p!r}; allowed: a number in (0, 1]")
         self.correction()                                # loss / loss_agg named with their allowed values
         make_task(self.task, **self.task_options)
 
     def correction(self) -> Any:
         from mixfleet.runner.corrections import CorrectionConfig
 
-        return CorrectionConfig(method=self.loss, loss_agg=self.loss_agg, temperature=self.temperature)
+        return CorrectionConfig(method=self.loss, loss_agg=self.loss_agg, temperature=self.temperature,
+                                top_p_replay=self.top_p < 1)
 
 
 @dataclass(kw_only=True)
@@ -136,7 +141,9 @@ def train_on_policy(base_checkpoint: str | Path, config: OnPolicyConfig | None =
     stop = threading.Event()
     thread = threading.Thread(target=engine.run_forever, args=(stop,), name="onpolicy-engine", daemon=True)
     thread.start()
-    generate = engine_generate(engine)
+    replay = cfg.top_p < 1
+    top_k = cfg.top_k_record if cfg.correction().centered else 0      # the centered losses' head; grpo needs none
+    generate = engine_generate(engine, top_logprobs_num=top_k, return_sampling_mask=replay)
     eval_cfg = EvalConfig(task=cfg.task, task_options=cfg.task_options, problems=cfg.eval_problems,
                           k=cfg.eval_samples, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
                           temperature=cfg.temperature, seed=cfg.seed, threads=cfg.threads)
@@ -159,7 +166,7 @@ def train_on_policy(base_checkpoint: str | Path, config: OnPolicyConfig | None =
             run_episode(make_task(cfg.task, **cfg.task_options), s, generate, session_id=f"u{update}-p{i}-s{j}",
                         config=AgentConfig(context_length=engine.context_length, max_turns=cfg.max_turns,
                                            sampling=SamplingParams(max_new_tokens=cfg.max_new_tokens,
-                                                                   temperature=cfg.temperature,
+                                                                   temperature=cfg.temperature, top_p=cfg.top_p,
                                                                    sampling_seed=base_seed + 97 * (i * 64 + j))))
             for i, s in enumerate(seeds) for j in range(cfg.samples_per_prompt)]))
 
@@ -171,7 +178,8 @@ def train_on_policy(base_checkpoint: str | Path, config: OnPolicyConfig | None =
             items = [BatchItem(episode=e, prompt_id=k // cfg.samples_per_prompt,
                                sample_index=k % cfg.samples_per_prompt) for k, e in enumerate(eps)]
             batch = build_batch(items, trained_version=u, group_names=["onpolicy"],
-                                options=BatchOptions(normalize_std=cfg.advantage_std))
+                                options=BatchOptions(normalize_std=cfg.advantage_std, top_k=top_k,
+                                                     top_p_replay=replay))
             sample_s = time.perf_counter() - ts
             m = trainer.train_step(dict(batch.tensors), loss_fn)
             export = trainer.export_hf(out_dir / f"v{u}", u)
