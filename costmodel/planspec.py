@@ -30,7 +30,7 @@ import copy
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mixfleet.costmodel.catalog import TP_SIZES, Catalog, load_catalog
 from mixfleet.costmodel.errors import SpecError
@@ -50,6 +50,9 @@ from mixfleet.costmodel.paths import data_path
 from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, Efficiency, ReplicaModel, replica_model
 from mixfleet.costmodel.tomlread import read_toml
 from mixfleet.costmodel.workload import WorkloadSpec
+
+if TYPE_CHECKING:   # calibration.py imports this module (it reads run logs' plans with this schema)
+    from mixfleet.costmodel.calibration import Calibration, GroupCalibration
 
 LOSSES = ("grpo", "mis", "sc", "sc_mis")
 ROUTING_MODES = ("free", "replay")   # MoE trainer: its own router | rollout routing replay (the samplers' experts)
@@ -445,3 +448,18 @@ def nominal_point(rm: ReplicaModel, mean_context: float, max_running: int | None
     b = max(1, int(rm.max_batch(mean_context, max_running)))
     tps = float(rm.tokens_per_s(b, mean_context))
     return tps, rm.price_usd_per_hour / 3600.0 / tps * 1e6
+
+
+def group_calibration(calibration: Calibration | None, g: Any) -> GroupCalibration | None:
+    """The calibration's fitted values for plan group `g` (a GroupPlan, or anything with its name, accelerator,
+    precision, kv_dtype and kernel), the one matching rule of the twin and the planner: the calibrated group of
+    the same name, else of the same (accelerator, precision, KV dtype, kernel), else, for a group with no kernel
+    of its own (every planner candidate), of the same (accelerator, precision, KV dtype) under any kernel; None
+    without a calibration or a match."""
+    if calibration is None:
+        return None
+    found = calibration.group(g.name, (g.accelerator, g.precision, g.kv_dtype, g.kernel))
+    if found is None and g.kernel == "":
+        found = next((c for c in calibration.groups
+                      if tuple(c.key[:3]) == (g.accelerator, g.precision, g.kv_dtype)), None)
+    return found

@@ -91,3 +91,29 @@ def test_a_trainer_fit_applies_on_its_own_accelerator_in_the_twin_as_in_the_plan
         train_s = m["time_per_update_s"][0] - max(t.sync_s for t in types)
         assert train_s == pytest.approx(calibrated_setup(plan, cal)[0].trainer.train_step_s(_generated(raw)),
                                         rel=1e-12)
+
+
+def test_the_twin_and_the_planner_match_calibrated_groups_by_one_rule() -> None:
+    # main: the twin matched a plan group by name, else its exact key (kernel included); the planner's screen by
+    # the kernel-less key, else any kernel: a screen and its twin verification could take different fits
+    import dataclasses
+
+    import pytest
+    from mixfleet.twin.planner import PlannerConfig, group_types
+
+    plan = plan_from_dict(DP_PLAN)
+    other_kernel = _cal(_fit("elsewhere", "H100", "fp8", kernel="bf16", scale=1.5))   # key match, any kernel
+    s, _ = calibrated_setup(plan, other_kernel)
+    assert s.groups[1].weight_sync_s == 3.0 and s.groups[0].weight_sync_s != 3.0
+    prior = build_setup(plan)
+    assert s.groups[1].rates.decode_step_s(16, 500.0) == pytest.approx(
+        1.5 * prior.groups[1].rates.decode_step_s(16, 500.0), rel=1e-9)
+    # by name first: a fit named as the planner's candidate wins over one with its key
+    by_name = dataclasses.replace(_fit("H100-FP8", "H100", "fp8", kv="bf16"), weight_sync_s=Fitted(value=7.0))
+    named = _cal(by_name, _fit("keyed", "H100", "fp8"))
+    cfg = PlannerConfig(model=plan.model, workload=plan.workload, accelerators=("H100",),
+                        precisions={"H100": ("fp8",)}, verify=0, calibration=named)
+    (t,) = group_types(cfg)
+    assert t.name == "H100-FP8" and t.sync_s == 7.0
+    twin, _ = calibrated_setup(plan, named)
+    assert twin.groups[1].name == "H100-FP8" and twin.groups[1].weight_sync_s == 7.0   # the same fit

@@ -31,7 +31,7 @@ from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.planspec import group_replica_model, nominal_point
+from mixfleet.costmodel.planspec import group_calibration, group_replica_model, nominal_point
 from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, trainer_step_s, weight_sync_s
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.costmodel.runsummary import summarize
@@ -56,7 +56,7 @@ def calibrated_setup(plan: Plan, cal: Calibration, *, price_table: str | None = 
     groups, models = [], {}
     for g in plan.groups:
         prior_rm = group_replica_model(plan, g, model, cat, workload)
-        gc = cal.group(g.name, (g.accelerator, g.precision, g.kv_dtype, g.kernel))
+        gc = group_calibration(cal, g)
         prior = mismatch_prior(g.accelerator, g.precision, g.kv_dtype)
         if gc is None:
             notes.append(f"group {g.name}: not in the calibration (prior values)")

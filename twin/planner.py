@@ -41,6 +41,7 @@ import os
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,7 @@ from mixfleet.costmodel.limits import MAX_GPUS, check_count
 from mixfleet.costmodel.measured import Layout
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.planspec import group_calibration
 from mixfleet.costmodel.roofline import (
     DEFAULT_MAX_BATCH,
     candidate_layouts,
@@ -234,13 +236,12 @@ class PlanResult:
     verified: list[Candidate] = field(default_factory=list)  # the twin-verified candidates, in the twin's order
 
 
-def calibrated_group(cal: Any, accelerator: str, precision: str, kv_dtype: str) -> Any:
-    """The calibration's group for (accelerator, precision, KV dtype): the kernel-less one first, else any
-    kernel (the planner's candidates carry none); None without a calibration or a match."""
-    if cal is None:
-        return None
-    found = cal.group(key=(accelerator, precision, kv_dtype, ""))
-    return found or next((g for g in cal.groups if tuple(g.key[:3]) == (accelerator, precision, kv_dtype)), None)
+def calibrated_group(cal: Any, accelerator: str, precision: str, kv_dtype: str, name: str = "") -> Any:
+    """The calibration's group for a candidate (accelerator, precision, KV dtype) with no kernel of its own,
+    by costmodel's one matching rule (`planspec.group_calibration`, the twin's): the same name, else the same
+    key, else any kernel; None without a calibration or a match."""
+    return group_calibration(cal, SimpleNamespace(name=name, accelerator=accelerator, precision=precision,
+                                                  kv_dtype=kv_dtype, kernel=""))
 
 
 def group_types(cfg: PlannerConfig, only: list[tuple] | None = None) -> list[GroupType]:
@@ -286,7 +287,10 @@ def group_types(cfg: PlannerConfig, only: list[tuple] | None = None) -> list[Gro
                 if explicit and (emulated or tp):
                     raise
                 continue
-            gc = calibrated_group(cfg.calibration, a, p, kv)
+            suffix = p.upper() + ("" if kv == "fp8_e4m3" or p == "bf16" and kv == "bf16" else f"-KV{kv.upper()}")
+            lay_sfx = "" if (rm.dp_attention == 1 and rm.ep == 1) else f"-{rm.layout.label}"
+            name = f"{a}-{suffix}{lay_sfx}"
+            gc = calibrated_group(cfg.calibration, a, p, kv, name)
             if gc is not None:
                 rm = gc.apply(rm)
             tps, b = serving_point(rm, shape, DEFAULT_MAX_BATCH * rm.dp_attention)
@@ -296,9 +300,7 @@ def group_types(cfg: PlannerConfig, only: list[tuple] | None = None) -> list[Gro
             speeds = np.asarray(rm.tokens_per_s(batches, shape.decode_context), dtype=np.float64) / batches
             eff_tps = 1.0 / (1.0 / tps + prefill_per_token_s)
             prior = mismatch_prior(a, p, kv)
-            suffix = p.upper() + ("" if kv == "fp8_e4m3" or p == "bf16" and kv == "bf16" else f"-KV{kv.upper()}")
-            lay_sfx = "" if (rm.dp_attention == 1 and rm.ep == 1) else f"-{rm.layout.label}"
-            t = GroupType(name=f"{a}-{suffix}{lay_sfx}", accelerator=a, precision=p, kv_dtype=kv,
+            t = GroupType(name=name, accelerator=a, precision=p, kv_dtype=kv,
                           tp=rm.n_gpus, tokens_per_s=eff_tps, per_seq_tokens_per_s=tps / b,
                           seq_speed_by_batch=tuple(speeds.tolist()), prefill_turn_s=prefill_turn_s,
                           usd_per_hour=rm.price_usd_per_hour,
