@@ -62,6 +62,8 @@ class OnPolicyConfig:
     temperature: float = 1.0
     top_p: float = 1.0                       # < 1: top-p sampling, the kept sets recorded and replayed in the loss
     top_k_record: int = 16                   # top-K log-probs recorded per token for the centered losses (sc*)
+    lag: int = 0                             # > 0: the sampler holds version u - lag while the trainer makes u + 1
+                                             # (a fixed staleness, for diagnosis; then the loop is off-policy)
     eval_every: int = 5                      # updates between held-out evaluations (0: only before and after)
     eval_problems: int = 64
     eval_samples: int = 2
@@ -71,7 +73,7 @@ class OnPolicyConfig:
     def __post_init__(self) -> None:
         for name, lo in (("updates", 1), ("prompts_per_update", 1), ("samples_per_prompt", 2), ("max_turns", 1),
                          ("max_new_tokens", 1), ("eval_every", 0), ("eval_problems", 1), ("eval_samples", 1),
-                         ("seed", 0), ("threads", 1), ("lr_warmup_steps", 0)):
+                         ("seed", 0), ("threads", 1), ("lr_warmup_steps", 0), ("lag", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"OnPolicyConfig.{name} = {v!r}; allowed: an integer >= {lo}")
@@ -183,9 +185,11 @@ def train_on_policy(base_checkpoint: str | Path, config: OnPolicyConfig | None =
             sample_s = time.perf_counter() - ts
             m = trainer.train_step(dict(batch.tensors), loss_fn)
             export = trainer.export_hf(out_dir / f"v{u}", u)
-            ok, msg = engine.update_weights_from_disk(str(export), str(u))
-            if not ok:
-                raise RuntimeError(f"on-policy loop: the sampler could not load version {u}: {msg}")
+            serve = u - cfg.lag
+            if serve >= 1:
+                ok, msg = engine.update_weights_from_disk(str(out_dir / f"v{serve}"), str(serve))
+                if not ok:
+                    raise RuntimeError(f"on-policy loop: the sampler could not load version {serve}: {msg}")
             rec = {"version": u, **_episode_stats(eps), "k3": float(m.get("k3", math.nan)),
                    "entropy": float(m.get("entropy", math.nan)), "grad_norm": float(m["grad_norm"]),
                    "lr": float(m["lr"]), "sample_s": sample_s, "train_s": float(m["step_s"])}
@@ -194,12 +198,13 @@ def train_on_policy(base_checkpoint: str | Path, config: OnPolicyConfig | None =
                 progress("update", rec)
             if (cfg.eval_every and u % cfg.eval_every == 0) or u == cfg.updates:
                 evaluate(u, export)
-            if u > 1:
-                shutil.rmtree(out_dir / f"v{u - 1}", ignore_errors=True)
+            if u - cfg.lag > 1:
+                shutil.rmtree(out_dir / f"v{u - cfg.lag - 1}", ignore_errors=True)
     finally:
         stop.set()
         thread.join(timeout=10)
-    shutil.rmtree(out_dir / f"v{cfg.updates}", ignore_errors=True)
+    for v in range(max(1, cfg.updates - cfg.lag), cfg.updates + 1):
+        shutil.rmtree(out_dir / f"v{v}", ignore_errors=True)
     return OnPolicyResult(config=json.loads(json.dumps(asdict(cfg))), base_checkpoint=str(base_checkpoint),
                           updates=updates, evals=evals, wall_s=time.perf_counter() - t0)
 
