@@ -397,3 +397,54 @@ def compare(a: RunSummary, b: RunSummary, labels: Sequence[str] = ("a", "b")) ->
     df.attrs = {"labels": tuple(labels), "run_ids": (a.run_id, b.run_id), "sources": (a.source, b.source),
                 "clocks": (a.clock, b.clock)}
     return df
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoopClock:
+    """The update loop's seconds of a run log, start-up left out (what `fidelity` measures time per update on)."""
+    intervals: np.ndarray                    # per update (version order): seconds since the previous update's end,
+                                             # or for a segment's first update since that segment's loop started
+    span_s: float                            # the loop's seconds, summed over the run's segments
+    segments: int                            # 1 + the resumes that have an update after them
+
+
+def loop_clock(runlog: RunLog | str | os.PathLike[str]) -> LoopClock:
+    """Intervals between update ends measured on the update loop only, per run segment (issue 26).
+
+    A resumed run's clock continues from its checkpoint, so each segment after a "resume" event pays its own
+    start-up (Ray, samplers) on the run clock. A segment's loop starts: for the last segment, at header
+    `elapsed - loop_s` (the runner writes `loop_s` for the segment it closes) when that falls inside it; else
+    at the first logged trajectory that started in the segment (the loop's first prompts), or the segment's
+    start when none did. A twin run log (one segment, no start-up) starts at 0."""
+    log = runlog if isinstance(runlog, RunLog) else RunLog.open(runlog)
+    up = log.updates.sort_values("version", kind="stable")
+    ends = up["end_s"].to_numpy(dtype=np.float64)
+    if not len(ends):
+        return LoopClock(intervals=np.array([]), span_s=_NAN, segments=0)
+    runner = log.header.get("source") == "runner"
+    ev = log.events
+    resumes = np.sort(ev.loc[ev["kind"] == "resume", "time_s"].to_numpy(dtype=np.float64)) if len(ev) else np.array([])
+    seg = np.searchsorted(resumes, ends, side="left")             # resumes before each update's end
+    tr = log.trajectories
+    starts = tr["start_s"].to_numpy(dtype=np.float64) if len(tr) else np.array([])
+    loop_s = log.header.get("loop_s")
+    last_seg = int(seg.max())
+    intervals, span = [], 0.0
+    for k in sorted(set(seg.tolist())):
+        e = ends[seg == k]
+        lo = resumes[k - 1] if k > 0 else -math.inf
+        hi = resumes[k] if k < len(resumes) else math.inf
+        t0 = max(lo, 0.0)
+        if not runner and k == 0:
+            t0 = 0.0
+        elif (k == last_seg and isinstance(loop_s, int | float) and math.isfinite(loop_s)
+              and lo <= float(ends.max()) - float(loop_s) <= e[0]):
+            t0 = float(ends.max()) - float(loop_s)
+        else:
+            inside = starts[(starts >= lo) & (starts < hi)]
+            if len(inside):
+                t0 = max(t0, float(inside.min()))
+        t0 = min(t0, float(e[0]))
+        intervals.append(np.diff(e, prepend=t0))
+        span += float(e[-1]) - t0
+    return LoopClock(intervals=np.concatenate(intervals), span_s=span, segments=len(intervals))

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mixfleet.costmodel.calibration import Calibration, loop_start_s
+from mixfleet.costmodel.calibration import Calibration
 from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.mismatch import mismatch_prior
@@ -34,7 +34,7 @@ from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.planspec import group_calibration, group_replica_model, nominal_point
 from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, trainer_step_s, weight_sync_s
 from mixfleet.costmodel.runlog import RunLog
-from mixfleet.costmodel.runsummary import summarize
+from mixfleet.costmodel.runsummary import loop_clock, summarize
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import Plan, load_plan, plan_from_dict, with_overrides
 from mixfleet.twin.rates import Setup, TabulatedRates
@@ -172,10 +172,8 @@ def run_metrics(path: str | Path) -> dict[str, Any]:
     log = RunLog.open(path)
     s = summarize(log)
     up = log.updates.sort_values("version")
-    ends = up["end_s"].to_numpy(dtype=np.float64)
-    t0 = loop_start_s(log)
-    iv = np.diff(ends, prepend=t0) if len(ends) else np.array([])
-    span = float(ends.max()) - t0 if len(ends) else math.nan
+    clock = loop_clock(log)          # per run segment: a resumed run's start-ups are not the plan's behaviour
+    iv, span = clock.intervals, clock.span_s
     busy = float((up["train_step_s"] + up["weight_sync_s"]).sum())
     out: dict[str, Any] = {
         "time_per_update_mean_s": float(iv.mean()) if len(iv) else math.nan,
