@@ -21,7 +21,7 @@ from mixfleet.costmodel.calibration import (
 )
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import Plan, plan_from_dict
-from mixfleet.twin.calibrated import calibrated_setup, fidelity, plan_as_run
+from mixfleet.twin.calibrated import fidelity, plan_as_run
 from mixfleet.twin.rates import build_setup
 from mixfleet.twin.sim import simulate
 from typer.testing import CliRunner
@@ -74,8 +74,8 @@ def synthetic(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Calibrati
     """A twin run log made with the truth's parameters (perturbed from the priors)."""
     truth = truth_calibration()
     plan = _plan()
-    setup, notes = calibrated_setup(plan, truth)
-    assert notes == []
+    setup = build_setup(plan, calibration=truth)
+    assert setup.notes == ()
     out = tmp_path_factory.mktemp("cal") / "synthetic"
     simulate(plan, updates=10, out=out, setup=setup)
     return out, truth
@@ -201,7 +201,7 @@ def test_calibrated_setup_uses_fitted_values(synthetic: tuple[Path, Calibration]
     truth = synthetic[1]
     plan = _plan()
     prior = build_setup(plan)
-    cal_setup, _ = calibrated_setup(plan, truth)
+    cal_setup = build_setup(plan, calibration=truth)
     for gp, gc in zip(prior.groups, cal_setup.groups, strict=True):
         d, sync, kl, growth, ext = TRUTH[gp.name]
         assert gc.rates.decode_step_s(16, 200.0) == pytest.approx(d * gp.rates.decode_step_s(16, 200.0), rel=1e-9)

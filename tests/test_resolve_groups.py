@@ -1,12 +1,24 @@
-"""A plan group is priced the same in the twin's calibrated and uncalibrated setups (issue 25 item 1)."""
+"""One record per plan group (costmodel/planspec.py `resolve_groups`, issue 25 item 1): the twin's setup with and
+without a calibration is one function (`twin.rates.build_setup`), so a calibration that covers no group changes
+nothing, a calibration changes exactly the groups it covers, by one matching rule, and the planner's candidate
+types take the same record."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import tempfile
+
+import numpy as np
+import pytest
 from mixfleet.costmodel.calibration import Calibration, Fitted, GroupCalibration
+from mixfleet.costmodel.planspec import resolve_groups
 from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH
-from mixfleet.policies.plan import plan_from_dict
-from mixfleet.twin.calibrated import calibrated_setup
+from mixfleet.costmodel.runlog import RunLog
+from mixfleet.policies.plan import Plan, plan_from_dict
+from mixfleet.twin.planner import PlannerConfig, group_types, metrics
 from mixfleet.twin.rates import Setup, build_setup
+from mixfleet.twin.sim import simulate
 
 # an attention-DP group (DEP4: 4 ranks, each its own scheduler) and a plain one, on a small workload
 DP_PLAN = {"name": "dp", "seed": 0, "model": "qwen3-30b-a3b", "workload": "tiny-cpu", "price_table": "modal",
@@ -46,17 +58,34 @@ def _grid(s: Setup) -> list[tuple]:
     return out
 
 
-def test_an_attention_dp_groups_batch_cap_is_the_same_calibrated_or_not() -> None:
+def _digest(plan: Plan, setup: Setup) -> str:
+    with tempfile.TemporaryDirectory() as d:
+        simulate(plan, updates=2, out=d, setup=setup)
+        log, h = RunLog.open(d), hashlib.sha256()
+        for t in ("trajectories", "updates", "groups", "events"):
+            h.update(log.table(t).drop(columns=["run_id"], errors="ignore").to_csv(index=False).encode())
+        return h.hexdigest()
+
+
+def test_a_calibration_that_covers_no_group_gives_the_uncalibrated_setup() -> None:
     # main: the calibrated setup capped a DEP4 replica at 256 running requests, the uncalibrated one (and the
-    # runner's fleet) at 256 per attention-DP rank: a calibrated dry run ran the group at a quarter of its cap
+    # runner's fleet) at 256 per attention-DP rank, and it applied a trainer fit made on another accelerator
     plan = plan_from_dict(DP_PLAN)
-    cal = _cal(_fit("cpu-fp8", "CPU-2core", "fp8"))        # covers no group of the plan
-    prior, (calibrated, _) = build_setup(plan), calibrated_setup(plan, cal)
+    cal = _cal(_fit("cpu-fp8", "CPU-2core", "fp8"))        # covers no group of the plan, nor its B200 trainer
+    prior, calibrated = build_setup(plan), build_setup(plan, calibration=cal)
     assert [g.rates.max_running for g in prior.groups] == [4 * DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH]
     assert [g.rates.max_running for g in calibrated.groups] == [4 * DEFAULT_MAX_BATCH, DEFAULT_MAX_BATCH]
     assert _grid(calibrated) == _grid(prior)
-    dep, _ = calibrated_setup(plan, _cal(_fit("H200-DEP4", "H200", "fp8")))   # the DP group calibrated
+    tokens = (1e3, 1e5, 3e6)
+    assert [calibrated.trainer.train_step_s(t) for t in tokens] == [prior.trainer.train_step_s(t) for t in tokens]
+    assert calibrated.trainer.usd_per_hour == prior.trainer.usd_per_hour
+    assert calibrated.workload == prior.workload
+    assert [r.calibration for r in calibrated.resolved] == [None, None]
+    assert any("trainer B200 differs" in n for n in calibrated.notes)
+    assert _digest(plan, calibrated) == _digest(plan, prior)   # the same run log, table by table
+    dep = build_setup(plan, calibration=_cal(_fit("H200-DEP4", "H200", "fp8")))   # the DP group calibrated
     assert dep.groups[0].rates.max_running == 4 * DEFAULT_MAX_BATCH
+    assert dep.resolved[0].calibration is not None and dep.resolved[1].calibration is None
 
 
 def _generated(plan_raw: dict) -> float:
@@ -71,40 +100,32 @@ def _generated(plan_raw: dict) -> float:
 def test_a_trainer_fit_applies_on_its_own_accelerator_in_the_twin_as_in_the_planner() -> None:
     # main: a calibrated dry run applied a trainer fit made on another accelerator (the CPU's scale on a B200
     # trainer), while the planner's screen used the prior there: the screen and its verification disagreed
-    import numpy as np
-    import pytest
-    from mixfleet.twin.planner import PlannerConfig, group_types, metrics
-
     raw = {**DP_PLAN, "trainer": {"accelerator": "H100", "gpus": 8}}
     plan = plan_from_dict(raw)
     on, off = _cal(trainer="H100"), _cal(trainer="B200")
     prior = build_setup(plan)
-    assert calibrated_setup(plan, off)[0].trainer.train_step_s(1e6) == prior.trainer.train_step_s(1e6)
-    assert calibrated_setup(plan, on)[0].trainer.train_step_s(1e6) != prior.trainer.train_step_s(1e6)
+    assert build_setup(plan, calibration=off).trainer.train_step_s(1e6) == prior.trainer.train_step_s(1e6)
+    assert build_setup(plan, calibration=on).trainer.train_step_s(1e6) != prior.trainer.train_step_s(1e6)
     cfg = dict(model=plan.model, workload=plan.workload, trainer_accelerator="H100", trainer_gpus=8, verify=0)
-    types = group_types(PlannerConfig(**cfg), only=[(g.accelerator, g.precision, g.kv_dtype, g.emulated, g.tp,
-                                                     g.dp_attention, g.ep) for g in plan.groups])
+    types = group_types(PlannerConfig(**cfg), only=list(plan.groups))
     n, k = np.full((1, len(types)), 64.0), np.array([4096])          # samplers to spare: trainer-bound
     for cal in (on, off):
         m = metrics(types, n, k, PlannerConfig(**cfg, calibration=cal))
         assert m["trainer_bound"][0]
         train_s = m["time_per_update_s"][0] - max(t.sync_s for t in types)
-        assert train_s == pytest.approx(calibrated_setup(plan, cal)[0].trainer.train_step_s(_generated(raw)),
+        assert train_s == pytest.approx(build_setup(plan, calibration=cal).trainer.train_step_s(_generated(raw)),
                                         rel=1e-12)
 
 
 def test_the_twin_and_the_planner_match_calibrated_groups_by_one_rule() -> None:
     # main: the twin matched a plan group by name, else its exact key (kernel included); the planner's screen by
     # the kernel-less key, else any kernel: a screen and its twin verification could take different fits
-    import dataclasses
-
-    import pytest
-    from mixfleet.twin.planner import PlannerConfig, group_types
-
     plan = plan_from_dict(DP_PLAN)
     other_kernel = _cal(_fit("elsewhere", "H100", "fp8", kernel="bf16", scale=1.5))   # key match, any kernel
-    s, _ = calibrated_setup(plan, other_kernel)
+    s = build_setup(plan, calibration=other_kernel)
     assert s.groups[1].weight_sync_s == 3.0 and s.groups[0].weight_sync_s != 3.0
+    assert s.resolved[1].calibration is other_kernel.groups[0] and s.resolved[0].calibration is None
+    assert s.groups[1].capacity_tokens_per_s == build_setup(plan).groups[1].capacity_tokens_per_s  # routing: prior
     prior = build_setup(plan)
     assert s.groups[1].rates.decode_step_s(16, 500.0) == pytest.approx(
         1.5 * prior.groups[1].rates.decode_step_s(16, 500.0), rel=1e-9)
@@ -115,5 +136,30 @@ def test_the_twin_and_the_planner_match_calibrated_groups_by_one_rule() -> None:
                         precisions={"H100": ("fp8",)}, verify=0, calibration=named)
     (t,) = group_types(cfg)
     assert t.name == "H100-FP8" and t.sync_s == 7.0
-    twin, _ = calibrated_setup(plan, named)
+    twin = build_setup(plan, calibration=named)
     assert twin.groups[1].name == "H100-FP8" and twin.groups[1].weight_sync_s == 7.0   # the same fit
+
+
+def test_the_planners_types_are_the_twins_records() -> None:
+    from mixfleet.costmodel.workload import load_workload
+    from mixfleet.twin.episodes import workload_shape
+
+    plan = plan_from_dict(DP_PLAN)
+    wl = load_workload(plan.workload)
+    shape = workload_shape(wl, wl.samples_per_prompt)
+    cal = _cal(_fit("H100-FP8", "H100", "fp8", scale=1.3))
+    for c in (None, cal):
+        twin = build_setup(plan, calibration=c)
+        types = group_types(PlannerConfig(model=plan.model, workload=plan.workload, verify=0, calibration=c),
+                            only=list(plan.groups))
+        for t, r, g in zip(types, twin.resolved, twin.groups, strict=True):
+            assert t.name == g.name and t.group == r.group
+            assert (t.tp, t.dp_attention, t.ep) == (r.gpus, r.replica.dp_attention, r.replica.ep)
+            assert (t.sync_s, t.kl_k3, t.masked_share) == (g.weight_sync_s, g.kl_k3, g.extreme_share)
+            assert t.usd_per_hour == r.replica.price_usd_per_hour == g.rates.price_usd_per_hour
+            # one session's speed at batch 1 is the twin's replica's (the same model, calibrated or not)
+            assert twin.models[g.name] is r.replica and g.rates.model is r.replica
+            assert t.seq_speed_by_batch[0] == float(r.replica.tokens_per_s(1.0, shape.decode_context))
+    assert resolve_groups(plan) == build_setup(plan).resolved
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        resolve_groups(plan)[0].weight_sync_s = 1.0  # type: ignore[misc]

@@ -272,25 +272,6 @@ def test_queue_based_autoscaling_pays_cold_starts(tmp_path: Path) -> None:
     assert u.cost_sampler_usd.iloc[-1] == pytest.approx(end + (end - starts).sum(), rel=1e-9)
 
 
-def test_measured_overrides_replace_the_priors() -> None:
-    from mixfleet.costmodel.errors import SpecError
-    from mixfleet.costmodel.roofline import Efficiency
-    from mixfleet.policies.plan import load_plan
-    from mixfleet.twin.rates import Overrides, build_setup
-
-    plan = load_plan("tiny-cpu")
-    base = {g.name: g for g in build_setup(plan).groups}
-    ov = Overrides(efficiency={"cpu-fp8": Efficiency(eff_bw=0.45, eff_flops=0.4)}, weight_sync_s={"cpu-bf16": 0.5},
-                   mismatch={"cpu-nvfp4": (0.02, 0.01, 0.0)})
-    new = {g.name: g for g in build_setup(plan, overrides=ov).groups}
-    assert new["cpu-fp8"].capacity_tokens_per_s < base["cpu-fp8"].capacity_tokens_per_s
-    assert new["cpu-bf16"].capacity_tokens_per_s == base["cpu-bf16"].capacity_tokens_per_s
-    assert new["cpu-bf16"].weight_sync_s == 0.5 and (new["cpu-nvfp4"].kl_k3, new["cpu-nvfp4"].extreme_share) == (
-        0.02, 0.01)
-    with pytest.raises(SpecError, match="cpu-bf16"):
-        build_setup(plan, overrides=Overrides(weight_sync_s={"cpu-fp16": 1.0}))
-
-
 def test_a_batcher_that_never_forms_an_update_is_an_error_not_a_hang(tmp_path: Path) -> None:
     from mixfleet.costmodel.errors import SpecError
     from mixfleet.policies.batcher import BatchDecision, Batcher

@@ -1,11 +1,12 @@
 """The twin with a Calibration, and the fidelity check: does the twin predict what a real run did?
 
-`calibrated_setup(plan, cal)` is `rates.build_setup` with the fitted values in place of the priors: each
-group's replica model (decode scale, prefill overhead), weight-sync time and mismatch (KL, its growth with
-staleness, extreme-ratio share), the trainer's step time (scale, overhead, per-update overhead) and the
-measured workload. Routing weights stay the prior's, because that is what the real runner routes with
-(runner/orchestration/fleet.py); pass `calibrated_routing=True` to route by the calibrated capacities instead.
-`simulate(plan, setup=calibrated_setup(plan, cal))` is a calibrated dry run.
+A calibrated dry run is `simulate(plan, calibration=cal)` (or `simulate_calibrated(plan, cal)`): the world's
+setup is `rates.build_setup(plan, calibration=cal)`, the same function as an uncalibrated run's, with the
+fitted values in place of the priors for the groups the calibration covers (costmodel/planspec.py
+`resolve_groups`: each group's replica model through `GroupCalibration.apply`, weight-sync time, mismatch),
+the trainer's step time when the calibration was made on the plan's trainer accelerator, and the measured
+workload. Routing weights stay the prior's, because that is what the real runner routes with
+(runner/orchestration/fleet.py).
 
 `fidelity(plan, runlog, calibration)` simulates the plan with the run's seed, number of updates, replica
 counts (an embedded rehearsal scales groups down; the twin simulates what actually ran) and workload,
@@ -27,61 +28,11 @@ from typing import Any
 
 import numpy as np
 from mixfleet.costmodel.calibration import Calibration
-from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.mismatch import mismatch_prior
-from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.planspec import group_calibration, group_replica_model, nominal_point
-from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, trainer_step_s, weight_sync_s
 from mixfleet.costmodel.runlog import RunLog
 from mixfleet.costmodel.runsummary import loop_clock, summarize
-from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import Plan, load_plan, plan_from_dict, with_overrides
-from mixfleet.twin.rates import Setup, TabulatedRates
-from mixfleet.twin.world import GroupSetup, TrainerSetup
-
-
-def calibrated_setup(plan: Plan, cal: Calibration, *, price_table: str | None = None,
-                     calibrated_routing: bool = False, use_workload: bool = True) -> tuple[Setup, list[str]]:
-    """The world's setup for `plan` with `cal`'s fitted values; also the notes (groups left at the prior)."""
-    cat = load_catalog(price_table or plan.price_table or None).with_prices(plan.prices)
-    model = load_model_spec(plan.model)
-    base_wl = load_workload(plan.workload)
-    workload = (cal.workload_spec(base_wl) if use_workload else None) or base_wl
-    trainer_acc = cat.accelerator(plan.trainer.accelerator)
-    notes: list[str] = []
-    if cal.model and cal.model != model.name:
-        notes.append(f"calibrated on model {cal.model}, plan runs {model.name}: the fitted factors are applied as is")
-    ctx = base_wl.mean_decode_context
-    groups, models = [], {}
-    for g in plan.groups:
-        prior_rm = group_replica_model(plan, g, model, cat, workload)
-        gc = group_calibration(cal, g)
-        prior = mismatch_prior(g.accelerator, g.precision, g.kv_dtype)
-        if gc is None:
-            notes.append(f"group {g.name}: not in the calibration (prior values)")
-            rm, sync = prior_rm, weight_sync_s(prior_rm, trainer_acc)
-            kl, ext, growth = prior.kl_k3, prior.extreme_share, prior.growth_per_staleness
-        else:
-            rm, sync = gc.apply(prior_rm), gc.weight_sync_s.value
-            kl, ext, growth = gc.kl_k3.value, gc.extreme_share.value, gc.kl_growth_per_staleness.value
-        models[g.name] = rm
-        tps, usd_mtok = nominal_point(rm if calibrated_routing else prior_rm, ctx)
-        groups.append(GroupSetup(
-            name=g.name, rates=TabulatedRates(rm, workload.max_context, DEFAULT_MAX_BATCH * rm.dp_attention),
-            replicas=g.replicas,
-            min_replicas=g.min_replicas, max_replicas=g.max_replicas, capacity_tokens_per_s=tps,
-            usd_per_mtoken=usd_mtok, weight_sync_s=sync, kl_k3=kl, extreme_share=ext, kl_growth_per_version=growth))
-    same = plan.trainer.accelerator == cal.trainer_accelerator
-    if not same:
-        notes.append(f"trainer {plan.trainer.accelerator} differs from the calibrated {cal.trainer_accelerator}: "
-                     "its prior step time is used (a trainer fit applies to the accelerator it was made on)")
-    gpus = plan.trainer.gpus
-    trainer = TrainerSetup(
-        train_step_s=lambda tokens: float(cal.trainer_step_s(model, cat, gpus, tokens) if same
-                                          else trainer_step_s(model, trainer_acc, gpus, tokens)),
-        usd_per_hour=gpus * trainer_acc.price_usd_per_gpu_hour)
-    return Setup(groups=groups, trainer=trainer, workload=workload, models=models), notes
+from mixfleet.twin.rates import build_setup
 
 
 def plan_as_run(plan: Plan, log: RunLog) -> Plan:
@@ -256,8 +207,8 @@ def fidelity(plan: Plan | str | Path | None, runlog: str | Path, calibration: Ca
     cal = calibration if isinstance(calibration, Calibration) or calibration is None else Calibration.load(calibration)
     setup = None
     if cal is not None:
-        setup, cal_notes = calibrated_setup(plan, cal, price_table=price_table)
-        notes += cal_notes
+        setup = build_setup(plan, price_table=price_table, calibration=cal)
+        notes += setup.notes
     else:
         notes.append("no calibration: the cost model's priors and the plan's workload")
     seed = int(log.header.get("seed", plan.seed))
@@ -287,5 +238,4 @@ def simulate_calibrated(plan: Plan | str | Path, calibration: Calibration | str 
 
     plan = plan if isinstance(plan, Plan) else load_plan(plan)
     cal = calibration if isinstance(calibration, Calibration) else Calibration.load(calibration)
-    setup, _ = calibrated_setup(plan, cal, price_table=kwargs.get("price_table"))
-    return simulate(plan, setup=setup, **kwargs)
+    return simulate(plan, calibration=cal, **kwargs)

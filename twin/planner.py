@@ -1,13 +1,14 @@
 """The mix planner: which (accelerator, precision) groups, how many replicas, how many prompts in flight.
 
-1. Candidate group types: every accelerator in the pool x every precision it runs natively (x KV dtypes),
-   that fits the model (cost model: TP, KV capacity, price), with its busy throughput (`serving_point`): the
-   batch its KV holds of the running set and the step time at that set's context. The running set is the
-   workload's turns weighted by their reply tokens (a replica decodes all running requests at one rate, so
-   a request holds KV for a time proportional to its reply): long, late turns of long episodes, about 1.3x
-   the mean turn's context on the seed workload (`twin.episodes.workload_shape`, measured on the twin's own
-   episode draws, the max_context cut included). Prefill (serial, stalls decoding) is added per reply token.
-   Per accelerator, `PlannerConfig.precisions` narrows the precisions (or names emulated ones, with
+1. Candidate group types: every accelerator in the pool x every precision it runs natively (x KV dtypes), that
+   fits the model, priced by costmodel's one group record (`planspec.resolve_group`, the twin's: replica model
+   prior or calibrated, TP, KV capacity, price, weight sync, mismatch), with its busy throughput
+   (`serving_point`): the batch its KV holds of the running set and the step time at that set's context. The
+   running set is the workload's turns weighted by their reply tokens (a replica decodes all running requests at
+   one rate, so a request holds KV for a time proportional to its reply): long, late turns of long episodes,
+   about 1.3x the mean turn's context on the seed workload (`twin.episodes.workload_shape`, measured on the
+   twin's own episode draws, the max_context cut included). Prefill (serial, stalls decoding) is added per reply
+   token. Per accelerator, `PlannerConfig.precisions` narrows the precisions (or names emulated ones, with
    `emulated`) and `PlannerConfig.prices` overrides the price table; the written plan carries those prices.
 2. Screen (analytic, vectorized over thousands of candidates): for a mix n (replicas per type) and K prompts
    in flight, fleet throughput T = sum over types of n_i x min(tps_i, what its sessions ask for): the active
@@ -50,17 +51,9 @@ from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.formats import formats
 from mixfleet.costmodel.limits import MAX_GPUS, check_count
 from mixfleet.costmodel.measured import Layout
-from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.planspec import group_calibration
-from mixfleet.costmodel.roofline import (
-    DEFAULT_MAX_BATCH,
-    candidate_layouts,
-    kv_capacity_tokens,
-    replica_model,
-    trainer_step_s,
-    weight_sync_s,
-)
+from mixfleet.costmodel.planspec import ResolvedGroup, group_calibration, resolve_group, resolve_trainer
+from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, candidate_layouts, kv_capacity_tokens
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import GroupPlan, Plan, PoliciesPlan, PolicyRef, TrainerPlan
 from mixfleet.twin.episodes import WorkloadShape, workload_shape
@@ -203,6 +196,7 @@ class GroupType:
     dp_attention: int = 1            # layout: attention DP groups over the tp GPUs
     ep: int = 1                      # layout: expert-parallel size
     backend: str = "roofline"        # which backend priced the replica
+    group: GroupPlan | None = None   # the candidate group as planned (candidate_plan writes it back)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -238,81 +232,96 @@ class PlanResult:
 
 def calibrated_group(cal: Any, accelerator: str, precision: str, kv_dtype: str, name: str = "") -> Any:
     """The calibration's group for a candidate (accelerator, precision, KV dtype) with no kernel of its own,
-    by costmodel's one matching rule (`planspec.group_calibration`, the twin's): the same name, else the same
-    key, else any kernel; None without a calibration or a match."""
+    by costmodel's one matching rule (`planspec.group_calibration`); None without a calibration or a match."""
     return group_calibration(cal, SimpleNamespace(name=name, accelerator=accelerator, precision=precision,
                                                   kv_dtype=kv_dtype, kernel=""))
 
 
-def group_types(cfg: PlannerConfig, only: list[tuple] | None = None) -> list[GroupType]:
-    """Every (accelerator, native precision, KV dtype) of the pool that fits the model; or exactly the
-    `only` list of (accelerator, precision, KV dtype, emulated, tp[, dp_attention, ep]) (tp 0 = auto), e.g. a
-    plan's groups. The pool's precisions per accelerator are `cfg.precisions[accelerator]` where given, else the
-    native ones. With `cfg.layouts == "cheapest"` an auto group tries every layout that fits (TP 1-8, and for
-    MoE attention DP + expert parallel) and keeps the one with the lowest USD per generated token."""
+def type_name(accelerator: str, precision: str, kv_dtype: str, layout: Layout | None = None) -> str:
+    """A candidate group's name: 'H100-FP8', 'B200-NVFP4-KVBF16', 'H200-FP8-DEP8' (attention DP / EP layouts)."""
+    suffix = precision.upper() + ("" if kv_dtype == "fp8_e4m3" or precision == "bf16" and kv_dtype == "bf16"
+                                  else f"-KV{kv_dtype.upper()}")
+    lay = "" if layout is None or (layout.dp_attention == 1 and layout.ep == 1) else f"-{layout.label}"
+    return f"{accelerator}-{suffix}{lay}"
+
+
+def pool_groups(cfg: PlannerConfig) -> list[GroupPlan]:
+    """The pool's candidate groups: every accelerator x each precision it runs natively (or its allowed list in
+    `cfg.precisions`, emulated ones flagged) x KV dtype, one replica, the smallest TP that fits (tp 0)."""
+    cat = _catalog(cfg)
+    out = []
+    for a in cfg.accelerators or tuple(cat.gpus()):
+        allowed = cfg.precisions.get(cat.accelerator(a).name)
+        for p in cat.precisions:
+            sup = cat.support(a, p)
+            if (p in allowed) if allowed is not None else sup == "native":
+                out += [GroupPlan(name=type_name(a, p, kv), accelerator=a, precision=p, kv_dtype=kv,
+                                  emulated=sup != "native") for kv in cfg.kv_dtypes]
+    return out
+
+
+def _with_layout(g: GroupPlan, lay: Layout) -> GroupPlan:
+    """Candidate `g` on layout `lay` (its GPUs recorded as the plan's tp, dp_attention, ep)."""
+    return replace(g, name=type_name(g.accelerator, g.precision, g.kv_dtype, lay), tp=lay.gpus,
+                   dp_attention=lay.dp_attention, ep=lay.ep)
+
+
+def group_types(cfg: PlannerConfig, only: list[GroupPlan] | None = None) -> list[GroupType]:
+    """The pool's candidate groups (`pool_groups`) that fit the model, or exactly the groups `only` (e.g. a
+    plan's), each priced by costmodel's one record (`planspec.resolve_group`: replica model, prior or
+    calibrated, weight sync, mismatch, running cap) and turned into the screen's numbers (`type_from`). With
+    `cfg.layouts == "cheapest"` a group with tp 0 tries every layout that fits (TP 1-8, and for MoE attention DP
+    + expert parallel) and keeps the one with the lowest USD per generated token."""
     cat = _catalog(cfg)
     model = load_model_spec(cfg.model)
     wl = load_workload(cfg.workload)
     trainer_acc = cat.accelerator(cfg.trainer_accelerator)
     shape = workload_shape(wl, wl.samples_per_prompt)
-    reply_per_turn = shape.generated_per_episode / max(shape.turns_per_episode, 1.0)
     explicit = only is not None
-    if only is None:
-        only = []
-        for a in cfg.accelerators or tuple(cat.gpus()):
-            allowed = cfg.precisions.get(cat.accelerator(a).name)
-            for p in cat.precisions:
-                sup = cat.support(a, p)
-                if (p in allowed) if allowed is not None else sup == "native":
-                    only += [(a, p, kv, sup != "native", 0) for kv in cfg.kv_dtypes]
     budget = min(wl.max_context, model.max_context)
     out = []
-    for entry in only:
-        a, p, kv, emulated, tp = entry[:5]
-        dp, ep = (entry[5], entry[6]) if len(entry) >= 7 else (1, 1)
-        layout = Layout(tp=tp // dp, dp_attention=dp, ep=ep) if (dp > 1 or ep > 1) else None
-        if layout is None and not tp and cfg.layouts == "cheapest":
-            acc = cat.accelerator(a)
-            layouts: list[Layout | None] = [c for c in candidate_layouts(model, acc.max_tp)
-                                            if kv_capacity_tokens(model, acc, cat.precision(p), cat.kv_dtype(kv),
-                                                                  c.tp, c.dp_attention) >= budget]
-        else:
-            layouts = [layout]
+    for g in (only if only is not None else pool_groups(cfg)):
+        variants = [g]
+        if g.layout is None and not g.tp and cfg.layouts == "cheapest":
+            acc = cat.accelerator(g.accelerator)
+            variants = [_with_layout(g, c) for c in candidate_layouts(model, acc.max_tp)
+                        if kv_capacity_tokens(model, acc, cat.precision(g.precision), cat.kv_dtype(g.kv_dtype),
+                                              c.tp, c.dp_attention) >= budget]
         best: GroupType | None = None
-        for lay in layouts:
+        for v in variants:
             try:
-                rm = replica_model(model, a, p, kv, catalog=cat, tp=(tp or None) if lay is None else None,
-                                   emulated=emulated, kv_budget_tokens=budget, layout=lay, backend=cfg.backend)
+                r = resolve_group(v, model=model, workload=wl, catalog=cat, backend=cfg.backend,
+                                  trainer_accelerator=trainer_acc, calibration=cfg.calibration)
             except SpecError:
-                if explicit and (emulated or tp):
+                if explicit and (v.emulated or v.tp):
                     raise
                 continue
-            suffix = p.upper() + ("" if kv == "fp8_e4m3" or p == "bf16" and kv == "bf16" else f"-KV{kv.upper()}")
-            lay_sfx = "" if (rm.dp_attention == 1 and rm.ep == 1) else f"-{rm.layout.label}"
-            name = f"{a}-{suffix}{lay_sfx}"
-            gc = calibrated_group(cfg.calibration, a, p, kv, name)
-            if gc is not None:
-                rm = gc.apply(rm)
-            tps, b = serving_point(rm, shape, DEFAULT_MAX_BATCH * rm.dp_attention)
-            prefill_turn_s = float(rm.prefill_s(shape.new_tokens_per_turn))
-            prefill_per_token_s = prefill_turn_s / reply_per_turn
-            batches = np.arange(1, max(1, math.ceil(b)) + 1, dtype=np.float64)
-            speeds = np.asarray(rm.tokens_per_s(batches, shape.decode_context), dtype=np.float64) / batches
-            eff_tps = 1.0 / (1.0 / tps + prefill_per_token_s)
-            prior = mismatch_prior(a, p, kv)
-            t = GroupType(name=name, accelerator=a, precision=p, kv_dtype=kv,
-                          tp=rm.n_gpus, tokens_per_s=eff_tps, per_seq_tokens_per_s=tps / b,
-                          seq_speed_by_batch=tuple(speeds.tolist()), prefill_turn_s=prefill_turn_s,
-                          usd_per_hour=rm.price_usd_per_hour,
-                          sync_s=gc.weight_sync_s.value if gc else weight_sync_s(rm, trainer_acc),
-                          masked_share=gc.extreme_share.value if gc else prior.extreme_share,
-                          kl_k3=gc.kl_k3.value if gc else prior.kl_k3, emulated=emulated,
-                          dp_attention=rm.dp_attention, ep=rm.ep, backend=rm.backend)
+            t = type_from(r, shape)
             if best is None or t.usd_per_hour / t.tokens_per_s < best.usd_per_hour / best.tokens_per_s:
                 best = t
         if best is not None:
             out.append(best)
     return out
+
+
+def type_from(r: ResolvedGroup, shape: WorkloadShape) -> GroupType:
+    """The screen's numbers for one resolved group: busy throughput with its prefill (`serving_point`), one
+    session's decode speed by batch, one turn's prefill; price, weight sync and mismatch as `r` has them."""
+    rm = r.replica
+    reply_per_turn = shape.generated_per_episode / max(shape.turns_per_episode, 1.0)
+    tps, b = serving_point(rm, shape, r.max_running)
+    prefill_turn_s = float(rm.prefill_s(shape.new_tokens_per_turn))
+    prefill_per_token_s = prefill_turn_s / reply_per_turn
+    batches = np.arange(1, max(1, math.ceil(b)) + 1, dtype=np.float64)
+    speeds = np.asarray(rm.tokens_per_s(batches, shape.decode_context), dtype=np.float64) / batches
+    eff_tps = 1.0 / (1.0 / tps + prefill_per_token_s)
+    g = r.group
+    return GroupType(name=g.name, accelerator=g.accelerator, precision=g.precision, kv_dtype=g.kv_dtype,
+                     tp=r.gpus, tokens_per_s=eff_tps, per_seq_tokens_per_s=tps / b,
+                     seq_speed_by_batch=tuple(speeds.tolist()), prefill_turn_s=prefill_turn_s,
+                     usd_per_hour=rm.price_usd_per_hour, sync_s=r.weight_sync_s, masked_share=r.extreme_share,
+                     kl_k3=r.kl_k3, emulated=g.emulated, dp_attention=rm.dp_attention, ep=rm.ep, backend=rm.backend,
+                     group=g)
 
 
 def serving_point(rm: Any, shape: WorkloadShape, max_running: int = DEFAULT_MAX_BATCH) -> tuple[float, float]:
@@ -395,16 +404,13 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
     update_shape: (prompts per update, samples per prompt) when not the workload's."""
     cat = _catalog(cfg)
     model, wl = load_model_spec(cfg.model), load_workload(cfg.workload)
-    trainer_acc = cat.accelerator(cfg.trainer_accelerator)
-    trainer_usd_h = cfg.trainer_gpus * trainer_acc.price_usd_per_gpu_hour
+    trainer = resolve_trainer(cfg.trainer_accelerator, cfg.trainer_gpus, model=model, catalog=cat,
+                              calibration=cfg.calibration)
+    trainer_usd_h = trainer.usd_per_hour
     ppu, spp = update_shape or (wl.prompts_per_update, wl.samples_per_prompt)
     shape = workload_shape(wl, spp)
     gen_tokens = ppu * spp * shape.generated_per_episode
-    cal = cfg.calibration
-    if cal is not None and cal.trainer_accelerator == trainer_acc.name:
-        train_s = float(cal.trainer_step_s(model, cat, cfg.trainer_gpus, gen_tokens))
-    else:
-        train_s = float(trainer_step_s(model, trainer_acc, cfg.trainer_gpus, gen_tokens))
+    train_s = float(trainer.step_s(gen_tokens))
     n, k = np.atleast_2d(n), np.atleast_1d(k)
     tps = np.array([t.tokens_per_s for t in types])
     price = np.array([t.usd_per_hour for t in types])
@@ -473,10 +479,7 @@ def evaluate_plan(plan: Plan, cfg: PlannerConfig | None = None) -> Candidate:
     cfg = cfg or PlannerConfig(model=plan.model, workload=plan.workload, price_table=plan.price_table or "modal",
                                prices=dict(plan.prices), backend=plan.cost_backend,
                                trainer_accelerator=plan.trainer.accelerator, trainer_gpus=plan.trainer.gpus)
-    types = group_types(cfg, only=[(g.accelerator, g.precision, g.kv_dtype, g.emulated, g.tp, g.dp_attention, g.ep)
-                                   for g in plan.groups])
-    types = [GroupType(**{**{f: getattr(t, f) for f in t.__dataclass_fields__}, "name": g.name})
-             for t, g in zip(types, plan.groups, strict=True)]
+    types = group_types(cfg, only=list(plan.groups))
     n = np.array([g.replicas for g in plan.groups])
     b = plan.build_policies(wl)["batcher"].config
     shape = (b.prompts_per_update, b.samples_per_prompt)
@@ -546,11 +549,8 @@ def _candidate(types: list[GroupType], n: np.ndarray, k: int, m: dict[str, np.nd
 def candidate_plan(c: Candidate, types: list[GroupType], cfg: PlannerConfig, name: str = "planned") -> Plan:
     """The Plan for a candidate (capacity-proportional routing, fixed replicas, in-flight weight sync)."""
     by_name = {t.name: t for t in types}
-    layouts = cfg.layouts == "cheapest"  # the layout search decided each group's GPUs: record them
-    groups = tuple(GroupPlan(name=g, accelerator=by_name[g].accelerator, precision=by_name[g].precision,
-                             kv_dtype=by_name[g].kv_dtype, emulated=by_name[g].emulated, replicas=r,
-                             tp=by_name[g].tp if layouts else 0, dp_attention=by_name[g].dp_attention,
-                             ep=by_name[g].ep)
+    # each type's group as planned (the layout search's GPUs recorded; the smallest-TP ones keep tp = 0)
+    groups = tuple(replace(by_name[g].group, name=g, replicas=r, min_replicas=r, max_replicas=r)
                    for g, r in c.replicas.items())
     wl = load_workload(cfg.workload)
     cat = load_catalog(cfg.price_table)
@@ -612,13 +612,8 @@ def verify_candidate(c: Candidate, types: list[GroupType], cfg: PlannerConfig) -
     from mixfleet.twin.sim import simulate
 
     plan = candidate_plan(c, types, cfg)
-    setup = None
-    if cfg.calibration is not None:
-        from mixfleet.twin.calibrated import calibrated_setup
-
-        setup = calibrated_setup(plan, cfg.calibration)[0]
     updates = verify_updates(c, cfg, load_workload(cfg.workload).prompts_per_update)
-    s = simulate(plan, updates=updates, seed=cfg.seed, setup=setup, warm_start=True).summary
+    s = simulate(plan, updates=updates, seed=cfg.seed, calibration=cfg.calibration, warm_start=True).summary
     kept = 1.0 - s.extreme_share if math.isfinite(s.extreme_share) else c.kept_share
     v = {"time_per_update_s": s.steady_time_per_update_s, "time_per_update_ci_s": s.steady_time_per_update_ci_s,
          "cost_per_update_usd": s.steady_cost_per_update_usd, "cost_per_update_ci_usd": s.steady_cost_per_update_ci_usd,

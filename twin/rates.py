@@ -1,5 +1,5 @@
 """Replica rates for the twin: the cost model's ReplicaModel made fast to query per event, and a plan
-turned into the world's setup (groups, trainer, workload, priors).
+turned into the world's setup (groups, trainer, workload; the priors, or a calibration's fitted values).
 
 `TabulatedRates` evaluates the roofline once, vectorized, on a grid of batch sizes (every integer up
 to the engine cap) x contexts (geometric), and interpolates linearly in context, so a rate change in
@@ -10,25 +10,21 @@ hand-computable numbers (tests, docs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-from mixfleet.costmodel.catalog import Catalog, load_catalog
-from mixfleet.costmodel.ledger import trainer_usd_per_hour
-from mixfleet.costmodel.mismatch import mismatch_prior
+from mixfleet.costmodel.catalog import Catalog
 from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.planspec import group_replica_model, nominal_point
-from mixfleet.costmodel.roofline import (
-    DEFAULT_MAX_BATCH,
-    Efficiency,
-    ReplicaModel,
-    trainer_step_s,
-    weight_sync_s,
-)
+from mixfleet.costmodel.planspec import ResolvedGroup, plan_catalog, resolve_groups, resolve_trainer
+from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, ReplicaModel
 from mixfleet.costmodel.workload import WorkloadSpec, load_workload
 from mixfleet.policies.plan import Plan
 from mixfleet.twin.core import GridRates
 from mixfleet.twin.world import GroupSetup, TrainerSetup
+
+if TYPE_CHECKING:
+    from mixfleet.costmodel.calibration import Calibration
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -68,49 +64,53 @@ class TabulatedRates(GridRates):
 
 
 @dataclass(frozen=True, kw_only=True)
-class Overrides:
-    """Measured values in place of the priors (calibration fills these; keys are the plan's group names)."""
-    efficiency: dict[str, Efficiency] = field(default_factory=dict)      # per group: roofline factors
-    weight_sync_s: dict[str, float] = field(default_factory=dict)        # per group: seconds per push
-    mismatch: dict[str, tuple[float, float, float]] = field(default_factory=dict)  # kl_k3, extreme share, growth
-    trainer: Efficiency | None = None                                    # trainer_mfu / trainer_overhead_s
-
-
-@dataclass(frozen=True, kw_only=True)
 class Setup:
     groups: list[GroupSetup]
     trainer: TrainerSetup
     workload: WorkloadSpec
-    models: dict[str, ReplicaModel]
+    models: dict[str, ReplicaModel]                      # per group: the replica model the world runs
+    resolved: tuple[ResolvedGroup, ...] = ()             # per group: costmodel's record (planspec.resolve_groups)
+    notes: tuple[str, ...] = ()                          # with a calibration: what it left at the priors, and why
+
+
+def group_setup(r: ResolvedGroup, max_context: int) -> GroupSetup:
+    """The world's view of one resolved group (twin.world.GroupSetup): its rates tabulated up to the engine's
+    running cap, its routing weight (the nominal point), weight sync and mismatch, as `r` has them."""
+    g = r.group
+    return GroupSetup(
+        name=g.name, rates=TabulatedRates(r.replica, max_context, r.max_running), replicas=g.replicas,
+        min_replicas=g.min_replicas, max_replicas=g.max_replicas, capacity_tokens_per_s=r.capacity_tokens_per_s,
+        usd_per_mtoken=r.usd_per_mtoken, weight_sync_s=r.weight_sync_s, kl_k3=r.kl_k3, extreme_share=r.extreme_share,
+        kl_growth_per_version=r.kl_growth_per_staleness)
 
 
 def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog | None = None,
-                overrides: Overrides | None = None) -> Setup:
-    """Everything the world needs from the cost model for `plan` (with measured `overrides`, if any)."""
-    ov = overrides or Overrides()
-    for table in (ov.efficiency, ov.weight_sync_s, ov.mismatch):
-        for name in table:
-            plan.group(name)  # an unknown group name is an error that lists the plan's groups
-    cat = (catalog or load_catalog(price_table or plan.price_table or None)).with_prices(plan.prices)
+                calibration: Calibration | None = None, use_workload: bool = True) -> Setup:
+    """Everything the world needs from the cost model for `plan`: each group as `resolve_groups` prices it
+    (the priors, or `calibration`'s fitted values for the groups it covers), the trainer as `resolve_trainer`
+    does, and the workload (with a calibration: its measured workload unless `use_workload=False`; batch sizes
+    and the context limit stay the plan's). Setup.notes says what a calibration left at the priors."""
+    cat = catalog.with_prices(plan.prices) if catalog is not None else plan_catalog(plan, price_table)
     model = load_model_spec(plan.model)
-    workload = load_workload(plan.workload)
-    trainer_acc = cat.accelerator(plan.trainer.accelerator)
-    ctx = workload.mean_decode_context
-    groups, models = [], {}
-    for g in plan.groups:
-        rm = group_replica_model(plan, g, model, cat, workload, ov.efficiency.get(g.name))
-        models[g.name] = rm
-        tps, usd_mtok = nominal_point(rm, ctx)
-        prior = mismatch_prior(g.accelerator, g.precision, g.kv_dtype)
-        kl, ext, growth = ov.mismatch.get(g.name, (prior.kl_k3, prior.extreme_share, prior.growth_per_staleness))
-        groups.append(GroupSetup(
-            name=g.name, rates=TabulatedRates(rm, workload.max_context, DEFAULT_MAX_BATCH * rm.dp_attention),
-            replicas=g.replicas,
-            min_replicas=g.min_replicas, max_replicas=g.max_replicas, capacity_tokens_per_s=tps,
-            usd_per_mtoken=usd_mtok, weight_sync_s=ov.weight_sync_s.get(g.name, weight_sync_s(rm, trainer_acc)),
-            kl_k3=kl, extreme_share=ext, kl_growth_per_version=growth))
-    gpus = plan.trainer.gpus
-    trainer = TrainerSetup(
-        train_step_s=lambda tokens: float(trainer_step_s(model, trainer_acc, gpus, tokens, efficiency=ov.trainer)),
-        usd_per_hour=trainer_usd_per_hour(trainer_acc.price_usd_per_gpu_hour, gpus))
-    return Setup(groups=groups, trainer=trainer, workload=workload, models=models)
+    plan_wl = load_workload(plan.workload)
+    workload = plan_wl
+    if calibration is not None and use_workload:
+        workload = calibration.workload_spec(plan_wl) or plan_wl
+    resolved = resolve_groups(plan, calibration=calibration, catalog=cat, model=model, workload=plan_wl)
+    trainer = resolve_trainer(plan.trainer.accelerator, plan.trainer.gpus, model=model, catalog=cat,
+                              calibration=calibration)
+    notes: list[str] = []
+    if calibration is not None:
+        if calibration.model and calibration.model != model.name:
+            notes.append(f"calibrated on model {calibration.model}, plan runs {model.name}: the fitted factors are "
+                         "applied as is")
+        notes += [f"group {r.name}: not in the calibration (prior values)" for r in resolved if r.calibration is None]
+        if trainer.calibration is None:
+            notes.append(f"trainer {plan.trainer.accelerator} differs from the calibrated "
+                         f"{calibration.trainer_accelerator}: its prior step time is used (a trainer fit applies to "
+                         "the accelerator it was made on)")
+    return Setup(groups=[group_setup(r, workload.max_context) for r in resolved],
+                 trainer=TrainerSetup(train_step_s=lambda tokens: float(trainer.step_s(tokens)),
+                                      usd_per_hour=trainer.usd_per_hour),
+                 workload=workload, models={r.name: r.replica for r in resolved}, resolved=resolved,
+                 notes=tuple(notes))

@@ -16,13 +16,16 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mixfleet.costmodel.runlog import RunLogWriter
 from mixfleet.costmodel.runsummary import RunSummary, summarize
 from mixfleet.policies.plan import Plan, load_plan
-from mixfleet.twin.rates import Overrides, Setup, build_setup
+from mixfleet.twin.rates import Setup, build_setup
 from mixfleet.twin.world import World, run_loop
+
+if TYPE_CHECKING:
+    from mixfleet.costmodel.calibration import Calibration
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,14 +66,15 @@ def _json_safe(x: Any) -> Any:
 
 
 def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = None, out: str | Path | None = None,
-             price_table: str | None = None, setup: Setup | None = None, overrides: Overrides | None = None,
+             price_table: str | None = None, setup: Setup | None = None, calibration: Calibration | None = None,
              progress: Callable[[int], None] | None = None, warm_start: bool = False) -> TwinResult:
     """Dry-run `plan` for `updates` trainer updates.
 
     plan: a Plan, a plan file path or a shipped plan name. seed: overrides the plan's. out: the run-log
     folder (None: a temporary one, removed after summarizing). price_table: overrides the plan's.
     setup: the world's numbers (default: from the cost model, `build_setup`); tests pass their own.
-    overrides: measured values (calibration) in place of the cost model's priors, per plan group.
+    calibration: a costmodel Calibration: its fitted values in place of the cost model's priors for the groups and
+    trainer it covers (`build_setup(plan, calibration=...)`; ignored when `setup` is given).
     progress: called with each finished update's number (1..updates).
     warm_start: begin near the steady state (sessions and prompt-groups at the ages the workload implies,
     `World.seed_steady_state`; update versions then start above 1) instead of from empty pipelines.
@@ -83,7 +87,7 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:   # numpy's generators take seeds >= 0
         from mixfleet.costmodel.errors import SpecError
         raise SpecError("simulate", "seed", seed, "an integer >= 0")
-    setup = setup or build_setup(plan, price_table=price_table, overrides=overrides)
+    setup = setup or build_setup(plan, price_table=price_table, calibration=calibration)
     folder = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="mixfleet-twin-"))
     wall0 = time.perf_counter()
     gc_thresholds = gc.get_threshold()
