@@ -51,8 +51,8 @@ from mixfleet.costmodel.catalog import Catalog, load_catalog
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.mismatch import mismatch_prior
 from mixfleet.costmodel.model import ModelSpec, load_model_spec
-from mixfleet.costmodel.planspec import GroupPlan, PlanData, group_replica_model, plan_data_from_dict
-from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, Efficiency, ReplicaModel, trainer_step_s
+from mixfleet.costmodel.planspec import GroupPlan, PlanData, group_replica_model, plan_data_from_dict, running_cap
+from mixfleet.costmodel.roofline import Efficiency, ReplicaModel, trainer_step_s
 from mixfleet.costmodel.roofline import weight_sync_s as prior_sync
 from mixfleet.costmodel.runlog import RunLog, RunLogWarning
 from mixfleet.costmodel.tomlread import read_toml
@@ -416,7 +416,7 @@ def _replica_features(tr: pd.DataFrame, rm: ReplicaModel, rm_pf0: ReplicaModel, 
     pf_rate = seg_sum(pf_s / dur)
     width = np.diff(t, append=t[-1])
     busy = n > 1e-9
-    nb = np.clip(np.where(busy, n, 1.0), 1.0, DEFAULT_MAX_BATCH)
+    nb = np.clip(np.where(busy, n, 1.0), 1.0, running_cap(rm))   # the twin's cap: 256 per attention-DP rank
     lb = np.where(busy, lsum / np.where(busy, n, 1.0), 1.0)
     step = np.asarray(rm.decode_step_s(nb, lb), dtype=np.float64)
     inv = np.where(busy, 1.0 / step, 0.0)

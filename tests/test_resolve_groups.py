@@ -163,3 +163,18 @@ def test_the_planners_types_are_the_twins_records() -> None:
     assert resolve_groups(plan) == build_setup(plan).resolved
     with pytest.raises(dataclasses.FrozenInstanceError):
         resolve_groups(plan)[0].weight_sync_s = 1.0  # type: ignore[misc]
+
+
+def test_the_calibrations_duration_model_caps_a_dp_replica_as_the_twin_does() -> None:
+    # main: the fit's concurrency was capped at 256 per replica, the twin's at 256 per attention-DP rank: a DEP4
+    # replica running 600 sessions was fitted as if it decoded at batch 256
+    import pandas as pd
+    from mixfleet.costmodel.calibration import _replica_features
+
+    rm = dataclasses.replace(build_setup(plan_from_dict(DP_PLAN)).models["H200-DEP4"], prefill_overhead_s=0.0)
+    n = 600                                   # sessions decoding at once on one DEP4 replica, no prefill
+    tr = pd.DataFrame({"start_s": np.zeros(n), "end_s": np.full(n, 10.0), "generated_tokens": np.full(n, 100.0),
+                       "turns": np.ones(n), "prompt_tokens": np.zeros(n)})
+    f = _replica_features(tr, rm, rm)
+    assert f["n_mean"].iloc[0] == pytest.approx(n)
+    assert f["work"].iloc[0] == pytest.approx(100.0 * float(rm.decode_step_s(float(n), 25.0)), rel=1e-12)
