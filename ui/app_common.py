@@ -261,12 +261,43 @@ class RunData:
         return run_label(self.path, self.header)
 
 
+def run_name(path: str | Path) -> str:
+    """A run's name: a run the app started lives in RUNS/<name>/run (its name, not "run")."""
+    p = Path(path)
+    return p.parent.name if p.name == "run" and (p.parent / "managed.json").is_file() else p.name
+
+
 def run_label(path: str | Path, header: dict[str, Any]) -> str:
     plan = (header.get("plan") or {}).get("name", "?")
-    p = Path(path)
-    # a run the app started lives in RUNS/<name>/run: show its name, not "run"
-    name = p.parent.name if p.name == "run" and (p.parent / "managed.json").is_file() else p.name
-    return f"{name} · {header.get('source', '?')} · {plan} · {header.get('status', '?')}"
+    return f"{run_name(path)} · {header.get('source', '?')} · {plan} · {header.get('status', '?')}"
+
+
+FIDELITY_OF = "fidelity_of.json"   # in a fidelity check's twin log: {"run": the checked run log's path}
+
+
+def fidelity_log_dir(run: Path, tag: str) -> Path:
+    """Where the fidelity check of `run` keeps its twin log: named after the run's path under the runs folder,
+    so two managed runs (both RUNS/<name>/run) never share one (issue 26)."""
+    try:
+        rel = run.resolve().relative_to(runs_dir().resolve())
+        name = "_".join(rel.parts[:-1] if rel.name == "run" and len(rel.parts) > 1 else rel.parts) or run.name
+    except ValueError:
+        name = run_name(run)
+    return runs_dir() / "twin" / f"fidelity-{name}-{tag}"
+
+
+def fidelity_of(twin_log: Path) -> str | None:
+    """The run log a fidelity check's twin log was made for ("" for an older fidelity log that does not say;
+    None for a twin log that is not a fidelity check's)."""
+    import json
+
+    f = twin_log / FIDELITY_OF
+    if f.is_file():
+        try:
+            return str(json.loads(f.read_text()).get("run", ""))
+        except (OSError, ValueError, AttributeError):
+            return ""
+    return "" if twin_log.name.startswith("fidelity-") else None
 
 
 def _stamp(path: Path) -> tuple[float, int]:
@@ -315,7 +346,8 @@ def find_runs(root: Path) -> list[tuple[Path, dict[str, Any]]]:
 
 
 def twin_predictions_for(header: dict[str, Any], root: Path, exclude: Path | None = None) -> list[Path]:
-    """Twin run logs under `root` for the same plan as `header` (same groups first, then same name)."""
+    """Twin run logs under `root` for the same plan as `header`: the fidelity checks of the run `exclude` first
+    (another run's fidelity log is never offered), then the same groups, then the same name."""
     plan = header.get("plan") or {}
     name = plan.get("name")
 
@@ -323,12 +355,17 @@ def twin_predictions_for(header: dict[str, Any], root: Path, exclude: Path | Non
         return sorted((g.get("name"), g.get("accelerator"), g.get("precision"), g.get("replicas"))
                       for g in p.get("groups", []))
 
-    exact, same_name = [], []
+    own, exact, same_name = [], [], []
     for p, h in find_runs(root):
         if h.get("source") != "twin" or (exclude is not None and p.resolve() == exclude.resolve()):
             continue
         hp = h.get("plan") or {}
         if hp.get("name") != name:
             continue
+        of = fidelity_of(p)
+        if of is not None:          # a fidelity check's twin log: the prediction of the run it checked only
+            if exclude is not None and of and Path(of).resolve() == exclude.resolve():
+                own.append(p)
+            continue
         (exact if groups_key(hp) == groups_key(plan) else same_name).append(p)
-    return exact + same_name
+    return own + exact + same_name

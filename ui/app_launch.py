@@ -22,6 +22,7 @@ UPDATES_ENV = "MIXFLEET_UI_RUN_UPDATES"      # default target updates of a real 
 INIT_ENV = "MIXFLEET_UI_RUN_INIT"            # default base-policy checkpoint ("" = the cached pretrain)
 DEFAULT_RUN_UPDATES = 10
 PICK_KEY = "runs_pick"                       # the Runs page's run-log selectbox (its value: the run log path)
+WANT_KEY = "runs_want"                       # the run log the Runs page opens on once it is listed
 PLAN_CAL_KEY = "plan_calibration_request"    # read (and cleared) by the Plan page before its calibration box
 RUNS_PAGE = "app_runs.py"
 PLAN_PAGE = "app_plan.py"
@@ -79,12 +80,36 @@ def run_for_real(pt: PlanText, key: str) -> None:
         except Exception as e:  # bad name, busy folder, invalid plan: say so on the page, start nothing
             show_error("cannot start the run", e)
             return
-        st.session_state[PICK_KEY] = str(m.run_dir)
+        follow(m.run_dir)
         st.success(f"Started `{m.name}` (pid {m.pid}).")
         st.switch_page(RUNS_PAGE)
 
 
 # ---- the Runs page --------------------------------------------------------------------------------
+def follow(run_dir: Path) -> None:
+    """Open the Runs page on this run log: now when it is listed, else as soon as it is (a run just started or
+    resumed; `apply_follow`). Without this the page fell back to the newest log, a twin dry run (issue 26)."""
+    st.session_state[WANT_KEY] = str(run_dir)
+
+
+def apply_follow(listed: set[str]) -> None:
+    """Before the Runs page's selectbox: select the followed run once its log is listed; a pick that is not
+    listed (yet) is followed rather than dropped."""
+    want = st.session_state.get(WANT_KEY)
+    if want in listed:
+        st.session_state[PICK_KEY] = want
+        del st.session_state[WANT_KEY]
+    elif st.session_state.get(PICK_KEY) not in listed:
+        pick = st.session_state.pop(PICK_KEY, None)
+        if pick:
+            st.session_state[WANT_KEY] = pick
+
+
+def unfollow() -> None:
+    """The user picked a run log: stop following another."""
+    st.session_state.pop(WANT_KEY, None)
+
+
 def managed_for(run_path: Path) -> rm.ManagedRun | None:
     """The managed run whose run log is `run_path` (RUNS/<name>/run), if the app started it."""
     if run_path.name != rm.RUN_SUBDIR:
@@ -171,7 +196,7 @@ def _controls(m: rm.ManagedRun, p: dict[str, Any] | None) -> None:
         label = "Continue" if state == "finished" else "Resume"
         if c[0].button(label, key=f"{key}_resume", type="primary",
                        help="`mixfleet run ... --resume`: from the last trainer checkpoint, each update once"):
-            _act(lambda: rm.resume(m, int(more)))
+            _act(lambda: follow(rm.resume(m, int(more)).run_dir))
 
 
 def _act(fn: Any) -> None:

@@ -9,6 +9,7 @@ fidelity check (`mixfleet.twin.calibrated.fidelity`, priors or a calibration fil
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pandas as pd
@@ -18,11 +19,13 @@ from mixfleet.ui import app_charts as charts
 from mixfleet.ui import app_launch as launch
 from mixfleet.ui import run_manager as rm
 from mixfleet.ui.app_common import (
+    FIDELITY_OF,
     REFRESH_EVERY_S,
     RunData,
     calibration_files,
     default_updates,
     dry_run,
+    fidelity_log_dir,
     find_runs,
     fmt_compact,
     fmt_num,
@@ -203,13 +206,14 @@ def _fidelity_section(path: Path, header: dict) -> None:
         from mixfleet.twin.calibrated import fidelity
 
         tag = "priors" if cal_path is None else Path(cal_path).stem
-        keep = runs_dir() / "twin" / f"fidelity-{path.name}-{tag}"
+        keep = fidelity_log_dir(path, tag)
         with st.spinner("simulating this run's plan as it ran..."):
             try:
                 from mixfleet.costmodel.outdir import prepare_output_dir
 
                 prepare_output_dir(keep, "twin_runlog", where="Runs page", force=True)   # the previous check's log
                 reports[key] = fidelity(None, path, cal_path, keep_twin_log=keep).to_dict()
+                (keep / FIDELITY_OF).write_text(json.dumps({"run": str(path.resolve())}))   # whose overlay it is
             except Exception as e:
                 show_error("fidelity check failed", e)
                 return
@@ -234,6 +238,16 @@ def _fidelity_section(path: Path, header: dict) -> None:
                  hide_index=True, width="stretch", key="runs_fidelity_table")
     st.caption(f"{rep['updates']} updates, seed {rep['seed']}, calibration: {rep['calibration'] or 'none (priors)'}. "
                + " ".join(rep.get("notes", [])))
+
+
+def _label(path: Path, header: dict) -> str:
+    """The run's name, source, plan and status; a managed run's status is its process's (a killed run's log
+    still says "running"; a stopped or finished one says so before the page rereads the list)."""
+    label = run_label(path, header)
+    m = launch.managed_for(path)
+    if m is not None and header.get("status") != (state := m.state()):
+        label = label.rsplit(" · ", 1)[0] + f" · {state}"
+    return label
 
 
 def _folder(top: Path) -> Path | None:
@@ -275,10 +289,11 @@ def render() -> None:
                 f"{root}/NAME`, dry-run a plan on the Dry-run page, or:")
         _demo_button(root if root.is_absolute() else root.resolve())
         return
+    runs = sorted(runs, key=lambda r: r[1].get("source") == "twin")    # real runs first (stable: newest first)
     by_path = {str(p): (p, h) for p, h in runs}
-    if st.session_state.get("runs_pick") not in by_path:   # e.g. a run just started whose log is not written yet
-        st.session_state.pop("runs_pick", None)
-    pick = st.selectbox("Run log", list(by_path), format_func=lambda k: run_label(*by_path[k]), key="runs_pick")
+    launch.apply_follow(set(by_path))       # a run just started or resumed, whose log may not be listed yet
+    pick = st.selectbox("Run log", list(by_path), format_func=lambda k: _label(*by_path[k]), key=launch.PICK_KEY,
+                        on_change=launch.unfollow)
     path, header = by_path.get(str(pick), runs[0])
     preds = twin_predictions_for(header, root, exclude=path) if header.get("source") != "twin" else []
     for g, why in (header.get("lost_groups") or {}).items():      # given up under --allow-group-loss
