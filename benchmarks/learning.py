@@ -9,6 +9,7 @@ Rungs (docs/learning.md), each a real run with a reward curve and held-out evalu
                 and KV, exactly the trainer's numbers), GRPO, plan learning-onpolicy
     b           a, fully asynchronous (`--mode async`) with the plan's staleness bound (max_staleness 2)
     b-c         b with c's correction (SC + MIS + top-p 0.95 replay): the homogeneous fleet c is held against
+    b-c-drain   b-c with weight sync "drain" (a running request never continues on new weights over old KV)
     c           the mixed CPU fleet of tiny-cpu (bf16 / fp8 + fp8 KV / nvfp4 + fp8 KV), SC + MIS + top-p 0.95 replay
     d-a, d-c    a (plan learning-onpolicy-moe) and c (tiny-moe-cpu) on tiny-qwen3-moe with trainer routing free;
     d-c-replay  d-c with routing replay (tiny-moe-cpu-replay)
@@ -57,6 +58,9 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
     Rung(key="b", label="GRPO, runner, async (staleness <= 2), one fp32 group", plan="learning-onpolicy"),
     Rung(key="b-c", label="SC+MIS+top-p, runner, async, one fp32 group", plan="learning-onpolicy",
          overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95, "trainer.top_p_replay": True}),
+    Rung(key="b-c-drain", label="b-c with weight sync drain (no in-flight update)", plan="learning-onpolicy",
+         overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95, "trainer.top_p_replay": True,
+                    "policies.weight_sync.name": "drain"}),
     Rung(key="c", label="SC+MIS+top-p, runner, async, mixed fleet (bf16 / fp8 / nvfp4)", plan="tiny-cpu"),
     Rung(key="d-a", label="MoE: on-policy GRPO, sync, one fp32 group, routing free",
          plan="learning-onpolicy-moe", model="tiny-qwen3-moe", mode="sync"),
@@ -174,12 +178,14 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for r in runs:
         by_rung.setdefault(r["rung"], []).append(r)
     out: dict[str, Any] = {}
-    for key, rs in by_rung.items():
+    for key, all_rs in by_rung.items():
+        rs = [r for r in all_rs if r["status"] == "finished"]     # a run still going (or killed) is shown, not averaged
         start = [r["evals"][0]["reward"] for r in rs if r["evals"] and r["evals"][0]["version"] == 0]
         end = [r["evals"][-1]["reward"] for r in rs if len(r["evals"]) > 1]
         first5 = [float(np.mean(r["train_reward"][:5])) for r in rs if len(r["train_reward"]) >= 10]
         last5 = [float(np.mean(r["train_reward"][-5:])) for r in rs if len(r["train_reward"]) >= 10]
         out[key] = {"label": RUNGS[key].label, "seeds": sorted(r["seed"] for r in rs),
+                    "unfinished_seeds": sorted(r["seed"] for r in all_rs if r["status"] != "finished"),
                     "heldout_start": _spread(start), "heldout_end": _spread(end),
                     "heldout_gain": _spread([b - a for a, b in zip(start, end, strict=False)]),
                     "train_reward_first5": _spread(first5), "train_reward_last5": _spread(last5),
@@ -190,6 +196,25 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     if "d-a" in out and "d-c" in out:
         out["dc_minus_da_end"] = out["d-c"]["heldout_end"]["mean"] - out["d-a"]["heldout_end"]["mean"]
     return out
+
+
+def markdown_table(summary: dict[str, Any], runs: list[dict[str, Any]]) -> str:
+    """The per-rung table of docs/learning.md: held-out start -> end per seed and as mean (min..max)."""
+    lines = ["| rung | what | seeds | held-out reward at T = 1, start -> end, per seed | mean start -> end "
+             "(end min..max) | no-tool-call share, last update |", "|---|---|---|---|---|---|"]
+    for key in RUNGS:
+        s = summary.get(key)
+        if not isinstance(s, dict):
+            continue
+        rs = sorted((r for r in runs if r["rung"] == key), key=lambda r: r["seed"])
+        per = ", ".join(f"{r['evals'][0]['reward']:.3f} -> {r['evals'][-1]['reward']:.3f}"
+                        + ("" if r["status"] == "finished" else f" ({r['status']}, v{r['evals'][-1]['version']})")
+                        for r in rs if r["evals"])
+        ntc = ", ".join(f"{r['no_tool_call_share'][-1]:.0%}" for r in rs if r["no_tool_call_share"])
+        a, b = s["heldout_start"], s["heldout_end"]
+        lines.append(f"| {key} | {s['label']} | {', '.join(str(r['seed']) for r in rs)} | {per} | "
+                     f"{a['mean']:.3f} -> {b['mean']:.3f} ({b['min']:.3f}..{b['max']:.3f}) | {ntc} |")
+    return "\n".join(lines)
 
 
 def plot(runs: list[dict[str, Any]], out_dir: Path) -> str:
@@ -279,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     Path(args.results).write_text(json.dumps(json_safe(results), indent=1))
     figure = plot(runs, FIGURES) if runs else ""
+    print(markdown_table(results["summary"], runs))
     for key, s in results["summary"].items():
         if isinstance(s, dict):
             a, b = s["heldout_start"], s["heldout_end"]
