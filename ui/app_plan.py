@@ -16,6 +16,7 @@ import json
 import threading
 import tomllib
 from collections import OrderedDict
+from pathlib import Path
 from typing import Any
 
 import pandas as pd
@@ -224,9 +225,83 @@ def _constraints() -> dict[str, Any]:
             "objective": objective}
 
 
+MODEL_REQUEST_KEY = "plan_model_request"   # "Plan its model" (the calibration's): applied before the Model box
+PLANNED_CAL_KEY = "plan_planned_calibration"   # session state: (calibration file, coverage line) of the last plan
+
+
+def calibration_coverage(path: str, model: str, pool: pd.DataFrame | None, kv: tuple[str, ...],
+                         trainer_accelerator: str) -> tuple[bool, str, str]:
+    """What a calibration covers and what it changes in this plan's pool (issue 26: a calibration fitted on CPU
+    groups of the tiny model matches no group of a GPU pool, and planning with it silently used the priors).
+    Returns (changes anything, what it covers, what it changes here). A candidate group takes a calibrated group's
+    values when it has its (accelerator, precision, KV dtype) (`planspec.group_calibration`: planner candidates
+    have no kernel of their own); the trainer's fit applies on the accelerator it was made on."""
+    from mixfleet.costmodel.calibration import Calibration
+    from mixfleet.costmodel.model import load_model_spec
+
+    cal = Calibration.load(path)
+    groups = ", ".join(f"`{g.name}` ({g.accelerator} {g.precision}, KV {g.kv_dtype})" for g in cal.groups) or "none"
+    covers = (f"Calibration `{Path(path).name}`: fitted on model **{cal.model or '?'}**; sampler groups {groups}; "
+              f"trainer {cal.trainer_accelerator} x {cal.trainer_gpus}.")
+    offered: set[tuple[str, str, str]] = set()
+    if pool is not None:
+        for _, r in pool.iterrows():
+            if bool(r["use"]) and int(r["max_gpus"] or 0) > 0:
+                for prec in planner.precision_list(r["precisions"]):
+                    offered |= {(str(r["accelerator"]), prec, k) for k in kv}
+    hit = [g for g in cal.groups if (g.accelerator, g.precision, g.kv_dtype) in offered]
+    try:
+        here = load_model_spec(model).name
+    except Exception:  # an edited spec being typed: compared by its reference
+        here = model
+    parts = []
+    if hit:
+        parts.append("its fitted values replace the priors for " + ", ".join(
+            f"{g.accelerator} {g.precision} (KV {g.kv_dtype})" for g in hit))
+    else:
+        accs = sorted({g.accelerator for g in cal.groups})
+        parts.append(f"no candidate of this pool is one of its groups (its accelerators: {', '.join(accs) or 'none'}; "
+                     "a group is matched by accelerator, precision and KV dtype)")
+    trainer = trainer_accelerator == cal.trainer_accelerator
+    parts.append(f"the trainer's fit {'applies' if trainer else 'does not apply'} (trainer here "
+                 f"{trainer_accelerator}, calibrated on {cal.trainer_accelerator})")
+    if cal.model and cal.model != here:
+        parts.append(f"the model here is {here}, not the calibrated {cal.model}: matched factors would be "
+                     "applied as is")
+    changes = bool(hit) or trainer
+    what = ("In this pool " + "; ".join(parts) + "." if changes else
+            "In this pool it changes nothing: " + "; ".join(parts) + ". The planner prices every group with the "
+            "cost model's priors.")
+    return changes, covers, what
+
+
+def _calibration_notice(path: str, model: str, pool: pd.DataFrame | None, kv: tuple[str, ...],
+                        trainer_accelerator: str) -> str:
+    try:
+        changes, covers, what = calibration_coverage(path, model, pool, kv, trainer_accelerator)
+    except Exception as e:
+        show_error(f"cannot read calibration {path}", e)
+        return ""
+    (st.info if changes else st.warning)(f"{covers} {what}")
+    from mixfleet.costmodel.calibration import Calibration
+
+    cal_model = Calibration.load(path).model
+    models = _known()[0]
+    if cal_model and cal_model in models and st.session_state.get("pl_model") != cal_model:
+        if st.button(f"Plan its model ({cal_model})", key="pl_cal_model",
+                     help="Selects the model the calibration was fitted on. Its accelerators are offered in the "
+                          "pool only when they are GPUs of the catalog."):
+            st.session_state[MODEL_REQUEST_KEY] = cal_model
+            st.rerun()
+    return what
+
+
 # ---- results -----------------------------------------------------------------------------------------------
 def _show(view: planner.PlannerView) -> None:
-    st.subheader("Chosen mix")
+    planned = st.session_state.get(PLANNED_CAL_KEY)
+    st.subheader("Chosen mix" + (" (calibrated)" if planned else ""))
+    if planned:
+        st.caption(f"Planned with calibration `{planned[0]}`. {planned[1]}")
     p = view.chosen_point
     tw = p.get("twin") or {}
     if tw:
@@ -276,6 +351,8 @@ def render() -> None:
                "press **Run planner**.")
     if not planner.available():
         st.warning(f"The mix planner is not available yet: {planner.unavailable_reason()}")
+    if (want := st.session_state.pop(MODEL_REQUEST_KEY, None)) is not None:
+        st.session_state["pl_model"] = want
     with st.container(border=True):
         st.markdown("**Model and workload**")
         mw = _model_and_workload()
@@ -298,8 +375,9 @@ def render() -> None:
         if calibration and calibration.startswith("none"):
             calibration = None
         if asked in cals and calibration == asked:
-            st.success(f"Planning with the calibration fitted on the Runs page: `{asked}` (its fitted values "
-                       "replace the priors for the groups and trainer it covers). Press **Run planner**.")
+            st.success(f"Planning with the calibration fitted on the Runs page: `{asked}`. Press **Run planner**.")
+        cal_what = (_calibration_notice(calibration, mw[0] if mw else "", pool, kv, trainer["trainer_accelerator"])
+                    if calibration else "")
         c1, c2 = st.columns(2)
         backend = c1.selectbox("cost backend", ["roofline", "auto"], index=0, key="pl_backend",
                                help="**auto**: replica step times from NVIDIA aiconfigurator-core's measured tables "
@@ -330,6 +408,7 @@ def render() -> None:
             return
         bar.empty()
         st.session_state[RESULT_KEY] = view
+        st.session_state[PLANNED_CAL_KEY] = (calibration, cal_what) if calibration else None
         st.session_state[PLAN_PAGE_KEY] = view.plan
     view = st.session_state.get(RESULT_KEY)
     if view is not None:

@@ -1,0 +1,71 @@
+"""'Plan with this calibration' says what the calibration covers and what it changes (issue 26 item 3), AppTest.
+
+The calibration is the real one fitted on tiny-cpu runs (benchmarks/results/fidelity-calibration.toml): CPU
+groups of the tiny model and a CPU trainer, so in the default GPU pool it matches nothing. Before, the Plan page
+said "its fitted values replace the priors for the groups and trainer it covers" and planned on the priors.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("streamlit.testing.v1")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+APP = str(ROOT / "ui" / "app.py")
+CAL = ROOT / "benchmarks" / "results" / "fidelity-calibration.toml"
+
+
+@pytest.fixture()
+def cal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    path = tmp_path / "tiny-calibration.toml"
+    shutil.copy(CAL, path)
+    monkeypatch.setenv("MIXFLEET_RUNS_DIR", str(runs))
+    monkeypatch.setenv("MIXFLEET_CALIBRATION", str(path))
+    monkeypatch.setenv("MIXFLEET_UI_UPDATES", "2")
+    return str(path)
+
+
+def test_a_cpu_calibration_says_it_changes_nothing_in_a_gpu_pool(cal: str) -> None:
+    from mixfleet.ui.app_plan import CALIBRATION_REQUEST_KEY
+
+    at = AppTest.from_file(APP, default_timeout=240)
+    at.session_state[CALIBRATION_REQUEST_KEY] = cal       # what "Plan with this calibration" sets
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.selectbox(key="pl_cal").value == cal
+    notice = [w.value for w in at.warning if "Calibration `" in w.value]
+    assert notice, [w.value for w in at.warning]
+    text = notice[0]
+    assert "fitted on model **tiny**" in text and "CPU-2core" in text          # what it covers
+    assert "changes nothing" in text and "does not apply" in text              # what it changes here
+    assert "the model here is qwen3.6-35b-a3b, not the calibrated tiny" in text
+    offer = [b for b in at.button if b.label == "Plan its model (tiny)"]        # its own model, offered
+    assert offer
+    offer[0].click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert at.selectbox(key="pl_model").value == "tiny"
+    text = next(w.value for w in at.warning if "Calibration `" in w.value)
+    assert "changes nothing" in text and "the model here is" not in text       # still no GPU group matches
+
+
+def test_a_calibration_that_covers_the_trainer_says_so_and_the_plan_is_marked_calibrated(cal: str) -> None:
+    import pandas as pd
+    from mixfleet.ui.app_plan import calibration_coverage
+
+    pool = pd.DataFrame([{"use": True, "accelerator": "H100", "max_gpus": 8, "precisions": ["fp8"]}])
+    changes, covers, what = calibration_coverage(cal, "tiny", pool, ("fp8_e4m3",), "CPU-2core")
+    assert changes and "the trainer's fit applies" in what and "no candidate of this pool" in what
+    at = AppTest.from_file(APP, default_timeout=240)
+    at.run()
+    at.selectbox(key="pl_cal").set_value(cal).run()
+    at.button(key="pl_go").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Chosen mix (calibrated)" in [s.value for s in at.subheader]
+    assert any(f"Planned with calibration `{cal}`" in c.value for c in at.caption)
