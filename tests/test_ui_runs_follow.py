@@ -123,3 +123,15 @@ def test_after_a_fidelity_check_continue_stays_on_the_run_and_its_own_overlay(ru
         if m is not None and m.alive():
             rm.kill(m)
     assert json.loads((mine / "run.json").read_text())["format"] == "mixfleet-runlog"
+
+
+def test_a_dead_runs_status_and_the_labelled_resume_target(runs: Path) -> None:
+    """A managed run whose process is gone while its log still says "running" (killed, or the list not reread)
+    is listed with its process's state; the number box beside Resume says what it is."""
+    run = _managed(runs, "mine")
+    _log(run, "runner", status="running")                # never closed: the header says "running"
+    at = _runs_page()
+    assert at.selectbox(key="runs_pick").options[0] == "mine · runner · tiny-cpu · exited"   # was "· running"
+    box = at.number_input(key="mr_mine_more")
+    assert box.label == "Resume to updates (target)"
+    assert box.proto.label_visibility.value == box.proto.label_visibility.VISIBLE    # was collapsed, unlabelled

@@ -113,14 +113,16 @@ def fmt_compact(x: Any, unit: str = "") -> str:
 
 # ---- errors ---------------------------------------------------------------------------------------
 def error_text(e: BaseException) -> str:
-    """One line for the page: SpecError already names the field and the allowed values."""
-    name = type(e).__name__
-    msg = str(e) or name
-    return msg if name == "SpecError" else f"{name}: {msg}"
+    """One line for the page: the message (SpecError already names the field and the allowed values); the
+    exception's class only when it has no message (issue 26: errors started with Python class names)."""
+    return str(e) or type(e).__name__
 
 
 def show_error(prefix: str, e: BaseException) -> None:
+    """The message on the page; which exception it was in an expander below it (for a bug report)."""
     st.error(f"{prefix}: {error_text(e)}")
+    with st.expander("Details", expanded=False):
+        st.code(f"{type(e).__module__}.{type(e).__qualname__}: {e}", language=None)
 
 
 # ---- plans ----------------------------------------------------------------------------------------

@@ -190,10 +190,11 @@ def _controls(m: rm.ManagedRun, p: dict[str, Any] | None) -> None:
         if c[1].button("Kill now", key=f"{key}_kill"):
             _act(lambda: rm.kill(m))
     elif state in ("stopped", "killed", "exited", "failed", "finished"):
-        more = c[1].number_input("to updates", min_value=1, max_value=rm.MAX_UPDATES,
-                                 value=max(m.updates, (p or {}).get("done", 0) + (1 if state == "finished" else 0)),
-                                 key=f"{key}_more", label_visibility="collapsed")
         label = "Continue" if state == "finished" else "Resume"
+        more = c[1].number_input(f"{label} to updates (target)", min_value=1, max_value=rm.MAX_UPDATES,
+                                 value=max(m.updates, (p or {}).get("done", 0) + (1 if state == "finished" else 0)),
+                                 key=f"{key}_more", help="the run's target number of updates, counted from its "
+                                                         "start: more than it has done continues it that far")
         if c[0].button(label, key=f"{key}_resume", type="primary",
                        help="`mixfleet run ... --resume`: from the last trainer checkpoint, each update once"):
             _act(lambda: follow(rm.resume(m, int(more)).run_dir))
@@ -244,6 +245,24 @@ def _calibration_path(root: Path, run_path: Path) -> Path:
     return root / "calibrations" / f"{run_path.name}-calibration.toml"
 
 
+def _num(x: Any) -> float:
+    """A number for the table (None, i.e. not estimated, becomes NaN and shows as a dash)."""
+    return float(x) if isinstance(x, int | float) else math.nan
+
+
+def _source(v: Any) -> str:
+    """Where a value comes from: fitted; kept at the prior (equal to it); or derived from fitted values (not
+    fitted itself, but moved from its prior, e.g. prefill overhead = prior x decode scale). The table used to tick
+    "kept at prior" on such a moved value (issue 26)."""
+    if v.fitted:
+        return "fitted"
+    prior = _num(v.prior)
+    value = _num(v.value)
+    if math.isfinite(prior) and math.isfinite(value) and not math.isclose(value, prior, rel_tol=1e-9, abs_tol=1e-12):
+        return "derived (moved from the prior)"
+    return "kept at prior"
+
+
 def _fitted_rows(cal: Any) -> list[dict[str, Any]]:
     """One row per fitted value: where, parameter, fitted, 1-sigma, prior, unit, fitted or kept, note."""
     import dataclasses
@@ -256,8 +275,8 @@ def _fitted_rows(cal: Any) -> list[dict[str, Any]]:
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name)
             if isinstance(v, Fitted):
-                rows.append({"where": where, "parameter": f.name, "fitted": v.value, "± (1σ)": v.stderr,
-                             "prior": v.prior, "unit": v.unit, "kept at prior": not v.fitted, "note": v.note})
+                rows.append({"where": where, "parameter": f.name, "fitted": v.value, "± (1σ)": _num(v.stderr),
+                             "prior": _num(v.prior), "unit": v.unit, "source": _source(v), "note": v.note or ""})
 
     add("shared", cal)
     for g in cal.groups:

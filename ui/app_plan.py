@@ -297,6 +297,23 @@ def _calibration_notice(path: str, model: str, pool: pd.DataFrame | None, kv: tu
 
 
 # ---- results -----------------------------------------------------------------------------------------------
+WIDE_HELP = ("too few steady updates to pin the figure down; raise **twin check: updates per dry run** and run "
+             "the planner again")
+
+
+def interval_text(value: Any, ci: Any, fmt: Any) -> tuple[str, bool]:
+    """"value ± ci" for a metric card, and whether the 95% interval is wider than half the value (then marked
+    with a warning sign: issue 26, an interval as wide as the figure read as a precise number)."""
+    import math
+
+    text = f"{fmt(value)} ± {fmt(ci)}"
+    try:
+        flagged = math.isfinite(float(ci)) and abs(float(ci)) > 0.5 * abs(float(value))
+    except (TypeError, ValueError):
+        flagged = False
+    return (f"⚠ {text}" if flagged else text), flagged
+
+
 def _show(view: planner.PlannerView) -> None:
     planned = st.session_state.get(PLANNED_CAL_KEY)
     st.subheader("Chosen mix" + (" (calibrated)" if planned else ""))
@@ -306,17 +323,22 @@ def _show(view: planner.PlannerView) -> None:
     tw = p.get("twin") or {}
     if tw:
         st.markdown("**The twin's steady state** (± 95% interval; the analytic screen's figure under each)")
-        c = st.columns(4)
-        c[0].metric("time per update", f"{fmt_s(tw['time_per_update_s'])} ± {fmt_s(tw['time_per_update_ci_s'])}",
-                    delta=f"analytic {fmt_s(p.get('time_per_update_s'))}", delta_color="off")
-        cost = f"{fmt_usd(tw['cost_per_update_usd'])} ± {fmt_usd(tw['cost_per_update_ci_usd'])}"
-        c[1].metric("cost per update", cost,
-                    delta=f"analytic {fmt_usd(p.get('cost_per_update_usd'))}", delta_color="off")
-        stale = f"{fmt_versions(tw['staleness'])} ± {fmt_versions(tw['staleness_ci'])}"
-        c[2].metric("mean staleness (versions)", stale,
-                    delta=f"analytic {fmt_versions(p.get('staleness_mean'))}", delta_color="off")
-        c[3].metric("pipeline fill / warm-up", f"{fmt_s(tw['fill_s'])} / {tw['warmup_updates']} updates",
-                    help=f"{tw['updates']} updates from a warm start; {tw['steady_updates']} steady")
+        c = st.columns(3)              # three wide cards: the ± part is never cut off (four cut it)
+        wide = []
+        for col, label, fmt, key, ci, analytic in (
+                (c[0], "time per update", fmt_s, "time_per_update_s", "time_per_update_ci_s", "time_per_update_s"),
+                (c[1], "cost per update", fmt_usd, "cost_per_update_usd", "cost_per_update_ci_usd",
+                 "cost_per_update_usd"),
+                (c[2], "mean staleness (versions)", fmt_versions, "staleness", "staleness_ci", "staleness_mean")):
+            value, flagged = interval_text(tw[key], tw[ci], fmt)
+            if flagged:
+                wide.append(label)
+            col.metric(label, value, delta=f"analytic {fmt(p.get(analytic))}", delta_color="off",
+                       help=WIDE_HELP if flagged else "the twin's steady-state mean and its 95% interval")
+        st.caption(f"Pipeline fill {fmt_s(tw['fill_s'])}, warm-up {tw['warmup_updates']} updates; {tw['updates']} "
+                   f"updates from a warm start, {tw['steady_updates']} steady.")
+        if wide:
+            st.warning(f"The interval of {', '.join(wide)} is wider than half its value: {WIDE_HELP}")
         st.markdown("**The analytic screen**")
     c = st.columns(5)
     c[0].metric("time per update", fmt_s(p.get("time_per_update_s")), help="the planner's steady-state estimate")

@@ -1,0 +1,51 @@
+"""Issue 26's small ones: wide intervals flagged on the Plan page's cards, errors without Python class names,
+the calibration table (no "None", no "kept at prior" on a value that moved)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("streamlit.testing.v1")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+CAL = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "fidelity-calibration.toml"
+
+
+def test_an_interval_wider_than_half_its_value_is_flagged() -> None:
+    from mixfleet.ui.app_common import fmt_s
+    from mixfleet.ui.app_plan import interval_text
+
+    assert interval_text(10.0, 6.0, fmt_s) == (f"⚠ {fmt_s(10.0)} ± {fmt_s(6.0)}", True)
+    assert interval_text(10.0, 4.0, fmt_s) == (f"{fmt_s(10.0)} ± {fmt_s(4.0)}", False)
+    assert interval_text(10.0, math.nan, fmt_s)[1] is False        # no interval (too few updates): not flagged
+
+
+def _page_with_an_error() -> None:
+    from mixfleet.ui.app_common import show_error
+
+    show_error("cannot start the run", ValueError("run name 'a b': allowed letters, digits, '.', '_' and '-'"))
+
+
+def test_errors_show_the_message_and_the_class_only_in_an_expander() -> None:
+    at = AppTest.from_function(_page_with_an_error)
+    at.run()
+    assert [e.value for e in at.error] == ["cannot start the run: run name 'a b': allowed letters, digits, '.', '_' "
+                                           "and '-'"]                # was "cannot start the run: ValueError: run..."
+    assert at.expander[0].label == "Details"
+    assert "builtins.ValueError" in at.expander[0].code[0].value
+
+
+def test_the_calibration_table_has_no_none_and_a_moved_value_is_not_kept_at_prior() -> None:
+    from mixfleet.costmodel.calibration import Calibration
+    from mixfleet.ui.app_launch import _fitted_rows
+
+    rows = _fitted_rows(Calibration.load(CAL))
+    assert rows and all(r[k] is not None for r in rows for k in r), [r for r in rows if None in r.values()]
+    pre = [r for r in rows if r["parameter"] == "prefill_overhead_s"]
+    assert pre and all(r["source"] == "derived (moved from the prior)" for r in pre
+                       if not math.isclose(r["fitted"], r["prior"])), pre
+    kept = [r for r in rows if r["source"] == "kept at prior"]
+    assert all(math.isclose(r["fitted"], r["prior"], rel_tol=1e-9, abs_tol=1e-12) for r in kept), kept
