@@ -399,7 +399,9 @@ def _replica_features(tr: pd.DataFrame, rm: ReplicaModel, rm_pf0: ReplicaModel, 
     active = np.clip(1.0 - (turns - 1.0) * turn_latency_s / dur, 0.05, 1.0)
     lmid = ptok / 2.0 + (ptok + tok) / 4.0   # mean context while decoding, roughly (grows over the turns)
     per_call = ptok / turns
-    pf_s = turns * (np.asarray(rm_pf0.prefill_s(per_call), dtype=np.float64) + rm.slowdown * rm.prefill_overhead_s)
+    # prefill per request as the twin charges it (`replica_prefill_s`: the forward's time / attention-DP ranks)
+    pf_s = turns * (np.asarray(rm_pf0.prefill_s(per_call), dtype=np.float64)
+                    + rm.slowdown * rm.prefill_overhead_s) / rm.dp_attention
     # piecewise-constant timeline of the replica: concurrency, summed context, prefill seconds per second
     t = np.unique(np.concatenate([s, e]))
     i_s, i_e = np.searchsorted(t, s), np.searchsorted(t, e)

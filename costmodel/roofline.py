@@ -243,27 +243,41 @@ class ReplicaModel:
         return _out(b / np.asarray(self.decode_step_s(b, mean_context)))
 
     def prefill_s(self, new_tokens: ArrayLike, context_before: ArrayLike = 0) -> ArrayLike:
-        """Seconds to prefill `new_tokens` tokens after `context_before` cached tokens (one request)."""
+        """Seconds of the forward that prefills `new_tokens` tokens after `context_before` cached tokens: one
+        request on a plain-TP replica; with attention DP, one such request on every DP rank at once (each rank
+        prefills its own requests, the MoE layers see all ranks' tokens), as aiconfigurator's per-rank prefill
+        latency is. What one request costs the replica's timeline is `replica_prefill_s`."""
         n = np.asarray(new_tokens, dtype=np.float64)
         c = np.asarray(context_before, dtype=np.float64)
         if self.measured is not None:
             return _out(self.measured.prefill(n, c))
         keys = n * c + n * (n + 1.0) / 2.0
         flops = 2.0 * self.model.active_params * n + self._attn_flops_per_key() * keys
-        varying = (self._expert_bytes(n) + (c + n) * self.kv_bytes_per_token
-                   + n * self.model.hidden_size * self.keep_bytes_per_weight)
+        rows = n * self.model.hidden_size * self.keep_bytes_per_weight
         if self.dp_attention == 1:
+            varying = self._expert_bytes(n) + (c + n) * self.kv_bytes_per_token + rows
             byts_gpu = (self._static_bytes() + varying) / self.tp
             flops_gpu = flops / self.tp
-        else:  # one request runs on one attention-DP group; its experts' work spreads over all GPUs
-            m = self.model
-            expert_flops = 2.0 * m.num_layers * m.moe.active_experts * m.expert_params * n
-            flops_gpu = (flops - expert_flops) / self.tp + expert_flops / self.n_gpus
+            comm = self._comm_s(n)
+        else:  # each of the dp ranks prefills one request on its tp GPUs; every rank's experts over all GPUs
+            d = float(self.dp_attention)
+            varying = self._expert_bytes(d * n) + d * ((c + n) * self.kv_bytes_per_token + rows)
             byts_gpu = self._bytes_per_gpu(self._static_bytes(), varying)
+            flops_gpu = d * flops / self.n_gpus        # = one request's FLOPs over its rank's tp GPUs
+            comm = self._comm_s(d * n)
         t = np.maximum(byts_gpu / (self.bw_bytes_per_s * self.eff_bw),
                        flops_gpu / (self.peak_flops_per_s * self.eff_flops))
-        t = (t + self._comm_s(n) + self.prefill_overhead_s) * self.slowdown
+        t = (t + comm + self.prefill_overhead_s) * self.slowdown
         return _out(np.where(n > 0, t, 0.0))
+
+    def replica_prefill_s(self, new_tokens: ArrayLike, context_before: ArrayLike = 0) -> ArrayLike:
+        """Seconds one request's prefill takes from the replica's timeline: `prefill_s`, and under attention DP
+        `prefill_s / dp_attention` (the engines prefill each DP rank's requests in the same forward as the other
+        ranks', so a busy replica prefills dp requests per forward; aiconfigurator's aggregated estimate runs a
+        rank's own batch and multiplies its throughput by dp). The twin stalls a replica for this long per
+        admitted request, and the planner and the published-figures comparison charge it per request."""
+        t = self.prefill_s(new_tokens, context_before)
+        return t if self.dp_attention == 1 else _out(np.asarray(t, dtype=np.float64) / self.dp_attention)
 
     # ---- price ----------------------------------------------------------------------------------
     @property

@@ -310,7 +310,7 @@ def type_from(r: ResolvedGroup, shape: WorkloadShape) -> GroupType:
     rm = r.replica
     reply_per_turn = shape.generated_per_episode / max(shape.turns_per_episode, 1.0)
     tps, b = serving_point(rm, shape, r.max_running)
-    prefill_turn_s = float(rm.prefill_s(shape.new_tokens_per_turn))
+    prefill_turn_s = float(rm.replica_prefill_s(shape.new_tokens_per_turn))   # per request, per DP rank
     prefill_per_token_s = prefill_turn_s / reply_per_turn
     batches = np.arange(1, max(1, math.ceil(b)) + 1, dtype=np.float64)
     speeds = np.asarray(rm.tokens_per_s(batches, shape.decode_context), dtype=np.float64) / batches

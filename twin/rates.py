@@ -59,7 +59,8 @@ class TabulatedRates(GridRates):
         ctx = np.unique(np.geomspace(1, max(max_context, 2), grid_points).round())
         batch = np.arange(1, max_running + 1, dtype=np.float64)
         decode = np.asarray(rm.decode_step_s(batch[:, None], ctx[None, :]), dtype=np.float64).tolist()
-        prefill = np.asarray(rm.prefill_s(ctx), dtype=np.float64).tolist()  # new tokens on the same grid
+        # new tokens on the same grid; per request, as the replica's DP ranks run it (`replica_prefill_s`)
+        prefill = np.asarray(rm.replica_prefill_s(ctx), dtype=np.float64).tolist()
         self.set_grids(max_running, ctx.tolist(), decode, ctx.tolist(), prefill)
 
 
