@@ -318,6 +318,8 @@ def _table(cov: Coverage, max_batch: int, max_context: int) -> StepTable:
     if new[-1] < max_context:  # up to the longest prompt the replica holds: no extrapolation of attention
         new = np.append(new, float(max_context))
     pctx = np.array([c for c in PREFILL_CONTEXTS if c < max(max_context, 1024)], dtype=np.float64)
+    if len(pctx) < 2:  # a short context limit (<= 1024): one column would interpolate to NaN
+        pctx = np.append(pctx, float(max(max_context, 1)))
     pre = np.empty((len(new), len(pctx)))
     for i, n in enumerate(new):
         for j, c in enumerate(pctx):

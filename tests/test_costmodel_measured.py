@@ -97,3 +97,11 @@ def test_layouts_expert_parallel_copies_attention_per_dp_group_and_cheapest_beat
         replica_model(m, "H200", "fp8", layout=Layout(tp=1), kv_budget_tokens=40960)
     with pytest.raises(SpecError, match="dense"):
         replica_model("llama-3.1-8b", "H200", "fp8", layout=Layout.parse("DEP2"))
+
+
+def test_a_short_context_limit_still_gives_a_finite_prefill_table() -> None:
+    # main: a KV budget of <= 1024 tokens left the prefill table one cached-context column, and every prefill
+    # interpolated to NaN (a measured dry run of a tiny-cpu-workload plan prefilled in no time)
+    rm = replica_model("qwen3-30b-a3b", "H100", "fp8", "fp8_e4m3", kv_budget_tokens=1024, backend="aiconfigurator")
+    p = np.asarray(rm.prefill_s(np.array([1.0, 100.0, 1000.0]), np.array([0.0, 0.0, 24.0])))
+    assert np.isfinite(p).all() and (p > 0).all() and p[0] < p[1] < p[2]
