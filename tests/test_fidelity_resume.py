@@ -14,7 +14,14 @@ import json
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.runlog import EventRecord, GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
+from mixfleet.costmodel.runlog import (
+    EventRecord,
+    GroupRecord,
+    RunLog,
+    RunLogWriter,
+    TrajectoryRecord,
+    UpdateRecord,
+)
 from mixfleet.costmodel.runsummary import loop_clock, summarize
 from mixfleet.policies.plan import load_plan
 from mixfleet.twin.calibrated import fidelity, run_metrics
@@ -95,3 +102,37 @@ def test_long_start_ups_stay_out_of_the_loop(tmp_path: Path) -> None:
     m = run_metrics(tmp_path / "run")
     assert m["time_per_update_mean_s"] == pytest.approx(STEP_S)
     assert 0.0 <= m["trainer_idle_share"] <= 1.0
+
+
+def test_the_fidelity_note_says_what_the_resumed_runs_summary_counts(tmp_path: Path) -> None:
+    _resumed_log(tmp_path / "run", startup_s=30.0)
+    rep = fidelity(None, tmp_path / "run", None)
+    note = next(n for n in rep.notes if "segments" in n)
+    assert "2 segments" in note and "60.5 s of start-ups and stops left out" in note, note
+
+
+@pytest.mark.slow
+def test_a_real_run_killed_and_resumed(tmp_path: Path) -> None:
+    """The honest reproduction: a real run (tests/test_run_resume.py's plan and child) killed after update 2 of 4
+    and resumed to 4. On the old code its trainer idle share read negative (-0.34 here, 2026-12-01)."""
+    from runplans import run_files
+    from test_run_resume import PLAN as RESUME_PLAN
+    from test_run_resume import _run
+
+    init, plan = run_files(tmp_path, RESUME_PLAN)
+    out = tmp_path / "out"
+    code, lines = _run([str(plan), str(out), str(init), "4"], tmp_path, "first", kill_after=2)
+    assert code is None and lines[-1].startswith("UPDATE 2"), lines
+    code, lines = _run([str(plan), str(out), str(init), "4", "--resume"], tmp_path, "resumed")
+    assert code == 0 and lines[-1].startswith("UPDATE 4"), (lines, (tmp_path / "resumed.err").read_text()[-2000:])
+    m, s, c = run_metrics(out), summarize(out), loop_clock(out)
+    assert c.segments == 2 and (c.intervals > 0).all(), c
+    assert 0.0 <= m["trainer_idle_share"] <= 1.0, m
+    # the run's own summary less what the loop leaves out (each segment's start-up, the killed segment's tail)
+    log_ev = RunLog.open(out)
+    tr, ev = log_ev.trajectories, log_ev.events
+    resume_at = float(ev.loc[ev["kind"] == "resume", "time_s"].iloc[0])
+    seg2_loop = float(tr.loc[tr["start_s"] >= resume_at, "start_s"].min())
+    seg1_loop, seg1_end = float(tr["start_s"].min()), float(log_ev.updates["end_s"].iloc[1])
+    loop = (seg1_end - seg1_loop) + (s.elapsed_s - seg2_loop)
+    assert m["time_per_update_mean_s"] == pytest.approx(loop / 4, rel=0.10)
