@@ -18,7 +18,9 @@ dp_attention groups holds its own tp-sharded copy of the attention / dense weigh
 batch's KV) with the routed experts spread over all n GPUs (expert parallel); the MoE layer then costs an
 all-to-all (dispatch + combine of each token's k expert copies) instead of the TP all-reduce.
 `layout="cheapest"` tries TP 1-8 and, for MoE, attention-DP + EP layouts, and keeps the one with the lowest
-$/Mtoken at `mean_context` (at its best batch under the serving limit), not the smallest that fits.
+$/Mtoken at the operating point the workload's `ServingLoad` makes it reach (the batch its KV holds of the
+workload's requests, up to the engine's running cap per DP rank; prefill charged per DP rank), not the
+smallest that fits.
 
 Backends (`backend=`): "roofline" (this formula), "aiconfigurator" (measured step tables from NVIDIA's
 aiconfigurator-core, costmodel/measured.py; refused where its support matrix does not reach) and "auto"
@@ -94,6 +96,49 @@ def expert_coverage(num_experts: int, active_experts: int, tokens: ArrayLike) ->
 
 def _out(x: np.ndarray) -> ArrayLike:
     return float(x) if np.ndim(x) == 0 else x
+
+
+@dataclass(frozen=True, kw_only=True)
+class ServingLoad:
+    """What a workload asks of one busy replica, the point its operating point and layout are taken at: the
+    mean decode context of its running requests, the KV tokens each holds (its context and reply), the tokens
+    each prefills and the tokens it generates after that prefill, and the engine's running-request cap per
+    attention-DP rank (each rank runs its own scheduler). The batch it reaches is what the KV holds of such
+    requests, up to that cap."""
+    context: float                       # mean decode context of the running requests, tokens
+    kv_per_request: float                # KV tokens one running request holds
+    prefill_tokens: float = 0.0          # tokens prefilled per request (per turn), 0: decode only
+    reply_tokens: float = 1.0            # tokens generated per prefill
+    max_running: int = DEFAULT_MAX_BATCH  # the engine's running-request cap per attention-DP rank
+
+    def __post_init__(self) -> None:
+        for name in ("context", "kv_per_request", "reply_tokens"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (v > 0 and math.isfinite(v)):
+                raise SpecError("serving load", name, v, "a number > 0")
+        v = self.prefill_tokens
+        if isinstance(v, bool) or not isinstance(v, int | float) or not (v >= 0 and math.isfinite(v)):
+            raise SpecError("serving load", "prefill_tokens", v, "a number >= 0")
+        if isinstance(self.max_running, bool) or not isinstance(self.max_running, int) or self.max_running < 1:
+            raise SpecError("serving load", "max_running", self.max_running, "an integer >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OperatingPoint:
+    """A replica under a `ServingLoad` (`ReplicaModel.operating_point`)."""
+    batch: float                         # running requests: what the KV holds, up to the cap (>= 1)
+    decode_tokens_per_s: float           # generated tokens/s of the replica's decode steps at that batch
+    prefill_s: float                     # one request's prefill, as the replica's timeline pays it
+    tokens_per_s: float                  # generated tokens/s with the prefill charged per request
+    tokens_per_s_per_gpu: float
+    usd_per_mtoken: float
+
+
+def cheapest(replicas: list[ReplicaModel], load: ServingLoad) -> int:
+    """Index of the replica with the lowest USD per generated token at `load`'s operating point (the first
+    among equals): the one layout choice of `replica_model(layout="cheapest")` and the planner."""
+    costs = [r.operating_point(load).usd_per_mtoken for r in replicas]
+    return min(range(len(costs)), key=costs.__getitem__)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -306,6 +351,19 @@ class ReplicaModel:
         return {"batch": int(b[i]), "tokens_per_s": float(b[i] / self.decode_step_s(b[i], mean_context)),
                 "usd_per_mtoken": float(cost[i])}
 
+    def operating_point(self, load: ServingLoad) -> OperatingPoint:
+        """The replica busy with `load`: the batch it reaches (KV capacity / KV per request, clipped to 1 ..
+        the running cap x dp_attention), its decode throughput there at `load.context`, and its throughput with
+        each request's prefill charged as the replica pays it (`replica_prefill_s`, per attention-DP rank):
+        1 / (1 / decode + prefill / reply). The planner's busy throughput and the layout choice use this."""
+        b = float(np.clip(self.kv_capacity_tokens / load.kv_per_request, 1.0, load.max_running * self.dp_attention))
+        tps = float(self.tokens_per_s(b, load.context))
+        pf = float(self.replica_prefill_s(load.prefill_tokens))
+        eff = 1.0 / (1.0 / tps + pf / load.reply_tokens)
+        return OperatingPoint(batch=b, decode_tokens_per_s=tps, prefill_s=pf, tokens_per_s=eff,
+                              tokens_per_s_per_gpu=eff / self.n_gpus,
+                              usd_per_mtoken=self.price_usd_per_hour / 3600.0 / eff * 1e6)
+
     def summary(self) -> dict[str, Any]:
         """Plain-JSON facts about the replica (for CLI --json and run-log headers)."""
         return {"accelerator": self.accelerator.name, "precision": self.precision.name,
@@ -383,7 +441,8 @@ def replica_model(model: ModelSpec | str, accelerator: Accelerator | str, precis
                   emulated: bool = False, efficiency: Efficiency | None = None,
                   kv_budget_tokens: int | None = None, layout: Layout | str | None = None,
                   mean_context: float | None = None, max_batch: int = DEFAULT_MAX_BATCH,
-                  backend: str = "roofline", engine: str | tuple[str, ...] = DEFAULT_ENGINES) -> ReplicaModel:
+                  backend: str = "roofline", engine: str | tuple[str, ...] = DEFAULT_ENGINES,
+                  load: ServingLoad | None = None) -> ReplicaModel:
     """Build the cost model of one replica.
 
     tp=None picks the smallest of 1, 2, 4, 8 (up to the accelerator's max_tp) whose memory holds the
@@ -392,8 +451,11 @@ def replica_model(model: ModelSpec | str, accelerator: Accelerator | str, precis
     `emulated=True` (then every step is `emulation_slowdown` times slower).
 
     `layout`: None / "smallest" (the rule above, plain TP), a `Layout(tp, dp_attention, ep)`, or "cheapest":
-    every candidate layout that fits, priced at its best batch (<= `max_batch` per attention-DP group) at
-    `mean_context` (default: a quarter of the KV budget), lowest $/Mtoken wins. `backend`: "roofline",
+    every candidate layout that fits, priced at the operating point `load` makes it reach (`operating_point`:
+    the batch its KV holds of the load's requests up to the load's running cap per attention-DP rank, prefill
+    charged per rank), lowest $/Mtoken wins (`cheapest`); without a load, decode only at `mean_context`
+    (default: a quarter of the KV budget), requests of that many KV tokens, `max_batch` per rank.
+    `max_batch` also bounds the measured backend's table (per rank; raised to the load's cap). `backend`: "roofline",
     "aiconfigurator" (refused with the reason where not covered) or "auto" (measured where covered); `engine`
     is the measured backend's serving engine (sglang, trtllm, vllm), or engines to try in order (default:
     SGLang's tables, then TensorRT-LLM's where SGLang's database lacks the shape).
@@ -419,6 +481,7 @@ def replica_model(model: ModelSpec | str, accelerator: Accelerator | str, precis
     if budget < 0:
         raise SpecError(where, "kv_budget_tokens", budget, "an integer >= 0")
     lay = _as_layout(layout, tp)
+    table_batch = max(max_batch, load.max_running) if load is not None else max_batch
     eff = (efficiency or Efficiency()).over(Efficiency(
         eff_bw=acc.eff_bw, eff_flops=acc.eff_flops, decode_overhead_s=acc.decode_overhead_s,
         prefill_overhead_s=acc.prefill_overhead_s, emulation_slowdown=prec.emulation_slowdown))
@@ -441,7 +504,7 @@ def replica_model(model: ModelSpec | str, accelerator: Accelerator | str, precis
         for eng in engines:
             try:
                 table = step_table(m, acc, prec, kv, layout=rm.layout, engine=eng, emulated=is_emulated,
-                                   max_batch=max(max_batch * dp, 2), max_context=max(budget, 2))
+                                   max_batch=max(table_batch * dp, 2), max_context=max(budget, 2))
             except NotCovered as e:
                 err = err or e
                 continue
@@ -471,10 +534,9 @@ def replica_model(model: ModelSpec | str, accelerator: Accelerator | str, precis
         if not fits:
             raise _no_fit(where, m, acc, prec, kv, budget, candidates[-1], tp if tp is not None else f"1..{acc.max_tp}")
         ctx = float(mean_context) if mean_context is not None else max(1.0, budget / 4.0)
-        priced = [(build(c.tp, c.dp_attention, c.ep), c) for c in fits]
-        best = min(priced, key=lambda rc: rc[0].best_operating_point(ctx, max_batch * rc[1].dp_attention)
-                   ["usd_per_mtoken"])
-        return best[0]
+        at = load if load is not None else ServingLoad(context=ctx, kv_per_request=ctx, max_running=max_batch)
+        priced = [build(c.tp, c.dp_attention, c.ep) for c in fits]
+        return priced[cheapest(priced, at)]
     chosen = next((t for t in candidates if kv_capacity_tokens(m, acc, prec, kv, t) >= budget), None)
     if chosen is None:
         raise _no_fit(where, m, acc, prec, kv, budget, candidates[-1], tp if tp is not None else f"1..{acc.max_tp}")

@@ -3,13 +3,14 @@
 1. Candidate group types: every accelerator in the pool x every precision it runs natively (x KV dtypes), that
    fits the model, priced by costmodel's one group record (`planspec.resolve_group`, the twin's: replica model
    prior or calibrated, TP, KV capacity, price, weight sync, mismatch), with its busy throughput
-   (`serving_point`): the batch its KV holds of the running set and the step time at that set's context. The
-   running set is the workload's turns weighted by their reply tokens (a replica decodes all running requests at
-   one rate, so a request holds KV for a time proportional to its reply): long, late turns of long episodes,
-   about 1.3x the mean turn's context on the seed workload (`twin.episodes.workload_shape`, measured on the
-   twin's own episode draws, the max_context cut included). Prefill (serial, stalls decoding) is added per reply
-   token. Per accelerator, `PlannerConfig.precisions` narrows the precisions (or names emulated ones, with
-   `emulated`) and `PlannerConfig.prices` overrides the price table; the written plan carries those prices.
+   (`ReplicaModel.operating_point` at `planner_load`): the batch its KV holds of the running set (up to the
+   engine's cap) and the step time at that set's context. The running set is the workload's turns weighted by
+   their reply tokens (a replica decodes all running requests at one rate, so a request holds KV for a time
+   proportional to its reply): long, late turns of long episodes, about 1.3x the mean turn's context on the seed
+   workload (`twin.episodes.workload_shape`, measured on the twin's own episode draws, the max_context cut
+   included). Prefill (serial, stalls decoding) is added per reply token. Per accelerator,
+   `PlannerConfig.precisions` narrows the precisions (or names emulated ones, with `emulated`) and
+   `PlannerConfig.prices` overrides the price table; the written plan carries those prices.
 2. Screen (analytic, vectorized over thousands of candidates): for a mix n (replicas per type) and K prompts
    in flight, fleet throughput T = sum over types of n_i x min(tps_i, what its sessions ask for): the active
    sessions (K x samples / r, r = E[longest of a group's samples] / E[one]: finished samples wait for their
@@ -53,7 +54,13 @@ from mixfleet.costmodel.limits import MAX_GPUS, check_count
 from mixfleet.costmodel.measured import Layout
 from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.planspec import ResolvedGroup, group_calibration, resolve_group, resolve_trainer
-from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, candidate_layouts, kv_capacity_tokens
+from mixfleet.costmodel.roofline import (
+    DEFAULT_MAX_BATCH,
+    ServingLoad,
+    candidate_layouts,
+    cheapest,
+    kv_capacity_tokens,
+)
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import GroupPlan, Plan, PoliciesPlan, PolicyRef, TrainerPlan
 from mixfleet.twin.episodes import WorkloadShape, workload_shape
@@ -271,12 +278,15 @@ def group_types(cfg: PlannerConfig, only: list[GroupPlan] | None = None) -> list
     plan's), each priced by costmodel's one record (`planspec.resolve_group`: replica model, prior or
     calibrated, weight sync, mismatch, running cap) and turned into the screen's numbers (`type_from`). With
     `cfg.layouts == "cheapest"` a group with tp 0 tries every layout that fits (TP 1-8, and for MoE attention DP
-    + expert parallel) and keeps the one with the lowest USD per generated token."""
+    + expert parallel) and keeps the one with the lowest USD per generated token at the planner's load
+    (`roofline.cheapest` at `planner_load`: the batch the workload reaches, prefill charged per DP rank), the
+    choice `replica_model(layout="cheapest", load=...)` makes."""
     cat = _catalog(cfg)
     model = load_model_spec(cfg.model)
     wl = load_workload(cfg.workload)
     trainer_acc = cat.accelerator(cfg.trainer_accelerator)
     shape = workload_shape(wl, wl.samples_per_prompt)
+    load = planner_load(shape)
     explicit = only is not None
     budget = min(wl.max_context, model.max_context)
     out = []
@@ -287,49 +297,45 @@ def group_types(cfg: PlannerConfig, only: list[GroupPlan] | None = None) -> list
             variants = [_with_layout(g, c) for c in candidate_layouts(model, acc.max_tp)
                         if kv_capacity_tokens(model, acc, cat.precision(g.precision), cat.kv_dtype(g.kv_dtype),
                                               c.tp, c.dp_attention) >= budget]
-        best: GroupType | None = None
+        recs = []
         for v in variants:
             try:
-                r = resolve_group(v, model=model, workload=wl, catalog=cat, backend=cfg.backend,
-                                  trainer_accelerator=trainer_acc, calibration=cfg.calibration)
+                recs.append(resolve_group(v, model=model, workload=wl, catalog=cat, backend=cfg.backend,
+                                          trainer_accelerator=trainer_acc, calibration=cfg.calibration))
             except SpecError:
                 if explicit and (v.emulated or v.tp):
                     raise
-                continue
-            t = type_from(r, shape)
-            if best is None or t.usd_per_hour / t.tokens_per_s < best.usd_per_hour / best.tokens_per_s:
-                best = t
-        if best is not None:
-            out.append(best)
+        if recs:   # the layout choice of replica_model(layout="cheapest"), at the planner's load
+            out.append(type_from(recs[cheapest([r.replica for r in recs], load)], shape))
     return out
 
 
-def type_from(r: ResolvedGroup, shape: WorkloadShape) -> GroupType:
-    """The screen's numbers for one resolved group: busy throughput with its prefill (`serving_point`), one
-    session's decode speed by batch, one turn's prefill; price, weight sync and mismatch as `r` has them."""
-    rm = r.replica
+def planner_load(shape: WorkloadShape) -> ServingLoad:
+    """What the workload asks of a busy replica in the planner (and the twin): the running set's context and KV
+    per request (reply-weighted, `twin.episodes.workload_shape`), one turn's new tokens per turn's reply, and
+    the twin's engine cap of DEFAULT_MAX_BATCH running requests per attention-DP rank."""
     reply_per_turn = shape.generated_per_episode / max(shape.turns_per_episode, 1.0)
-    tps, b = serving_point(rm, shape, r.max_running)
-    prefill_turn_s = float(rm.replica_prefill_s(shape.new_tokens_per_turn))   # per request, per DP rank
-    prefill_per_token_s = prefill_turn_s / reply_per_turn
+    return ServingLoad(context=shape.decode_context, kv_per_request=shape.kv_per_request,
+                       prefill_tokens=shape.new_tokens_per_turn, reply_tokens=reply_per_turn,
+                       max_running=DEFAULT_MAX_BATCH)
+
+
+def type_from(r: ResolvedGroup, shape: WorkloadShape) -> GroupType:
+    """The screen's numbers for one resolved group: its operating point at the planner's load (`planner_load`:
+    busy batch and throughput with one turn's prefill charged per request, per DP rank), one session's decode
+    speed by batch, one turn's prefill; price, weight sync and mismatch as `r` has them."""
+    rm = r.replica
+    op = rm.operating_point(planner_load(shape))
+    b = op.batch
     batches = np.arange(1, max(1, math.ceil(b)) + 1, dtype=np.float64)
     speeds = np.asarray(rm.tokens_per_s(batches, shape.decode_context), dtype=np.float64) / batches
-    eff_tps = 1.0 / (1.0 / tps + prefill_per_token_s)
     g = r.group
     return GroupType(name=g.name, accelerator=g.accelerator, precision=g.precision, kv_dtype=g.kv_dtype,
-                     tp=r.gpus, tokens_per_s=eff_tps, per_seq_tokens_per_s=tps / b,
-                     seq_speed_by_batch=tuple(speeds.tolist()), prefill_turn_s=prefill_turn_s,
+                     tp=r.gpus, tokens_per_s=op.tokens_per_s, per_seq_tokens_per_s=op.decode_tokens_per_s / b,
+                     seq_speed_by_batch=tuple(speeds.tolist()), prefill_turn_s=op.prefill_s,
                      usd_per_hour=rm.price_usd_per_hour, sync_s=r.weight_sync_s, masked_share=r.extreme_share,
                      kl_k3=r.kl_k3, emulated=g.emulated, dp_attention=rm.dp_attention, ep=rm.ep, backend=rm.backend,
                      group=g)
-
-
-def serving_point(rm: Any, shape: WorkloadShape, max_running: int = DEFAULT_MAX_BATCH) -> tuple[float, float]:
-    """A busy replica's decode throughput and batch: (tokens/s, running requests). The batch is what its KV
-    holds of the running set (`shape.kv_per_request` each: the reply-weighted context + reply, not the mean
-    turn's), capped at the engine's running limit; the step time at the running set's context."""
-    b = float(np.clip(rm.kv_capacity_tokens / shape.kv_per_request, 1.0, max_running))
-    return float(rm.tokens_per_s(b, shape.decode_context)), b
 
 
 @contextlib.contextmanager
