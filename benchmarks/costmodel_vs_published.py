@@ -3,6 +3,9 @@
 1. Every row of data/measurements/ (one published figure each) predicted by the roofline and by the measured
    backend (aiconfigurator-core) for that exact setup: model / published, median and worst factor per
    backend, accelerator, precision, source and regime (`mixfleet validate-costmodel` prints the same).
+   Beside it, the path users get (issue 25): every max-throughput row priced by `replica_model(layout=
+   "cheapest", backend="auto")` at the row's lengths, at that layout's operating point, per row and per setup
+   (against the best layout the publisher ran for it).
 2. The roofline's factors fitted to those rows (`mixfleet calibrate --measurements`), judged leave one source out.
 3. Roofline vs aiconfigurator decode-step time over (GPU, precision, batch, context, layout) for Qwen3-30B-A3B,
    the profiled model closest to the seed's (48 layers, hidden 2048, 128 experts top-8; the seed's own spec
@@ -115,7 +118,7 @@ def main() -> None:
         "wall_s": time.perf_counter() - w0, "compare_cpu_s": c_cmp - c0, "fit_cpu_s": c_fit - c_cmp,
         "measured_backend_cost": timings, "n_rows": rep["n_rows"], "sources": rep["sources"],
         "summary": rep["summary"], "fitted_roofline_in_sample": fitted["summary"]["roofline"],
-        "fit": fit.to_dict(), "grid": grid, "rows": rep["rows"],
+        "fit": fit.to_dict(), "grid": grid, "rows": rep["rows"], "user_path": rep["user_path"],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, default=str))
@@ -131,6 +134,16 @@ def main() -> None:
         for dim in ("gpu", "precision", "regime", "source"):
             for k, v in s[dim].items():
                 print(line(f"  {dim} {k}", v))
+    up = rep["user_path"]
+    print(f"the path users get: {up['n_rows']} max-throughput rows, {up['n_setups']} setups "
+          "(replica_model(layout='cheapest', backend='auto') at each row's lengths, its operating point)")
+    for b in ("roofline", "aiconfigurator"):
+        s = up["summary"][b]
+        print(line(f"{b} fixed layout, the same rows", s["fixed_same_rows"]))
+        print(line(f"{b} user path, the same rows", s["user_same_rows_as_fixed"]))
+        print(line(f"{b} user path, every max-throughput row", s["user"]),
+              f"fell back {s['fell_back']}, not priced {s['not_priced']}")
+        print(line(f"{b} user path vs best published layout", s["user_vs_best_published"]))
     print(line("roofline fitted, in sample", fit.in_sample))
     print(line("roofline fitted, out of sample (LOSO)", fit.out_of_sample))
     print(line("roofline priors, same rows", fit.priors_same_rows))

@@ -16,7 +16,15 @@ measured aiconfigurator backend, same layout, lengths and concurrency):
 where c is the concurrency or, for offline maximum-throughput rows, the largest batch the replica's KV
 holds at ISL + OSL tokens (at most `OFFLINE_MAX_BATCH` per attention-DP group). `compare(...)` gives per
 row predicted / published and the median and worst factor (max(p/m, m/p)) per backend, accelerator,
-precision and source. Pure numpy; aiconfigurator is reached only through costmodel/measured.py.
+precision and source.
+
+`predict_user(row, backend)` prices a max-throughput row the way a user, the planner and the catalog get a
+replica: not at the row's own layout and batch but with `replica_model(layout="cheapest")` (backend "auto"
+for the measured one: measured where covered, the roofline elsewhere; the default engines) at the row's
+lengths (`row_load`: ISL + OSL / 2 context, ISL + OSL KV per request, ISL prefilled per OSL reply, the offline
+cap of `OFFLINE_MAX_BATCH` per attention-DP rank), read at that layout's operating point (the batch the KV
+holds, prefill charged per DP rank): output tokens/s per GPU. `compare` reports it beside the fixed-layout
+comparison (`user_path`). Pure numpy; aiconfigurator is reached only through costmodel/measured.py.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.measured import Layout, NotCovered
 from mixfleet.costmodel.model import ModelSpec, known_models, load_model_spec
 from mixfleet.costmodel.paths import data_path
-from mixfleet.costmodel.roofline import Efficiency, FitError, ReplicaModel, replica_model
+from mixfleet.costmodel.roofline import Efficiency, FitError, ReplicaModel, ServingLoad, replica_model
 from mixfleet.costmodel.tomlread import check_keys, get_float, get_int, get_str, get_table, read_toml
 
 METRICS = ("output_tokens_per_s_per_gpu", "tpot_ms")
@@ -234,6 +242,67 @@ def predict(m: Measurement, backend: str, *, catalog: Catalog | None = None,
                       reason=why)
 
 
+# ---- the path users get ----------------------------------------------------------------------------------
+
+USER_BACKENDS = {"roofline": "roofline", "aiconfigurator": "auto"}   # compare's backend -> replica_model's
+
+
+def row_load(m: Measurement) -> ServingLoad:
+    """What row m's benchmark asks of a replica: its mean lengths, a KV of ISL + OSL per request, ISL prefilled
+    per OSL generated, and the engines' offline running cap (`OFFLINE_MAX_BATCH` per attention-DP rank)."""
+    return ServingLoad(context=m.mean_isl + m.mean_osl / 2.0, kv_per_request=float(m.isl + m.osl),
+                       prefill_tokens=m.mean_isl, reply_tokens=m.mean_osl, max_running=OFFLINE_MAX_BATCH)
+
+
+def user_path_row(m: Measurement) -> bool:
+    """A row the user path is held against: offline maximum throughput, output tokens/s per GPU."""
+    return m.concurrency == 0 and m.metric == "output_tokens_per_s_per_gpu"
+
+
+@dataclass(frozen=True, kw_only=True)
+class UserPrediction:
+    row: str
+    backend: str                   # compare's backend name (roofline | aiconfigurator)
+    layout: str | None             # the layout replica_model(layout="cheapest") chose
+    priced_by: str | None          # who priced the chosen replica (None: not comparable)
+    value: float | None            # output tokens/s per GPU at its operating point
+    batch: float | None
+    reason: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.value is not None and math.isfinite(self.value) and self.value > 0
+
+
+def predict_user(m: Measurement, backend: str, *, catalog: Catalog | None = None) -> UserPrediction:
+    """Row m as a user gets it: `replica_model(layout="cheapest", load=row_load(m))` on the row's GPU type,
+    precision and KV (backend "auto" for "aiconfigurator", the default engines), any GPU count up to the
+    accelerator's, read at its operating point (`ReplicaModel.operating_point`): output tokens/s per GPU."""
+    def none(reason: str) -> UserPrediction:
+        return UserPrediction(row=m.key, backend=backend, layout=None, priced_by=None, value=None, batch=None,
+                              reason=reason)
+
+    if backend not in USER_BACKENDS:
+        raise SpecError("user path", "backend", backend, tuple(USER_BACKENDS))
+    if not user_path_row(m):
+        return none("not a max-throughput row")
+    spec = _spec(m)
+    if spec is None:
+        return none("model: a spec in data/models (the spec format cannot describe this model)")
+    load = row_load(m)
+    try:
+        rm = replica_model(spec, m.gpu, m.precision, m.kv, catalog=catalog or load_catalog(), emulated=True,
+                           layout="cheapest", load=load, kv_budget_tokens=m.isl + m.osl,
+                           backend=USER_BACKENDS[backend], max_batch=OFFLINE_MAX_BATCH)
+    except FitError:
+        return none("does not fit the GPUs' memory in the cost model")
+    except SpecError as e:
+        return none(f"{e.field}: {e.allowed}")
+    op = rm.operating_point(load)
+    return UserPrediction(row=m.key, backend=backend, layout=rm.layout.label, priced_by=rm.backend,
+                          value=op.tokens_per_s_per_gpu, batch=op.batch)
+
+
 # ---- comparison -------------------------------------------------------------------------------------------
 
 def factor(pred: float, meas: float) -> float:
@@ -259,9 +328,11 @@ def summarize(ratios: Sequence[float]) -> dict[str, Any]:
 
 
 def compare(rows: Iterable[Measurement], backends: Sequence[str] = ("roofline", "aiconfigurator"), *,
-            catalog: Catalog | None = None, efficiency_for: Any = None) -> dict[str, Any]:
+            catalog: Catalog | None = None, efficiency_for: Any = None, user: bool = True) -> dict[str, Any]:
     """Every row predicted by every backend; summaries per backend and per (backend, accelerator / precision /
-    source / regime). `efficiency_for(row) -> Efficiency | None` lets a fitted roofline be compared."""
+    source / regime). `efficiency_for(row) -> Efficiency | None` lets a fitted roofline be compared. With
+    `user` (default) also `user_path`: the max-throughput rows as users get them (`user_path`), beside the
+    fixed-layout figures of the same rows."""
     cat = catalog or load_catalog()
     rows = list(rows)
     table = []
@@ -283,4 +354,60 @@ def compare(rows: Iterable[Measurement], backends: Sequence[str] = ("roofline", 
             by[dim] = {v: summarize([e[b]["ratio"] for e in ok if str(e[dim]) == v]) for v in vals}
         by["not_priced"] = len(table) - len(ok)
         summary[b] = by
-    return {"rows": table, "summary": summary, "n_rows": len(table), "sources": sorted({m.source for m in rows})}
+    return {"rows": table, "summary": summary, "n_rows": len(table), "sources": sorted({m.source for m in rows}),
+            "user_path": user_path(rows, backends, catalog=cat, fixed=table) if user else None}
+
+
+def user_path(rows: Iterable[Measurement], backends: Sequence[str] = ("roofline", "aiconfigurator"), *,
+              catalog: Catalog | None = None, fixed: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+    """The max-throughput rows as users get them (`predict_user`), beside the fixed-layout prediction of the
+    same rows (`fixed`: compare's table; recomputed when None): per row the layout chosen, its value and ratio;
+    per backend the summary of both over the same rows, and (`user_vs_best_published`) per setup (source, GPU,
+    model, precision, lengths) the user figure against the best layout the publisher ran for it, its
+    max-throughput figure (a layout sweep's other rows are slower layouts, not what the user path picks). For
+    the measured backend a row counts where the replica the user gets was priced by it (a layout it does not
+    cover falls back to the roofline: counted apart, `fell_back`)."""
+    cat = catalog or load_catalog()
+    rows = [m for m in rows if user_path_row(m)]
+    by_key = {e["row"]: e for e in (fixed or [])}
+    table = []
+    for m in rows:
+        entry: dict[str, Any] = {"row": m.key, "gpu": m.gpu, "model": m.model, "precision": m.precision,
+                                 "isl": m.isl, "osl": m.osl, "published_layout": m.layout.label, "value": m.value}
+        for b in backends:
+            u = predict_user(m, b, catalog=cat)
+            f = by_key[m.key][b] if m.key in by_key else None
+            if f is None:
+                p = predict(m, b, catalog=cat)
+                f = {"value": p.value, "priced_by": p.priced_by, "ratio": ratio_for(m, p.value) if p.ok else None}
+            entry[b] = {"layout": u.layout, "value": u.value, "priced_by": u.priced_by, "batch": u.batch,
+                        "reason": u.reason, "ratio": ratio_for(m, u.value) if u.ok else None,
+                        "fixed_value": f["value"], "fixed_priced_by": f["priced_by"], "fixed_ratio": f["ratio"]}
+        table.append(entry)
+    # a setup (source, GPU, model, precision, lengths) the publisher ran in several layouts has one user figure;
+    # its max-throughput figure is the best of them
+    best: dict[tuple, float] = {}
+    for m in rows:
+        k = _setup(m)
+        best[k] = max(best.get(k, 0.0), m.value)
+    for m, e in zip(rows, table, strict=True):
+        e["setup_best_published"] = best[_setup(m)]
+        for b in backends:
+            v = e[b]["value"]
+            e[b]["ratio_to_best"] = v / best[_setup(m)] if e[b]["ratio"] is not None else None
+    summary: dict[str, Any] = {}
+    for b in backends:
+        ok = [e for e in table if e[b]["ratio"] is not None and e[b]["priced_by"] == b]
+        both = [e for e in ok if e[b]["fixed_ratio"] is not None and e[b]["fixed_priced_by"] == b]
+        setups = {_setup(m): e[b]["ratio_to_best"] for m, e in zip(rows, table, strict=True) if e in ok}
+        summary[b] = {"user": summarize([e[b]["ratio"] for e in ok]),
+                      "user_vs_best_published": summarize(list(setups.values())),
+                      "user_same_rows_as_fixed": summarize([e[b]["ratio"] for e in both]),
+                      "fixed_same_rows": summarize([e[b]["fixed_ratio"] for e in both]),
+                      "fell_back": sum(1 for e in table if e[b]["ratio"] is not None and e[b]["priced_by"] != b),
+                      "not_priced": sum(1 for e in table if e[b]["ratio"] is None)}
+    return {"rows": table, "summary": summary, "n_rows": len(table), "n_setups": len(best)}
+
+
+def _setup(m: Measurement) -> tuple[str, str, str, str, int, int]:
+    return (m.source, m.gpu, m.model, m.precision, m.isl, m.osl)
