@@ -36,7 +36,8 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
     ) -> None:
         """Each published figure vs the cost model's prediction for that exact setup (layout, lengths,
-        concurrency): model / published, median and worst factor per backend, accelerator, precision, source."""
+        concurrency): model / published, median and worst factor per backend, accelerator, precision, source;
+        and the path users get: each max-throughput row at the layout and operating point the planner chooses."""
         from mixfleet.costmodel.errors import SpecError
         from mixfleet.costmodel.measurements import compare, load_measurements
 
@@ -79,6 +80,25 @@ def _print(rep: dict[str, Any], names: list[str], show_rows: bool) -> None:
                 t.add_row("", dim, k, str(v["n"]), _f(v["median_factor"]), _f(v["worst_factor"]), _f(v["median_ratio"]))
         t.add_row("", "not priced", "", str(s["not_priced"]), "", "", "")
     con.print(t)
+    up = rep.get("user_path")
+    if up and up["n_rows"]:
+        u = Table(title=f"The path users get: {up['n_rows']} max-throughput rows ({up['n_setups']} setups), each as "
+                        "replica_model(layout='cheapest', backend='auto') prices it at the row's lengths, at that "
+                        "layout's operating point (prefill per DP rank), beside the row's own layout")
+        for col in ("backend", "prediction", "rows", "median factor", "worst factor", "median ratio"):
+            u.add_column(col, justify="left" if col in ("backend", "prediction") else "right")
+        for b in names:
+            s = up["summary"][b]
+            for j, (label, key) in enumerate((("fixed layout, the same rows", "fixed_same_rows"),
+                                              ("user path, the same rows", "user_same_rows_as_fixed"),
+                                              ("user path, every max-throughput row", "user"),
+                                              ("user path vs the best published layout", "user_vs_best_published"))):
+                v = s[key]
+                u.add_row(b if j == 0 else "", label, str(v["n"]), _f(v["median_factor"]), _f(v["worst_factor"]),
+                          _f(v["median_ratio"]), style="bold" if key == "user_vs_best_published" else None)
+            u.add_row("", f"fell back to the roofline: {s['fell_back']}, not priced: {s['not_priced']}", "", "", "",
+                      "")
+        con.print(u)
     if show_rows:
         r = Table(title="Rows (published vs each backend)")
         for col in ("row", "gpu", "model", "layout", "prec", "ISL/OSL", "conc", "metric", "published", *names):
