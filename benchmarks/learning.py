@@ -120,13 +120,12 @@ def study_runs(rungs: list[str], seeds: list[int], args: argparse.Namespace, out
 
 
 def _eval_curve(events: Any) -> list[dict[str, float]]:
+    from mixfleet.costmodel.trackers import eval_detail  # the one reader of the runner's eval events
+
     out = []
     for d in events[events["kind"] == "note"]["detail"]:
-        try:
-            rec = json.loads(d)
-        except (TypeError, ValueError):
-            continue
-        if rec.get("eval") == "pass_at_k":
+        rec = eval_detail(d)
+        if rec is not None:
             out.append({"version": int(rec["version"]), "reward": float(rec["reward"]),
                         "pass_at_k": float(rec["pass_at_k"]), "k": int(rec["k"]), "problems": int(rec["problems"])})
     return sorted(out, key=lambda e: e["version"])

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from mixfleet.policies.plan import Plan, load_plan, with_overrides
-from mixfleet.studies.runs import StudyRun, StudySettings, run_state, run_study
+from mixfleet.studies.runs import StudyRun, StudySettings, run_states, run_study
 
 ABLATION_FILE = "ablation.json"
 RUN_FILE = "ablation_run.json"
@@ -166,12 +166,14 @@ def run_specs(config: AblationConfig) -> list[RunSpec]:
             for s in config.seeds for f in config.fleets for v in config.variants]
 
 
+def variant_overrides(base_name: str, variant_key: str, seed: int, *, top_p: float = DEFAULT_TOP_P) -> dict[str, Any]:
+    """The variant's loss overrides, the seed and the run's plan name: the one place the runs differ."""
+    return {**variant(variant_key).overrides(top_p), "seed": int(seed), "name": f"{base_name}-{variant_key}-s{seed}"}
+
+
 def variant_plan(base: Plan, variant_key: str, seed: int, *, top_p: float = DEFAULT_TOP_P) -> Plan:
-    """The base plan with the variant's loss overrides and the seed: the one place the runs differ."""
-    over = variant(variant_key).overrides(top_p)
-    over["seed"] = int(seed)
-    over["name"] = f"{base.name}-{variant_key}-s{seed}"
-    return with_overrides(base, over)
+    """The base plan with `variant_overrides` applied."""
+    return with_overrides(base, variant_overrides(base.name, variant_key, seed, top_p=top_p))
 
 
 def resolve_base_policy(config: AblationConfig, model: str = "tiny") -> str:
@@ -190,12 +192,10 @@ def resolve_base_policy(config: AblationConfig, model: str = "tiny") -> str:
 def run_ablation(config: AblationConfig, *, log: Callable[[str], Any] = print) -> dict[str, Any]:
     """Run (or continue) the study; returns the manifest (also written to OUT/ablation.json). The runs go through
     the studies' one driver (studies/runs.py): child processes, resume, retries, time-outs."""
-    for f in config.fleets:                                    # bad plans fail before anything starts
-        load_plan(config.plan_ref(f))
+    plans = {f: load_plan(config.plan_ref(f)) for f in config.fleets}   # bad plans fail before anything starts
     specs = run_specs(config)
     runs = [StudyRun(name=s.name, out_dir=s.out_dir, plan=config.plan_ref(s.fleet),
-                     overrides={**variant(s.variant).overrides(config.top_p), "seed": int(s.seed),
-                                "name": f"{load_plan(config.plan_ref(s.fleet)).name}-{s.variant}-s{s.seed}"},
+                     overrides=variant_overrides(plans[s.fleet].name, s.variant, s.seed, top_p=config.top_p),
                      run={"updates": config.updates, "seed": int(s.seed), "eval_every": config.eval_every,
                           "eval_at_start": bool(config.eval_every),
                           **({"lr": config.lr} if config.lr is not None else {})},
@@ -203,22 +203,18 @@ def run_ablation(config: AblationConfig, *, log: Callable[[str], Any] = print) -
                            "updates": config.updates, "lr": config.lr},
                      run_file=RUN_FILE)
             for s in specs]
-    state_before = {r.name: run_state(r.out_dir, r.updates) for r in runs}
-    partial = [n for n, st in state_before.items() if st == "partial"]
-    if partial and not config.resume:                          # said in the ablation's own words (its CLI flag)
-        raise ValueError(f"ablation: unfinished runs under {config.out_dir}: {', '.join(partial)}; allowed: "
-                         "pass resume (--resume) to continue them, or remove their folders")
-    models = {f: load_plan(config.plan_ref(f)).model for f in config.fleets}
-    bases = {m: resolve_base_policy(config, m) for m in sorted(set(models.values()))}
-    runs = [dataclasses.replace(r, base_policy=bases[models[s.fleet]]) for r, s in zip(runs, specs, strict=True)]
-    base_policy = bases[models[config.fleets[0]]]
+    # refused in the ablation's own words before any base policy is trained
+    states = run_states(runs, resume=config.resume, where="ablation", folder=config.out_dir)
+    bases = {m: resolve_base_policy(config, m) for m in sorted({p.model for p in plans.values()})}
+    runs = [dataclasses.replace(r, base_policy=bases[plans[s.fleet].model]) for r, s in zip(runs, specs, strict=True)]
+    base_policy = bases[plans[config.fleets[0]].model]
     extra = {"format": "mixfleet-ablation", "format_version": 1,
              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
              "variants": {v.key: {"label": v.label, "overrides": v.overrides(config.top_p)}
                           for v in VARIANTS if v.key in config.variants},
              "plans": {f: config.plan_ref(f) for f in config.fleets}, "base_policies": bases}
     return run_study(runs, manifest_path=config.out_dir / ABLATION_FILE, manifest_extra=extra,
-                     base_policy=base_policy, log=log,
+                     base_policy=base_policy, log=log, states=states,
                      settings=StudySettings(resume=config.resume, parallel=config.parallel,
                                             run_timeout_s=config.run_timeout_s, start_gap_s=config.start_gap_s,
                                             retries=config.retries))

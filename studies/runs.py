@@ -90,6 +90,16 @@ def run_state(out_dir: Path, updates: int) -> str:
     return "finished" if status == "finished" and done >= updates else "partial"
 
 
+def run_states(runs: Sequence[StudyRun], *, resume: bool, where: str, folder: Path) -> dict[str, str]:
+    """Each run's `run_state`; unfinished runs without `resume` are refused, naming them and --resume."""
+    states = {r.name: run_state(r.out_dir, r.updates) for r in runs}
+    partial = [r.name for r in runs if states[r.name] == "partial"]
+    if partial and not resume:
+        raise ValueError(f"{where}: unfinished runs under {folder}: {', '.join(partial)}; allowed: "
+                         "pass resume (--resume) to continue them, or remove their folders")
+    return states
+
+
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
@@ -104,16 +114,15 @@ def _job(run: StudyRun, base_policy: str, resume: bool) -> dict[str, Any]:
 
 def run_study(runs: Sequence[StudyRun], *, manifest_path: Path, manifest_extra: Mapping[str, Any],
               base_policy: str, settings: StudySettings, log: Callable[[str], Any] = print,
-              child_module: str = "mixfleet.studies.runs") -> dict[str, Any]:
-    """Run (or continue) every run; returns the manifest (also written to `manifest_path`)."""
+              child_module: str = "mixfleet.studies.runs", states: Mapping[str, str] | None = None
+              ) -> dict[str, Any]:
+    """Run (or continue) every run; returns the manifest (also written to `manifest_path`). `states`: what
+    `run_states` already said of these runs (a caller that checks before preparing its base policy)."""
     names = [r.name for r in runs]
     if len(set(names)) != len(names):
         raise ValueError(f"study: run names must be distinct; got {names}")
-    states = {r.name: run_state(r.out_dir, r.updates) for r in runs}
-    partial = [r.name for r in runs if states[r.name] == "partial"]
-    if partial and not settings.resume:
-        raise ValueError(f"study: unfinished runs under {manifest_path.parent}: {', '.join(partial)}; allowed: "
-                         "pass resume (--resume) to continue them, or remove their folders")
+    states = dict(states) if states is not None else \
+        run_states(runs, resume=settings.resume, where="study", folder=manifest_path.parent)
     manifest_path.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
     manifest: dict[str, Any] = {**manifest_extra, "base_policy": base_policy, "runs": old.get("runs", {}),
