@@ -3,9 +3,11 @@
 `load_catalog(price_table="modal")` reads `data/accelerators.toml` and `data/precisions.toml` and
 returns a `Catalog`: accelerators (memory, bandwidth, dense TFLOP/s per format, link, cold start,
 default efficiency factors, the selected table's price), precisions (bytes per weight including
-scales, native / emulable architectures) and KV-cache dtypes. A bad file names the field, the value
-and what is allowed; an unknown name lists the known ones. Whether a (accelerator, precision) pair
-runs natively, emulated, or not at all is decided here (`Catalog.support`).
+scales, native / emulable architectures) and KV-cache dtypes. A price table may have a spot table
+(`[spot.<table>]`: per accelerator a spot / preemptible USD per GPU-hour and a preemption rate per
+replica-hour, sourced and dated like every price; `Catalog.spot`). A bad file names the field, the
+value and what is allowed; an unknown name lists the known ones. Whether a (accelerator, precision)
+pair runs natively, emulated, or not at all is decided here (`Catalog.support`).
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class Accelerator:
     estimate: bool = False             # True when the hardware numbers are estimates
     source: str = ""
     date: str = ""
+    spot_usd_per_gpu_hour: float | None = None  # the table's spot / preemptible price (None: no spot capacity)
+    spot_preemptions_per_hour: float = 0.0      # preemptions per replica-hour at that spot price
+    spot_estimate: bool = False                 # True when the spot figures are estimates
+    spot: bool = False                          # this record is priced at the spot price (`Catalog.spot`)
 
     def peak_tflops(self, compute: str) -> float:
         """Dense TFLOP/s for a compute format name ('bf16', 'fp8', 'fp4', 'fp32')."""
@@ -150,6 +156,8 @@ class Catalog:
     price_table_names: tuple[str, ...] = field(default=())
     price_table_source: str = ""
     price_table_date: str = ""
+    spot_source: str = ""                          # the selected table's [spot.<table>] source and date
+    spot_date: str = ""
 
     def accelerator(self, name: str | Accelerator) -> Accelerator:
         if isinstance(name, Accelerator):
@@ -194,6 +202,24 @@ class Catalog:
                                      price_estimate=False)
         return replace(self, accelerators=MappingProxyType(accs))
 
+    def spot(self, name: str | Accelerator) -> Accelerator:
+        """The accelerator priced at this table's spot price (`spot = True`, `price_table` "<table>-spot"); an
+        accelerator without a spot price in this table is refused, naming those that have one."""
+        acc = self.accelerator(name)
+        if acc.spot:
+            return acc
+        if acc.spot_usd_per_gpu_hour is None:
+            have = self.spot_accelerators()
+            none = f"none (data/accelerators.toml has no [spot.{self.price_table}])"
+            raise SpecError("catalog", "spot", acc.name, f"an accelerator with a spot price in price table "
+                            f"'{self.price_table}': " + (", ".join(have) if have else none))
+        return replace(acc, price_usd_per_gpu_hour=acc.spot_usd_per_gpu_hour, price_table=f"{self.price_table}-spot",
+                       price_estimate=acc.spot_estimate, spot=True)
+
+    def spot_accelerators(self) -> list[str]:
+        """Accelerators with a spot price in the selected table."""
+        return [n for n, a in self.accelerators.items() if a.spot_usd_per_gpu_hour is not None]
+
     def native_accelerators(self, precision: str | Precision) -> list[str]:
         """Accelerators that run the precision natively."""
         return [a for a in self.accelerators if self.support(a, precision) == "native"]
@@ -234,7 +260,7 @@ def _load_default(price_table: str | None) -> Catalog:
 
 def _load(acc_path: Path, prec_path: Path, price_table: str | None) -> Catalog:
     precisions, kv_dtypes = _parse_precisions(prec_path)
-    accelerators, tables, chosen, tsrc, tdate = _parse_accelerators(acc_path, price_table)
+    accelerators, tables, chosen, tsrc, tdate, ssrc, sdate = _parse_accelerators(acc_path, price_table)
     # consistency: a format native on an architecture needs that accelerator's TFLOP/s for it
     for acc in accelerators.values():
         for prec in precisions.values():
@@ -247,14 +273,40 @@ def _load(acc_path: Path, prec_path: Path, price_table: str | None) -> Catalog:
                                 "> 0 (or tflops_fp32 > 0) so that emulated formats have a compute peak")
     return Catalog(accelerators=MappingProxyType(accelerators), precisions=MappingProxyType(precisions),
                    kv_dtypes=MappingProxyType(kv_dtypes), price_table=chosen, price_table_names=tables,
-                   price_table_source=tsrc, price_table_date=tdate)
+                   price_table_source=tsrc, price_table_date=tdate, spot_source=ssrc, spot_date=sdate)
+
+
+def _parse_spot(where: str, raw: dict[str, Any], tables: tuple[str, ...], chosen: str, accs: tuple[str, ...]
+                ) -> tuple[dict[str, tuple[float, float, bool]], str, str]:
+    """The selected table's spot figures: accelerator -> (USD per GPU-hour, preemptions per replica-hour,
+    estimate), with the spot table's source and date (none: empty)."""
+    spot = get_table(where, raw, "spot", default={})
+    for name in spot:
+        if name not in tables:
+            raise SpecError(where, f"spot.{name}", name, "a price table name: " + ", ".join(tables))
+    if chosen not in spot:
+        return {}, "", ""
+    t = get_table(where, spot, chosen)
+    w = f"{where} [spot.{chosen}]"
+    check_keys(w, t, ("source", "date", "estimates", *accs))
+    src, date = get_str(w, t, "source"), get_str(w, t, "date")
+    estimates = get_str_list(w, t, "estimates", default=[], allowed=accs)
+    out = {}
+    for name in accs:
+        if name not in t:
+            continue
+        e = get_table(w, t, name)
+        check_keys(f"{w} {name}", e, ("usd", "preemptions_per_hour"))
+        out[name] = (get_float(f"{w} {name}", e, "usd", lo=0.0, lo_open=True),
+                     get_float(f"{w} {name}", e, "preemptions_per_hour", lo=0.0, hi=3600.0), name in estimates)
+    return out, src, date
 
 
 def _parse_accelerators(path: Path, price_table: str | None
-                        ) -> tuple[dict[str, Accelerator], tuple[str, ...], str, str, str]:
+                        ) -> tuple[dict[str, Accelerator], tuple[str, ...], str, str, str, str, str]:
     raw = read_toml(path)
     where = str(path)
-    check_keys(where, raw, ("schema", "default_price_table", "defaults", "accelerators", "prices"))
+    check_keys(where, raw, ("schema", "default_price_table", "defaults", "accelerators", "prices", "spot"))
     get_int(where, raw, "schema", lo=1, hi=1)
     defaults = get_table(where, raw, "defaults")
     check_keys(f"{where} [defaults]", defaults, _DEFAULTABLE)
@@ -272,6 +324,7 @@ def _parse_accelerators(path: Path, price_table: str | None
     tdate = get_str(pwhere, ptable, "date")
     estimates = get_str_list(pwhere, ptable, "estimates", default=[], allowed=tuple(accs_raw))
     check_keys(pwhere, ptable, ("source", "date", "estimates", *accs_raw))
+    spot, ssrc, sdate = _parse_spot(where, raw, tables, chosen, tuple(accs_raw))
 
     fields = ("kind", "arch", "memory_gb", "bandwidth_tb_s", "tflops_bf16", "tflops_fp8", "tflops_fp4",
               "tflops_fp32", "link", "link_gb_s", "cold_start_s", "estimate", "source", "date", *_DEFAULTABLE)
@@ -306,10 +359,12 @@ def _parse_accelerators(path: Path, price_table: str | None
             price_usd_per_gpu_hour=price, price_table=chosen, price_estimate=name in estimates,
             estimate=get_bool(w, a, "estimate", default=False), source=get_str(w, a, "source"),
             date=get_str(w, a, "date"),
+            **({"spot_usd_per_gpu_hour": spot[name][0], "spot_preemptions_per_hour": spot[name][1],
+                "spot_estimate": spot[name][2]} if name in spot else {}),
         )
         if out[name].max_tp > 1 and out[name].link_gb_s <= 0:
             raise SpecError(w, "link_gb_s", out[name].link_gb_s, "> 0 when max_tp > 1")
-    return out, tables, chosen, tsrc, tdate
+    return out, tables, chosen, tsrc, tdate, ssrc, sdate
 
 
 def _sglang_flag(where: str, table: dict[str, Any], key: str, servers: tuple[str, ...]) -> str:

@@ -17,10 +17,10 @@ Schema (every field optional unless marked; `model` and `workload` may come from
     [prices]   ACCELERATOR = USD per GPU-hour, overriding the price table (e.g. H100 = 3.0)
     [trainer]  accelerator gpus precision loss top_p top_p_replay routing
     [[groups]] name* accelerator* precision* kv_dtype kernel weight_noise replicas min_replicas max_replicas
-               tp emulated dp_attention ep   (the layout, SGLang's meaning: tp GPUs, attention DP groups, expert
-               parallel)
+               tp emulated dp_attention ep spot   (the layout, SGLang's meaning: tp GPUs, attention DP groups,
+               expert parallel; spot: the price table's spot price, preempted at the catalog's rate)
     [policies.router|autoscaler|batcher|weight_sync]  name + that policy's settings (policies/plan.py)
-    [faults]   preemptions_per_replica_hour on_loss
+    [faults]   preemptions_per_replica_hour on_loss spot_preemptions_per_replica_hour
     [embedded] settings for rehearsing the plan on this machine (see EmbeddedPlan)
 Formats (`precision`, `kv_dtype`, `kernel`) are checked against data/precisions.toml (costmodel/formats.py),
 accelerators against data/accelerators.toml (a name in another case is taken as the catalog spells it),
@@ -125,6 +125,8 @@ class GroupPlan:
     emulated: bool = False           # allow a precision the accelerator lacks natively (runs slower)
     dp_attention: int = 1            # attention data-parallel groups over the tp GPUs (SGLang --dp-size)
     ep: int = 1                      # expert-parallel size (SGLang --ep-size); 1 = experts tensor-parallel
+    spot: bool = False               # spot / preemptible capacity: the price table's spot price, and the twin
+                                     # preempts its replicas at the catalog's rate (or [faults]' spot rate)
 
     def __post_init__(self) -> None:
         w = f"plan group '{self.name}'"
@@ -147,6 +149,7 @@ class GroupPlan:
         _need(w, "tp", not isinstance(self.tp, bool) and self.tp in (0,) + TP_SIZES, self.tp,
               "0 (auto) or one of " + ", ".join(map(str, TP_SIZES)))
         _need(w, "emulated", isinstance(self.emulated, bool), self.emulated, "true or false")
+        _need(w, "spot", isinstance(self.spot, bool), self.spot, "true or false")
         check_count(w, "dp_attention", self.dp_attention, 1, max(TP_SIZES))
         check_count(w, "ep", self.ep, 1, max(TP_SIZES))
         if self.dp_attention > 1 or self.ep > 1:
@@ -195,14 +198,19 @@ class TrainerPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class FaultsPlan:
-    """Fault injection (the twin): replica preemptions / crashes as a Poisson process per replica."""
+    """Fault injection (the twin): replica preemptions / crashes as a Poisson process per replica. A replica of a
+    spot group (`GroupPlan.spot`) is preempted at `preemptions_per_replica_hour` plus its spot rate: this table's
+    `spot_preemptions_per_replica_hour`, or (None) the catalog's rate for its accelerator (`Catalog.spot`)."""
     preemptions_per_replica_hour: float = 0.0
     on_loss: str = "resume"          # a lost session "resume"s on a new replica (re-prefills) or "restart"s
+    spot_preemptions_per_replica_hour: float | None = None   # spot groups' rate (None: the catalog's)
 
     def __post_init__(self) -> None:
-        _need("plan faults", "preemptions_per_replica_hour",
-              _number(self.preemptions_per_replica_hour) and 0 <= self.preemptions_per_replica_hour <= 3600,
-              self.preemptions_per_replica_hour, "a number in [0, 3600] (per replica-hour)")
+        for f in ("preemptions_per_replica_hour", "spot_preemptions_per_replica_hour"):
+            v = getattr(self, f)
+            if v is None and f.startswith("spot"):
+                continue
+            _need("plan faults", f, _number(v) and 0 <= v <= 3600, v, "a number in [0, 3600] (per replica-hour)")
         _need("plan faults", "on_loss", self.on_loss in ON_LOSS, self.on_loss, "one of " + ", ".join(ON_LOSS))
 
 
@@ -296,7 +304,8 @@ class PlanData:
         out["groups"] = [{k: v for k, v in _plain(g).items()  # fields at their defaults stay out
                           if not (k in ("min_replicas", "max_replicas") and v == g.replicas)
                           and not (k in ("dp_attention", "ep") and v == 1)
-                          and not (k == "weight_noise" and v == 0)} for g in self.groups]
+                          and not (k == "weight_noise" and v == 0)
+                          and not (k == "spot" and not v)} for g in self.groups]
         if policies is not None:
             out["policies"] = policies
         out["faults"] = _plain(self.faults)
@@ -450,7 +459,8 @@ def group_replica_model(plan: PlanData, g: GroupPlan, model: ModelSpec, catalog:
 
 def _group_replica(g: GroupPlan, model: ModelSpec, catalog: Catalog, workload: WorkloadSpec, backend: str,
                    efficiency: Efficiency | None = None) -> ReplicaModel:
-    return replica_model(model, g.accelerator, g.precision, g.kv_dtype, catalog=catalog, tp=g.tp or None,
+    acc = catalog.spot(g.accelerator) if g.spot else g.accelerator   # a spot group pays the spot price
+    return replica_model(model, acc, g.precision, g.kv_dtype, catalog=catalog, tp=g.tp or None,
                          emulated=g.emulated, efficiency=efficiency,
                          kv_budget_tokens=min(workload.max_context, model.max_context), layout=g.layout,
                          backend=backend)
@@ -506,6 +516,7 @@ class ResolvedGroup:
     max_running: int                 # the engine's running-request cap of one replica (`running_cap`)
     capacity_tokens_per_s: float     # nominal point: one replica's tokens/s (routing weight)
     usd_per_mtoken: float            # nominal point: USD per generated Mtoken
+    spot_preemptions_per_hour: float = 0.0   # a spot group's preemptions per replica-hour (the catalog's rate)
 
     @property
     def name(self) -> str:
@@ -526,15 +537,18 @@ def resolve_group(g: GroupPlan, *, model: ModelSpec, workload: WorkloadSpec, cat
     mm = mismatch_prior(g.accelerator, g.precision, g.kv_dtype)
     cap = running_cap(prior)
     tps, usd_mtok = nominal_point(prior, workload.mean_decode_context, cap)
+    spot_h = catalog.spot(g.accelerator).spot_preemptions_per_hour if g.spot else 0.0
     if gc is None:
         return ResolvedGroup(group=g, replica=prior, prior=prior, calibration=None,
                              weight_sync_s=weight_sync_s(prior, trainer_accelerator), kl_k3=mm.kl_k3,
                              extreme_share=mm.extreme_share, kl_growth_per_staleness=mm.growth_per_staleness,
-                             max_running=cap, capacity_tokens_per_s=tps, usd_per_mtoken=usd_mtok)
+                             max_running=cap, capacity_tokens_per_s=tps, usd_per_mtoken=usd_mtok,
+                             spot_preemptions_per_hour=spot_h)
     return ResolvedGroup(group=g, replica=gc.apply(prior), prior=prior, calibration=gc,
                          weight_sync_s=gc.weight_sync_s.value, kl_k3=gc.kl_k3.value,
                          extreme_share=gc.extreme_share.value, kl_growth_per_staleness=gc.kl_growth_per_staleness.value,
-                         max_running=cap, capacity_tokens_per_s=tps, usd_per_mtoken=usd_mtok)
+                         max_running=cap, capacity_tokens_per_s=tps, usd_per_mtoken=usd_mtok,
+                         spot_preemptions_per_hour=spot_h)
 
 
 def plan_catalog(plan: PlanData, price_table: str | None = None) -> Catalog:

@@ -74,15 +74,18 @@ class Setup:
     notes: tuple[str, ...] = ()                          # with a calibration: what it left at the priors, and why
 
 
-def group_setup(r: ResolvedGroup, max_context: int) -> GroupSetup:
+def group_setup(r: ResolvedGroup, max_context: int, spot_preemptions_per_hour: float | None = None) -> GroupSetup:
     """The world's view of one resolved group (twin.world.GroupSetup): its rates tabulated up to the engine's
-    running cap, its routing weight (the nominal point), weight sync and mismatch, as `r` has them."""
+    running cap, its routing weight (the nominal point), weight sync and mismatch, as `r` has them; a spot group
+    is preempted at `spot_preemptions_per_hour` (the plan's [faults] spot rate) or, None, the catalog's."""
     g = r.group
+    spot_h = (r.spot_preemptions_per_hour if spot_preemptions_per_hour is None else spot_preemptions_per_hour
+              ) if g.spot else 0.0
     return GroupSetup(
         name=g.name, rates=TabulatedRates(r.replica, max_context, r.max_running), replicas=g.replicas,
         min_replicas=g.min_replicas, max_replicas=g.max_replicas, capacity_tokens_per_s=r.capacity_tokens_per_s,
         usd_per_mtoken=r.usd_per_mtoken, weight_sync_s=r.weight_sync_s, kl_k3=r.kl_k3, extreme_share=r.extreme_share,
-        kl_growth_per_version=r.kl_growth_per_staleness)
+        kl_growth_per_version=r.kl_growth_per_staleness, preemptions_per_replica_hour=spot_h)
 
 
 def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog | None = None,
@@ -110,7 +113,8 @@ def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog 
             notes.append(f"trainer {plan.trainer.accelerator} differs from the calibrated "
                          f"{calibration.trainer_accelerator}: its prior step time is used (a trainer fit applies to "
                          "the accelerator it was made on)")
-    return Setup(groups=[group_setup(r, workload.max_context) for r in resolved],
+    spot_h = plan.faults.spot_preemptions_per_replica_hour
+    return Setup(groups=[group_setup(r, workload.max_context, spot_h) for r in resolved],
                  trainer=TrainerSetup(train_step_s=lambda tokens: float(trainer.step_s(tokens)),
                                       usd_per_hour=trainer.usd_per_hour),
                  workload=workload, models={r.name: r.replica for r in resolved}, resolved=resolved,

@@ -42,6 +42,7 @@ class GroupSetup:
     kl_k3: float = math.nan          # mismatch prior (per token, vs the trainer)
     extreme_share: float = math.nan  # prior share of tokens with ratio outside [0.2, 5]
     kl_growth_per_version: float = 0.0  # relative KL growth per version of staleness
+    preemptions_per_replica_hour: float = 0.0  # a spot group's own rate, on top of the plan's [faults] rate
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -422,16 +423,31 @@ class World:
                 for _ in range(len(g.replicas) - target):
                     self.stop_replica(g)
 
+    def fault_rate_of(self, g: Group) -> float:
+        """Preemptions per replica-hour of a replica of `g`: the plan's [faults] rate plus a spot group's own."""
+        return self.fault_rate_h + g.setup.preemptions_per_replica_hour
+
     def fault_loop(self) -> Generator:
-        """Preemptions: a Poisson process over the replicas up (rate per replica-hour), victim uniform."""
+        """Preemptions: a Poisson process over the replicas up, each at its group's rate per replica-hour
+        (`fault_rate_of`); the victim drawn in proportion to its rate (uniform when all rates are equal)."""
         while True:
-            ups = [r for g in self.groups.values() for r in g.replicas if r.up]
-            rate_per_s = self.fault_rate_h * max(len(ups), 1) / 3600.0
-            yield self.env.timeout(float(self.fault_rng.exponential(1.0 / rate_per_s)))
+            rates = [self.fault_rate_of(g) for g in self.groups.values() for r in g.replicas if r.up]
+            equal = all(x == rates[0] for x in rates)
+            total_h = (rates[0] * len(rates) if equal else sum(rates)) if rates else 0.0
+            if total_h <= 0:   # none up (or only replicas that are never preempted): as if one of the most at risk
+                total_h = max(self.fault_rate_of(g) for g in self.groups.values())
+            yield self.env.timeout(float(self.fault_rng.exponential(1.0 / (total_h / 3600.0))))
             ups = [(g, r) for g in self.groups.values() for r in g.replicas if r.up]
-            if ups:
-                g, r = ups[int(self.fault_rng.integers(len(ups)))]
-                self.lose_replica(g, r, "preempt")
+            if not ups:
+                continue
+            rates = [self.fault_rate_of(g) for g, _ in ups]
+            if all(x == rates[0] for x in rates):
+                i = int(self.fault_rng.integers(len(ups)))
+            else:
+                i = int(np.searchsorted(np.cumsum(rates), self.fault_rng.random() * sum(rates), side="right"))
+                i = min(i, len(ups) - 1)
+            if rates[i] > 0:
+                self.lose_replica(*ups[i], "preempt")
 
 
 def run_loop(w: World, updates: int, warm_start: bool = False) -> Generator:
@@ -443,7 +459,7 @@ def run_loop(w: World, updates: int, warm_start: bool = False) -> Generator:
     else:
         w.admit_prompts()
     w.env.process(w.autoscale_loop())
-    if w.fault_rate_h > 0:
+    if any(w.fault_rate_of(g) > 0 for g in w.groups.values()):
         w.env.process(w.fault_loop())
     v0 = w.version
     for version in range(v0 + 1, v0 + updates + 1):
