@@ -183,6 +183,12 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
                             "Ray cluster whose nodes carry these accelerators, or --attach GROUP=URL")
         else:
             fleet_mode = "sglang"
+        if fleet_mode == "embedded":      # the plan's own fleet scaled to this machine (orchestration/rehearsal.py)
+            from mixfleet.runner.orchestration.rehearsal import rehearsal_of
+
+            rehearsal = rehearsal_of(plan)
+            plan = rehearsal.plan
+            typer.echo("\n".join(rehearsal.lines()))
         # one writer per run folder, held until this command ends (the run takes it again, re-entrantly); the
         # folder is checked again under the lock, and a resume checked before the base policy and Ray start
         lock = lock_output_dir(out, where="mixfleet run")
