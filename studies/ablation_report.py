@@ -41,8 +41,10 @@ VERDICT_RULE = (
     "exactly one of the two holds, else **stable**. The *signs* column lists which of the seed's three signs "
     f"occurred: R (reward fell by more than {REWARD_DROP}), K (KL >= {KL_GROWTH:g}x), T (>= "
     f"{NO_TOOL_END:.0%} of the end window's episodes ended on three replies without a tool call, up from the "
-    "start). The thresholds were fixed after the first two runs were seen; the numbers are all in the table, so "
-    "other rules can be applied to them.")
+    "start). The thresholds were set in the first ablation, after its first two runs were seen, and have not changed "
+    "since: every run reported with this text started after the rule was fixed. The numbers are all in the "
+    "tables, so other rules can be applied to them. Held-out reward (the runner's evaluation: the task's eval "
+    "split at the run's temperature over the full vocabulary) is reported beside the rule, not part of it.")
 ORDER = ("grpo", "grpo_mis", "sc", "grpo_topp", "sc_mis", "sc_mis_topp")
 LABELS = {"grpo": "GRPO", "grpo_mis": "GRPO+MIS", "sc": "SC", "grpo_topp": "GRPO+top-p", "sc_mis": "SC+MIS",
           "sc_mis_topp": "SC+MIS+top-p"}
@@ -69,6 +71,7 @@ class RunData:
                                   # no_tool_share, tokens, staleness, kl_on_policy
     groups: pd.DataFrame          # the run log's groups table
     on_policy: pd.DataFrame       # per (version, group): k3, tokens over staleness-0 tokens (groups table)
+    evals: pd.DataFrame           # held-out evaluations: version, reward (mean, at T), pass_at_k, k, problems
 
 
 def _window(n: int) -> int:
@@ -107,7 +110,40 @@ def load_run(path: str | Path) -> RunData:
     variant = meta.get("variant") or path.parent.name
     seed = int(meta.get("seed", log.header.get("seed", 0)))
     return RunData(fleet=fleet, variant=variant, seed=seed, path=path, status=str(log.header.get("status", "")),
-                   series=s, groups=log.groups, on_policy=on_policy)
+                   series=s, groups=log.groups, on_policy=on_policy, evals=heldout(log.events))
+
+
+def heldout(events: pd.DataFrame) -> pd.DataFrame:
+    """The run's held-out evaluations (the runner's `note` events read by `trackers.eval_detail`), one row per
+    version (the last, if a resume evaluated a version twice), sorted by version."""
+    from mixfleet.costmodel.trackers import eval_detail
+
+    rows = []
+    if len(events):
+        for d in events[events["kind"] == "note"]["detail"]:
+            rec = eval_detail(d)
+            if rec is not None:
+                rows.append({"version": int(rec["version"]), "reward": float(rec.get("reward", math.nan)),
+                             "pass_at_k": float(rec.get("pass_at_k", math.nan)), "k": int(rec.get("k", 0)),
+                             "problems": int(rec.get("problems", 0))})
+    df = pd.DataFrame(rows, columns=["version", "reward", "pass_at_k", "k", "problems"])
+    return df.drop_duplicates("version", keep="last").sort_values("version").reset_index(drop=True)
+
+
+def heldout_change(r: RunData) -> tuple[float, float]:
+    """(held-out reward at the first evaluation, at the last); NaN where the run has fewer than two."""
+    e = r.evals
+    if len(e) < 2:
+        return math.nan, math.nan
+    return float(e["reward"].iloc[0]), float(e["reward"].iloc[-1])
+
+
+def spread(values: list[float]) -> str:
+    """"mean (min..max)" of the finite values, "n/a" without any."""
+    v = [x for x in values if math.isfinite(x)]
+    if not v:
+        return "n/a"
+    return f"{sum(v) / len(v):.3f} ({min(v):.3f}..{max(v):.3f})"
 
 
 def _on_policy(groups: pd.DataFrame) -> pd.DataFrame:
@@ -249,6 +285,33 @@ def _fig_metrics(fleet: str, by_variant: dict[str, list[RunData]]) -> Any:
     return fig
 
 
+def _fig_heldout(fleet: str, by_variant: dict[str, list[RunData]]) -> Any:
+    """Held-out reward per variant over versions: each seed thin, the mean thick, the seeds' min..max shaded."""
+    import plotly.graph_objects as go
+
+    fig = go.Figure()
+    for v, runs in by_variant.items():
+        ev = [r.evals.set_index("version")["reward"] for r in runs if len(r.evals)]
+        if not ev:
+            continue
+        color = COLORS.get(v, "#777")
+        for r, e in zip(runs, ev, strict=False):
+            fig.add_scatter(x=list(e.index), y=list(e), mode="lines+markers", line={"color": color, "width": 0.7},
+                            opacity=0.35, showlegend=False, hovertext=f"seed {r.seed}")
+        both = pd.concat(ev, axis=1).dropna()             # versions every seed evaluated
+        if not len(both):
+            continue
+        lo, hi, mean = both.min(axis=1), both.max(axis=1), both.mean(axis=1)
+        fig.add_scatter(x=list(both.index) + list(both.index[::-1]), y=list(hi) + list(lo[::-1]), fill="toself",
+                        line={"width": 0}, fillcolor=color, opacity=0.15, showlegend=False, hoverinfo="skip")
+        fig.add_scatter(x=list(both.index), y=list(mean), mode="lines+markers", name=LABELS.get(v, v),
+                        line={"color": color, "width": 2.4})
+    fig.update_layout(title=f"{fleet} fleet: held-out reward at T = 1 (thick: mean over seeds; band: min..max)",
+                      template="plotly_white", xaxis_title="version (update)", yaxis_title="held-out reward",
+                      yaxis={"range": [0, 1]})
+    return fig
+
+
 def _fig_group_kl(fleet: str, by_variant: dict[str, list[RunData]]) -> Any:
     from plotly.subplots import make_subplots
 
@@ -339,30 +402,38 @@ def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | N
             name = _save(_fig_metrics(fleet, by_variant), out, f"{fleet}_metrics", png, 1500, 850)
             lines += [f"![{fleet} metrics]({name})" if name.endswith(".png") else f"[{fleet} metrics (HTML)]({name})",
                       ""]
-        lines += ["| variant | seed | updates | reward start -> end | KL k3 start -> end (x) | r outside [0.2, 5] "
-                  "start -> end | grad norm max / start (non-zero) | entropy start -> end | "
-                  "no tool call x3 start -> end | signs | verdict |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+            if any(len(r.evals) for r in fr):
+                name = _save(_fig_heldout(fleet, by_variant), out, f"{fleet}_heldout", png, 900, 450)
+                lines += [f"![{fleet} held-out reward]({name})" if name.endswith(".png")
+                          else f"[{fleet} held-out reward (HTML)]({name})", ""]
+        lines += ["| variant | seed | updates | reward start -> end | held-out start -> end | KL k3 start -> end (x) | "
+                  "r outside [0.2, 5] start -> end | grad norm max / start (non-zero) | entropy start -> end | "
+                  "no tool call x3 start -> end | signs | verdict |", "|" + "---|" * 12]
         for r in fr:
             v = verdict(r.series)
-            result["verdicts"].append({"fleet": fleet, "variant": r.variant, "seed": r.seed, **v})
+            h0, h1 = heldout_change(r)
+            result["verdicts"].append({"fleet": fleet, "variant": r.variant, "seed": r.seed, **v,
+                                       "heldout_start": h0, "heldout_end": h1})
             lines.append(
                 f"| {LABELS.get(r.variant, r.variant)} | {r.seed} | {v['updates']} | {_f(v['reward_start'])} -> "
-                f"{_f(v['reward_end'])} | {_f(v['kl_start'], '.2e')} -> {_f(v['kl_end'], '.2e')} "
+                f"{_f(v['reward_end'])} | {_f(h0)} -> {_f(h1)} | "
+                f"{_f(v['kl_start'], '.2e')} -> {_f(v['kl_end'], '.2e')} "
                 f"({_f(v['kl_growth'], '.1f')}x) | {_pct(v['extreme_start'])} -> {_pct(v['extreme_end'])} | "
                 f"{_f(v['grad_max_over_start'], '.1f')} | {_f(v['entropy_start'])} -> {_f(v['entropy_end'])} | "
                 f"{_pct(v['no_tool_start'])} -> {_pct(v['no_tool_end'])} | {v['signs']} | **{v['verdict']}** |")
-        lines += ["", "Per variant (over seeds):", "", "| variant | verdicts | runs with each sign (R, K, T) | "
-                  "mean reward start -> end | mean KL growth | mean share of episodes without tool calls, end |",
-                  "|---|---|---|---|---|---|"]
+        lines += ["", "Per variant (over seeds; mean (min..max)):", "", "| variant | seeds | verdicts | runs with each "
+                  "sign (R, K, T) | reward start | reward end | held-out start | held-out end | KL growth | "
+                  "share of episodes without tool calls, end |", "|---|---|---|---|---|---|---|---|---|---|"]
         for k, rs in by_variant.items():
             vs = [verdict(r.series) for r in rs]
+            hs = [heldout_change(r) for r in rs]
             counts = {x: sum(1 for y in vs if y["verdict"] == x) for x in ("stable", "unstable", "collapsed")}
             sign_counts = ", ".join(f"{c} {sum(1 for y in vs if c in y['signs'])}/{len(vs)}" for c in "RKT")
-            lines.append(f"| {LABELS.get(k, k)} | " + ", ".join(f"{c} {x}" for x, c in counts.items() if c)
-                         + f" | {sign_counts} | {_f(sum(v['reward_start'] for v in vs) / len(vs))} -> "
-                         f"{_f(sum(v['reward_end'] for v in vs) / len(vs))} | "
-                         f"{_f(sum(v['kl_growth'] for v in vs) / len(vs), '.2f')}x | "
-                         f"{_pct(sum(v['no_tool_end'] for v in vs) / len(vs))} |")
+            lines.append(f"| {LABELS.get(k, k)} | {len(rs)} | " + ", ".join(f"{c} {x}" for x, c in counts.items() if c)
+                         + f" | {sign_counts} | {spread([v['reward_start'] for v in vs])} | "
+                         f"{spread([v['reward_end'] for v in vs])} | {spread([h[0] for h in hs])} | "
+                         f"{spread([h[1] for h in hs])} | {spread([v['kl_growth'] for v in vs])} | "
+                         f"{spread([v['no_tool_end'] for v in vs])} |")
         lines.append("")
         table = group_table(fr)
         result["groups"][fleet] = table

@@ -13,8 +13,16 @@ from pathlib import Path
 
 import pytest
 import typer
-from mixfleet.costmodel.runlog import GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
-from mixfleet.studies.ablation_report import RUN_FILE, VERDICT_RULE, build_report, find_runs, group_table, verdict
+from mixfleet.costmodel.runlog import EventRecord, GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
+from mixfleet.studies.ablation_report import (
+    RUN_FILE,
+    VERDICT_RULE,
+    build_report,
+    find_runs,
+    group_table,
+    heldout_change,
+    verdict,
+)
 from mixfleet.ui.commands import experiment
 from typer.testing import CliRunner
 
@@ -22,13 +30,17 @@ UPDATES = 8
 
 
 def _write_run(folder: Path, *, fleet: str, variant: str, seed: int, rewards: list[float], kls: list[float],
-               no_tool: list[int]) -> None:
+               no_tool: list[int], heldout: dict[int, float] | None = None) -> None:
     """A run log with one batch of 4 trajectories per update (no_tool[v-1] of them ending on no_tool_call_3x)
     and two groups: "a" (3 samples, 30 tokens, 10 % extreme, 20 % out of band) and "b" (1 sample, 10 tokens,
     40 % extreme, 50 % out of band)."""
     folder.mkdir(parents=True)
     (folder / RUN_FILE).write_text(json.dumps({"fleet": fleet, "variant": variant, "seed": seed}))
     with RunLogWriter(folder, {"source": "runner", "plan": {}, "seed": seed}) as w:
+        for v, r in (heldout or {}).items():         # the runner's held-out evaluation events
+            detail = {"eval": "pass_at_k", "k": 4, "version": v, "pass_at_k": min(1.0, 2 * r), "reward": r,
+                      "problems": 32}
+            w.append(EventRecord(time_s=float(v), kind="note", version=v, detail=json.dumps(detail)))
         for v in range(1, UPDATES + 1):
             w.append(UpdateRecord(version=v, start_s=v, end_s=v + 0.5, train_step_s=0.1, weight_sync_s=0.1, tokens=40,
                                   trajectories=4, staleness_mean=0, staleness_p50=0, staleness_p95=0, staleness_max=0,
@@ -55,11 +67,12 @@ def study(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _write_run(root / "mixed" / "grpo" / "seed0", fleet="mixed", variant="grpo", seed=0,
                rewards=[0.5, 0.5, 0.45, 0.4, 0.35, 0.3, 0.2, 0.2],
                kls=[1e-3, 1e-3, 1.5e-3, 2e-3, 3e-3, 3e-3, 4e-3, 4e-3],
-               no_tool=[0, 0, 0, 1, 1, 2, 3, 3])
+               no_tool=[0, 0, 0, 1, 1, 2, 3, 3], heldout={0: 0.4, 4: 0.3, 8: 0.1})
     _write_run(root / "mixed" / "sc" / "seed0", fleet="mixed", variant="sc", seed=0,
                rewards=[0.5] * 8, kls=[1e-3, 1e-3, 2e-3, 2e-3, 3e-3, 3e-3, 4e-3, 4e-3], no_tool=[0] * 8)
     _write_run(root / "mixed" / "sc_mis" / "seed0", fleet="mixed", variant="sc_mis", seed=0,
-               rewards=[0.5, 0.5, 0.5, 0.6, 0.6, 0.6, 0.6, 0.6], kls=[1e-3] * 8, no_tool=[0] * 8)
+               rewards=[0.5, 0.5, 0.5, 0.6, 0.6, 0.6, 0.6, 0.6], kls=[1e-3] * 8, no_tool=[0] * 8,
+               heldout={0: 0.4, 8: 0.55})
     return root
 
 
@@ -81,6 +94,10 @@ def test_series_and_verdicts(study: Path) -> None:
     vs = verdict(runs["sc"].series)
     assert (vs["reward_fell"], vs["kl_grew"], vs["verdict"]) == (False, True, "unstable")
     assert verdict(runs["sc_mis"].series)["verdict"] == "stable"
+    assert runs["grpo"].evals["version"].tolist() == [0, 4, 8]
+    assert heldout_change(runs["grpo"]) == pytest.approx((0.4, 0.1))
+    assert heldout_change(runs["sc_mis"]) == pytest.approx((0.4, 0.55))
+    assert all(math.isnan(x) for x in heldout_change(runs["sc"]))     # no evaluations: not a number
 
 
 def test_kl_start_window_skips_the_staleness_ramp() -> None:
@@ -128,7 +145,9 @@ def test_markdown_report(study: Path, tmp_path: Path) -> None:
     text = (tmp_path / "out" / "README.md").read_text()
     assert text.index("Findings first.") < text.index("## Verdict rule")
     assert VERDICT_RULE in text
-    assert "| GRPO | 0 | 8 | 0.500 -> 0.200 | 1.00e-03 -> 4.00e-03 (4.0x) |" in text
+    assert "| GRPO | 0 | 8 | 0.500 -> 0.200 | 0.400 -> 0.100 | 1.00e-03 -> 4.00e-03 (4.0x) |" in text
+    assert "| SC+MIS | 1 | 1 stable | R 0/1, K 0/1, T 0/1 | 0.500 (0.500..0.500) | 0.600 (0.600..0.600) | " \
+           "0.400 (0.400..0.400) | 0.550 (0.550..0.550) |" in text
     assert "**collapsed**" in text and "**unstable**" in text and "**stable**" in text
     assert "| b | 25.00 % | 25.00 % |" in text
     saved = json.loads((tmp_path / "out" / "verdicts.json").read_text())
