@@ -29,10 +29,23 @@
    reaching each of a sweep of throughput targets under the GPU caps and budget), their +-1 neighbours
    and single-type fleets, each with several K.
 3. Verify the best few (default 3) in the twin's steady state (`simulate` from a warm start, then costmodel's
-   steady-state analysis: the pipeline fill and the MSER-5 warm-up left out, 95% batch-means intervals) and
-   re-rank them by
-   it (those meeting the constraints in the twin first, then the objective); the chosen plan's figures are
-   the twin's, the analytic ones beside them. Report the Pareto set (cost/update, time/update, staleness).
+   steady-state analysis: the pipeline fill and the MSER-5 warm-up left out, 95% batch-means intervals), on
+   `verify_seeds` seeds each, and re-rank them by it (those meeting the constraints in the twin first, then the
+   objective); the chosen plan's figures are the twin's, the analytic ones beside them. Report the Pareto set
+   (cost/update, time/update, staleness). The checks are independent jobs (`twin_check`) handed to a map
+   (`plan_mix(check_map=...)`): in this process one after another by default (`sequential_map`), or as Ray tasks
+   (`mixfleet.runner.orchestration.ray_map.ray_map`, which `mixfleet plan --workers N / --address` passes in),
+   with the same results for the same seeds; `PlanResult.checks` says how many workers and nodes ran them and
+   the wall time.
+
+Spot capacity (`PlannerConfig.spot`): each named accelerator with a spot price in the price table
+(`Catalog.spot`) also offers its groups as spot groups (`-SPOT`, `GroupPlan.spot`), priced at the spot price and
+preempted at the catalog's rate (or `spot_preemptions_per_hour`). The screen discounts a spot replica's
+throughput by the share of its time a preemption costs (`GroupType.loss_share`: the replacement's cold start and
+weight load, plus the work in flight as the plan's `on_loss` treats it: "restart" regenerates its running
+trajectories so far, "resume" re-prefills their contexts); `expected_lost_work` gives the plan's preemptions,
+lost replica-seconds and USD per update; the twin simulates the preemptions (the one fault process,
+`[faults]`), and `PlanResult.on_demand` is the best mix without spot groups beside it.
 """
 
 from __future__ import annotations
@@ -53,7 +66,14 @@ from mixfleet.costmodel.formats import formats
 from mixfleet.costmodel.limits import MAX_GPUS, check_count
 from mixfleet.costmodel.measured import Layout
 from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.planspec import ResolvedGroup, group_calibration, resolve_group, resolve_trainer
+from mixfleet.costmodel.planspec import (
+    ON_LOSS,
+    FaultsPlan,
+    ResolvedGroup,
+    group_calibration,
+    resolve_group,
+    resolve_trainer,
+)
 from mixfleet.costmodel.roofline import (
     DEFAULT_MAX_BATCH,
     ServingLoad,
@@ -62,12 +82,16 @@ from mixfleet.costmodel.roofline import (
     kv_capacity_tokens,
 )
 from mixfleet.costmodel.workload import load_workload
-from mixfleet.policies.plan import GroupPlan, Plan, PoliciesPlan, PolicyRef, TrainerPlan
+from mixfleet.policies.plan import GroupPlan, Plan, PoliciesPlan, PolicyRef, TrainerPlan, plan_from_dict
 from mixfleet.twin.episodes import WorkloadShape, workload_shape
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 OBJECTIVES = ("cost_per_update", "cost_per_effective_update")
 K_FACTORS = (1, 2, 3, 4, 6, 8)     # prompts in flight, in units of prompts per update
+MAX_VERIFY_SEEDS = 64
+MAX_LOSS_SHARE = 0.9               # a spot replica loses at most this share of its time to preemptions
+SPOT_SUFFIX = "-SPOT"
+CheckMap = Callable[[Callable[..., dict[str, Any]], list[tuple[Any, ...]]], tuple[list[dict[str, Any]], dict[str, Any]]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -97,6 +121,11 @@ class PlannerConfig:
     layouts: str = "smallest"                   # "smallest": smallest TP that fits; "cheapest": every layout (TP
                                                 # 1-8, attention DP + EP for MoE), the lowest $/token at the workload
     backend: str = "roofline"                   # replica step times: roofline | auto | aiconfigurator
+    spot: tuple[str, ...] = ()                  # accelerators whose spot capacity may be used (("all",): every one
+                                                # with a spot price in the price table); () = on-demand only
+    spot_preemptions_per_hour: float | None = None  # spot replicas' preemption rate (None: the catalog's)
+    on_loss: str = "resume"                     # work in flight on a lost replica: "resume" | "restart" (the plan's)
+    verify_seeds: int = 1                       # seeds per verified candidate (cfg.seed, cfg.seed + 1, ...)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -111,7 +140,14 @@ class PlannerConfig:
                 raise SpecError("plan", f, v, "a positive number (or none)")
         if self.verify < 0 or self.verify_updates < 0:
             raise SpecError("plan", "verify", self.verify, "verify >= 0 and verify_updates >= 0 (0: automatic)")
+        check_count("plan", "verify_seeds", self.verify_seeds, 1, MAX_VERIFY_SEEDS)
+        if self.on_loss not in ON_LOSS:
+            raise SpecError("plan", "on_loss", self.on_loss, ON_LOSS)
+        v = self.spot_preemptions_per_hour
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= 3600):
+            raise SpecError("plan", "spot_preemptions_per_hour", v, "a number in [0, 3600] per replica-hour (or none)")
         self._check_pool()
+        self._check_spot()
         if self.prices or self.precisions:
             self._check_overrides()
 
@@ -140,6 +176,23 @@ class PlannerConfig:
                             ", ".join(formats().kv_dtypes))
         for kv in self.kv_dtypes:
             formats().check_kv_dtype("plan", kv, "kv_dtypes")
+
+    def _check_spot(self) -> None:
+        """`spot`: accelerators of the catalog with a spot price in this price table (names as the catalog spells
+        them; "all" = every one that has one)."""
+        if isinstance(self.spot, str):
+            object.__setattr__(self, "spot", tuple(a.strip() for a in self.spot.split(",") if a.strip()))
+        if not self.spot:
+            return
+        cat = load_catalog(self.price_table)
+        if tuple(a.lower() for a in self.spot) == ("all",):
+            names = tuple(cat.spot_accelerators())
+            if not names:
+                raise SpecError("plan", "spot", "all", f"a price table with spot prices (price table "
+                                f"'{self.price_table}' has none; tables: {', '.join(cat.price_tables())})")
+        else:
+            names = tuple(dict.fromkeys(cat.spot(a).name for a in self.spot))  # unknown / no spot price: refused
+        object.__setattr__(self, "spot", names)
 
     def _check_overrides(self) -> None:
         """Per-accelerator prices and precisions: known accelerators (keys become the catalog's names), prices
@@ -204,6 +257,11 @@ class GroupType:
     ep: int = 1                      # layout: expert-parallel size
     backend: str = "roofline"        # which backend priced the replica
     group: GroupPlan | None = None   # the candidate group as planned (candidate_plan writes it back)
+    spot: bool = False               # spot capacity (priced at the spot price, preempted)
+    preemptions_per_hour: float = 0.0   # per replica-hour (spot groups)
+    replace_s: float = 0.0           # a replacement replica's cold start + weight load, s
+    inflight_loss_s: float = 0.0     # replica-seconds of work in flight one preemption loses (as on_loss treats it)
+    loss_share: float = 0.0          # share of a replica's time lost to preemptions: rate x (replace + in flight)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -219,6 +277,7 @@ class Candidate:
     kept_share: float                # 1 - masked share of the mix's tokens
     trainer_bound: bool
     verified: dict[str, Any] = field(default_factory=dict)  # the twin's steady state (`verify_candidate`)
+    lost_work: dict[str, Any] = field(default_factory=dict)  # expected preemption losses (`expected_lost_work`)
 
     def to_dict(self) -> dict[str, Any]:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
@@ -235,6 +294,8 @@ class PlanResult:
     types: list[GroupType]
     note: str = ""
     verified: list[Candidate] = field(default_factory=list)  # the twin-verified candidates, in the twin's order
+    on_demand: Candidate | None = None   # with cfg.spot: the best mix without spot groups (verified alike)
+    checks: dict[str, Any] = field(default_factory=dict)  # the twin checks: mode, tasks, workers, nodes, wall_s
 
 
 def calibrated_group(cal: Any, accelerator: str, precision: str, kv_dtype: str, name: str = "") -> Any:
@@ -244,32 +305,36 @@ def calibrated_group(cal: Any, accelerator: str, precision: str, kv_dtype: str, 
                                                   kv_dtype=kv_dtype, kernel=""))
 
 
-def type_name(accelerator: str, precision: str, kv_dtype: str, layout: Layout | None = None) -> str:
-    """A candidate group's name: 'H100-FP8', 'B200-NVFP4-KVBF16', 'H200-FP8-DEP8' (attention DP / EP layouts)."""
+def type_name(accelerator: str, precision: str, kv_dtype: str, layout: Layout | None = None, spot: bool = False
+              ) -> str:
+    """A candidate group's name: 'H100-FP8', 'B200-NVFP4-KVBF16', 'H200-FP8-DEP8' (attention DP / EP layouts),
+    'H100-FP8-SPOT' (spot capacity)."""
     suffix = precision.upper() + ("" if kv_dtype == "fp8_e4m3" or precision == "bf16" and kv_dtype == "bf16"
                                   else f"-KV{kv_dtype.upper()}")
     lay = "" if layout is None or (layout.dp_attention == 1 and layout.ep == 1) else f"-{layout.label}"
-    return f"{accelerator}-{suffix}{lay}"
+    return f"{accelerator}-{suffix}{lay}" + (SPOT_SUFFIX if spot else "")
 
 
 def pool_groups(cfg: PlannerConfig) -> list[GroupPlan]:
     """The pool's candidate groups: every accelerator x each precision it runs natively (or its allowed list in
-    `cfg.precisions`, emulated ones flagged) x KV dtype, one replica, the smallest TP that fits (tp 0)."""
+    `cfg.precisions`, emulated ones flagged) x KV dtype, one replica, the smallest TP that fits (tp 0); on the
+    accelerators of `cfg.spot` each also as a spot group."""
     cat = _catalog(cfg)
     out = []
     for a in cfg.accelerators or tuple(cat.gpus()):
         allowed = cfg.precisions.get(cat.accelerator(a).name)
-        for p in cat.precisions:
-            sup = cat.support(a, p)
-            if (p in allowed) if allowed is not None else sup == "native":
-                out += [GroupPlan(name=type_name(a, p, kv), accelerator=a, precision=p, kv_dtype=kv,
-                                  emulated=sup != "native") for kv in cfg.kv_dtypes]
+        for spot in (False, True) if cat.accelerator(a).name in cfg.spot else (False,):
+            for p in cat.precisions:
+                sup = cat.support(a, p)
+                if (p in allowed) if allowed is not None else sup == "native":
+                    out += [GroupPlan(name=type_name(a, p, kv, spot=spot), accelerator=a, precision=p, kv_dtype=kv,
+                                      emulated=sup != "native", spot=spot) for kv in cfg.kv_dtypes]
     return out
 
 
 def _with_layout(g: GroupPlan, lay: Layout) -> GroupPlan:
     """Candidate `g` on layout `lay` (its GPUs recorded as the plan's tp, dp_attention, ep)."""
-    return replace(g, name=type_name(g.accelerator, g.precision, g.kv_dtype, lay), tp=lay.gpus,
+    return replace(g, name=type_name(g.accelerator, g.precision, g.kv_dtype, lay, g.spot), tp=lay.gpus,
                    dp_attention=lay.dp_attention, ep=lay.ep)
 
 
@@ -306,7 +371,8 @@ def group_types(cfg: PlannerConfig, only: list[GroupPlan] | None = None) -> list
                 if explicit and (v.emulated or v.tp):
                     raise
         if recs:   # the layout choice of replica_model(layout="cheapest"), at the planner's load
-            out.append(type_from(recs[cheapest([r.replica for r in recs], load)], shape))
+            out.append(type_from(recs[cheapest([r.replica for r in recs], load)], shape,
+                                 spot_preemptions_per_hour=cfg.spot_preemptions_per_hour, on_loss=cfg.on_loss))
     return out
 
 
@@ -320,22 +386,36 @@ def planner_load(shape: WorkloadShape) -> ServingLoad:
                        max_running=DEFAULT_MAX_BATCH)
 
 
-def type_from(r: ResolvedGroup, shape: WorkloadShape) -> GroupType:
+def type_from(r: ResolvedGroup, shape: WorkloadShape, *, spot_preemptions_per_hour: float | None = None,
+              on_loss: str = "resume") -> GroupType:
     """The screen's numbers for one resolved group: its operating point at the planner's load (`planner_load`:
     busy batch and throughput with one turn's prefill charged per request, per DP rank), one session's decode
-    speed by batch, one turn's prefill; price, weight sync and mismatch as `r` has them."""
+    speed by batch, one turn's prefill; price, weight sync and mismatch as `r` has them. A spot group also gets its
+    preemption rate (`spot_preemptions_per_hour`, or the catalog's) and the share of its time preemptions cost
+    (`loss_share`): per preemption the replacement's cold start and weight load (`replace_s`), plus the work in
+    flight (`inflight_loss_s`): on_loss "restart" regenerates each of the batch's running trajectories so far
+    (on average half an episode's reply tokens, at one replica's busy throughput), "resume" re-prefills each one's
+    context (the running set's decode context, at one turn's prefill rate)."""
     rm = r.replica
     op = rm.operating_point(planner_load(shape))
     b = op.batch
     batches = np.arange(1, max(1, math.ceil(b)) + 1, dtype=np.float64)
     speeds = np.asarray(rm.tokens_per_s(batches, shape.decode_context), dtype=np.float64) / batches
     g = r.group
+    rate_h = (r.spot_preemptions_per_hour if spot_preemptions_per_hour is None else spot_preemptions_per_hour
+              ) if g.spot else 0.0
+    if on_loss == "restart":
+        inflight_s = b * (shape.generated_per_episode / 2.0) / max(op.tokens_per_s, 1e-12)
+    else:
+        inflight_s = b * op.prefill_s * shape.decode_context / max(shape.new_tokens_per_turn, 1.0)
+    loss = min(rate_h / 3600.0 * (rm.cold_start_s + inflight_s), MAX_LOSS_SHARE)
     return GroupType(name=g.name, accelerator=g.accelerator, precision=g.precision, kv_dtype=g.kv_dtype,
                      tp=r.gpus, tokens_per_s=op.tokens_per_s, per_seq_tokens_per_s=op.decode_tokens_per_s / b,
                      seq_speed_by_batch=tuple(speeds.tolist()), prefill_turn_s=op.prefill_s,
                      usd_per_hour=rm.price_usd_per_hour, sync_s=r.weight_sync_s, masked_share=r.extreme_share,
                      kl_k3=r.kl_k3, emulated=g.emulated, dp_attention=rm.dp_attention, ep=rm.ep, backend=rm.backend,
-                     group=g)
+                     group=g, spot=g.spot, preemptions_per_hour=rate_h, replace_s=rm.cold_start_s,
+                     inflight_loss_s=inflight_s if rate_h > 0 else 0.0, loss_share=loss)
 
 
 @contextlib.contextmanager
@@ -361,7 +441,8 @@ def _quiet_native_stdout() -> Iterator[None]:
 def _milp_candidates(types: list[GroupType], cfg: PlannerConfig, trainer_usd_h: float, effective: bool) -> np.ndarray:
     """Cheapest fleets reaching a sweep of throughput targets (integer replicas, GPU caps, budget)."""
     price = np.array([t.usd_per_hour for t in types])
-    tps = np.array([t.tokens_per_s * ((1 - t.masked_share) if effective else 1.0) for t in types])
+    tps = np.array([t.tokens_per_s * (1 - t.loss_share) * ((1 - t.masked_share) if effective else 1.0)
+                    for t in types])
     accs = sorted({t.accelerator for t in types})
     cap_rows = np.array([[t.tp if t.accelerator == a else 0 for t in types] for a in accs], dtype=float)
     caps = np.array([cfg.max_gpus.get(a, cfg.default_max_gpus) for a in accs], dtype=float)
@@ -475,7 +556,7 @@ def session_limited_throughput(types: list[GroupType], n: np.ndarray, active: np
             c_new = reply / (np.interp(x, batches, speeds) * util) + p + tool_s
             c = 0.5 * c + 0.5 * c_new
             x = 0.5 * x + 0.5 * np.clip(s * (c - tool_s) / c, 1.0, top)
-        thr[used] += n[used, j] * np.minimum(s * reply / c, t.tokens_per_s)
+        thr[used] += n[used, j] * np.minimum(s * reply / c, t.tokens_per_s) * (1.0 - t.loss_share)
     return thr
 
 
@@ -566,13 +647,24 @@ def candidate_plan(c: Candidate, types: list[GroupType], cfg: PlannerConfig, nam
                 price_table=cfg.price_table, description=f"mixfleet plan ({cfg.objective})",
                 prices={a: usd for a, usd in cfg.prices.items() if a in used},
                 trainer=TrainerPlan(accelerator=cfg.trainer_accelerator, gpus=cfg.trainer_gpus),
+                faults=FaultsPlan(on_loss=cfg.on_loss, spot_preemptions_per_replica_hour=cfg.spot_preemptions_per_hour),
                 policies=PoliciesPlan(batcher=PolicyRef(name="fifo", settings={
                     "prompts_per_update": wl.prompts_per_update, "samples_per_prompt": wl.samples_per_prompt,
                     "inflight_prompts": c.inflight_prompts})))
 
 
-def plan_mix(cfg: PlannerConfig, progress: Callable[[str], None] | None = None) -> PlanResult:
-    """Screen, pick the best feasible candidate by the objective, verify the top few in the DES."""
+def sequential_map(fn: Callable[..., dict[str, Any]], jobs: list[tuple[Any, ...]]
+                   ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The twin checks one after another in this process (the reference path; `CheckMap`'s contract: the results
+    in the jobs' order, and what ran them)."""
+    return [fn(*job) for job in jobs], {"mode": "sequential", "workers": 1, "nodes": 1}
+
+
+def plan_mix(cfg: PlannerConfig, progress: Callable[[str], None] | None = None, *,
+             check_map: CheckMap | None = None) -> PlanResult:
+    """Screen, pick the best feasible candidate by the objective, verify the top few in the DES.
+    check_map: runs the twin checks (`twin_check` jobs) and says what ran them; default `sequential_map`
+    (`mixfleet.runner.orchestration.ray_map.ray_map` runs them as Ray tasks, with the same results)."""
     say = progress or (lambda _m: None)
     say("group types")
     types = group_types(cfg)
@@ -593,16 +685,31 @@ def plan_mix(cfg: PlannerConfig, progress: Callable[[str], None] | None = None) 
     par = par[np.argsort(m["cost_per_update"][par])]
     pareto = [_candidate(types, n[i], k[i], m, i) for i in par]
     top = [_candidate(types, n[i], k[i], m, i) for i in order[:max(cfg.verify, 1)]]
+    on_demand = None
+    if cfg.spot:   # the best mix without spot groups, for "with and without spot"
+        spot_cols = np.array([t.spot for t in types])
+        od = order[~(n[order][:, spot_cols] > 0).any(1)] if spot_cols.any() else order
+        on_demand = _candidate(types, n[od[0]], k[od[0]], m, od[0]) if len(od) else None
     verified: list[Candidate] = []
+    checks: dict[str, Any] = {}
     if cfg.verify:
-        for j, c in enumerate(top[:cfg.verify]):
-            say(f"verifying candidate {j + 1}/{min(cfg.verify, len(top))} in the twin's steady state")
-            verified.append(verify_candidate(c, types, cfg))
+        to_check = top[:cfg.verify]
+        if on_demand is not None and on_demand not in to_check:
+            to_check = [*to_check, on_demand]
+        say(f"verifying {len(to_check)} candidates x {cfg.verify_seeds} seeds in the twin's steady state")
+        done, checks = verify_candidates(to_check, types, cfg, check_map=check_map)
+        if on_demand is not None:
+            on_demand = done[to_check.index(on_demand)]
+        verified = done[:len(top[:cfg.verify])]
         verified.sort(key=lambda c: _twin_rank(c, cfg))  # the twin's steady state decides among them
         top = verified + top[cfg.verify:]
     best = top[0]
+    if cfg.spot:
+        best = replace(best, lost_work=expected_lost_work(best, types, cfg))
+        if on_demand is not None:
+            on_demand = replace(on_demand, lost_work=expected_lost_work(on_demand, types, cfg))
     return PlanResult(best=best, plan=candidate_plan(best, types, cfg), pareto=pareto, screened=len(n),
-                      feasible=int(ok.sum()), types=types, verified=verified)
+                      feasible=int(ok.sum()), types=types, verified=verified, on_demand=on_demand, checks=checks)
 
 
 def verify_updates(c: Candidate, cfg: PlannerConfig, prompts_per_update: int) -> int:
@@ -613,27 +720,103 @@ def verify_updates(c: Candidate, cfg: PlannerConfig, prompts_per_update: int) ->
     return int(10 + math.ceil(c.inflight_prompts / prompts_per_update))
 
 
-def verify_candidate(c: Candidate, types: list[GroupType], cfg: PlannerConfig) -> Candidate:
-    """The candidate with `verified` filled from a twin run's steady state (means and 95% half-widths, `_ci`)."""
+def twin_check(plan: dict[str, Any], updates: int, seed: int, calibration: Any = None) -> dict[str, Any]:
+    """One twin check, a job any worker can run: the plan (as `Plan.to_dict`) simulated from a warm start for
+    `updates` updates on `seed`; its steady-state figures (costmodel's analysis: means and 95% half-widths) and
+    the preemption losses the twin saw (turns cut by a lost replica, trajectories restarted)."""
     from mixfleet.twin.sim import simulate
 
-    plan = candidate_plan(c, types, cfg)
-    updates = verify_updates(c, cfg, load_workload(cfg.workload).prompts_per_update)
-    s = simulate(plan, updates=updates, seed=cfg.seed, calibration=cfg.calibration, warm_start=True).summary
-    kept = 1.0 - s.extreme_share if math.isfinite(s.extreme_share) else c.kept_share
-    v = {"time_per_update_s": s.steady_time_per_update_s, "time_per_update_ci_s": s.steady_time_per_update_ci_s,
-         "cost_per_update_usd": s.steady_cost_per_update_usd, "cost_per_update_ci_usd": s.steady_cost_per_update_ci_usd,
-         "cost_sampler_per_update_usd": s.steady_cost_sampler_per_update_usd,
-         "cost_sampler_per_update_ci_usd": s.steady_cost_sampler_per_update_ci_usd,
-         "cost_per_effective_update_usd": s.steady_cost_per_update_usd / kept,
-         "staleness": s.steady_staleness_mean, "staleness_ci": s.steady_staleness_ci,
-         "tokens_per_s": s.steady_tokens_per_s, "fill_s": s.first_update_s, "updates": updates,
-         "warmup_updates": s.warmup_updates, "steady_updates": s.steady_updates}
+    r = simulate(plan_from_dict(plan), updates=updates, seed=seed, calibration=calibration, warm_start=True)
+    s = r.summary
+    return {"time_per_update_s": s.steady_time_per_update_s, "time_per_update_ci_s": s.steady_time_per_update_ci_s,
+            "cost_per_update_usd": s.steady_cost_per_update_usd,
+            "cost_per_update_ci_usd": s.steady_cost_per_update_ci_usd,
+            "cost_sampler_per_update_usd": s.steady_cost_sampler_per_update_usd,
+            "cost_sampler_per_update_ci_usd": s.steady_cost_sampler_per_update_ci_usd,
+            "extreme_share": s.extreme_share, "staleness": s.steady_staleness_mean,
+            "staleness_ci": s.steady_staleness_ci,
+            "tokens_per_s": s.steady_tokens_per_s, "fill_s": s.first_update_s, "updates": updates,
+            "warmup_updates": s.warmup_updates, "steady_updates": s.steady_updates, "seed": seed,
+            "turns_lost": r.turns_lost, "sessions_restarted": r.sessions_restarted}
+
+
+_MEANS = ("time_per_update_s", "cost_per_update_usd", "cost_sampler_per_update_usd", "staleness", "tokens_per_s",
+          "fill_s", "turns_lost", "sessions_restarted")
+_HALF_WIDTHS = {"time_per_update_ci_s": "time_per_update_s", "cost_per_update_ci_usd": "cost_per_update_usd",
+                "cost_sampler_per_update_ci_usd": "cost_sampler_per_update_usd", "staleness_ci": "staleness"}
+
+
+def _verified(c: Candidate, runs: list[dict[str, Any]], cfg: PlannerConfig) -> Candidate:
+    """The candidate with `verified` filled from its twin checks (one per seed): each figure the mean over the
+    seeds, each 95% half-width sqrt(sum of the seeds' squared half-widths) / seeds (independent runs); one seed
+    gives that run's figures as they are. `seeds` keeps every run."""
+    if len(runs) == 1:
+        v = {k: runs[0][k] for k in (*_MEANS, *_HALF_WIDTHS)}
+        ext = runs[0]["extreme_share"]
+    else:
+        v = {k: float(np.mean([r[k] for r in runs])) for k in _MEANS}
+        v.update({k: float(math.sqrt(sum(r[k] ** 2 for r in runs)) / len(runs)) for k in _HALF_WIDTHS})
+        ext = float(np.mean([r["extreme_share"] for r in runs]))
+    kept = 1.0 - ext if math.isfinite(ext) else c.kept_share
+    v.update(cost_per_effective_update_usd=v["cost_per_update_usd"] / kept, updates=runs[0]["updates"],
+             warmup_updates=max(r["warmup_updates"] for r in runs),
+             steady_updates=min(r["steady_updates"] for r in runs))
     v["feasible"] = bool(_feasible({"cost_per_update": np.array([v["cost_per_update_usd"]]),
                                     "staleness": np.array([v["staleness"]]),
                                     "time_per_update_s": np.array([v["time_per_update_s"]]),
                                     "usd_per_hour": np.array([c.usd_per_hour])}, cfg)[0])
+    if len(runs) > 1:
+        v["seeds"] = [{k: r[k] for k in ("seed", "time_per_update_s", "cost_per_update_usd", "staleness")}
+                      for r in runs]
     return Candidate(**{**{f: getattr(c, f) for f in c.__dataclass_fields__}, "verified": v})
+
+
+def verify_candidates(cands: list[Candidate], types: list[GroupType], cfg: PlannerConfig, *,
+                      check_map: CheckMap | None = None) -> tuple[list[Candidate], dict[str, Any]]:
+    """Every candidate verified on `cfg.verify_seeds` seeds (cfg.seed, cfg.seed + 1, ...): one `twin_check` job per
+    (candidate, seed), all handed to `check_map` at once (default `sequential_map`), then combined per candidate
+    (`_verified`). Returns the candidates in their order and what ran the checks (mode, tasks, workers, nodes,
+    wall_s)."""
+    import time
+
+    ppu = load_workload(cfg.workload).prompts_per_update
+    seeds = [cfg.seed + i for i in range(cfg.verify_seeds)]
+    jobs = [(candidate_plan(c, types, cfg).to_dict(), verify_updates(c, cfg, ppu), seed, cfg.calibration)
+            for c in cands for seed in seeds]
+    wall0 = time.perf_counter()
+    runs, info = (check_map or sequential_map)(twin_check, jobs)
+    info = {**info, "tasks": len(jobs), "wall_s": time.perf_counter() - wall0}
+    per = len(seeds)
+    return [_verified(c, runs[i * per:(i + 1) * per], cfg) for i, c in enumerate(cands)], info
+
+
+def verify_candidate(c: Candidate, types: list[GroupType], cfg: PlannerConfig) -> Candidate:
+    """The candidate with `verified` filled from twin runs' steady state on `cfg.verify_seeds` seeds (in this
+    process; `verify_candidates` for many at once)."""
+    return verify_candidates([c], types, cfg)[0][0]
+
+
+def expected_lost_work(c: Candidate, types: list[GroupType], cfg: PlannerConfig) -> dict[str, Any]:
+    """What preemptions are expected to cost the candidate per update (the screen's model, `type_from`): the
+    preemptions (replicas x rate x time per update), the replica-seconds they lose (each: the replacement's cold
+    start and weight load plus the work in flight as `cfg.on_loss` treats it), that as a share of the fleet's
+    replica-seconds, and the USD those lost seconds were billed. The time per update is the twin's when the
+    candidate was verified, else the screen's."""
+    by = {t.name: t for t in types}
+    t_update = c.verified.get("time_per_update_s", c.time_per_update_s) if c.verified else c.time_per_update_s
+    pre = lost_s = usd = 0.0
+    reps = 0
+    for g, r in c.replicas.items():
+        t = by[g]
+        reps += r
+        events = r * t.preemptions_per_hour * t_update / 3600.0
+        pre += events
+        lost_s += events * (t.replace_s + t.inflight_loss_s)
+        usd += events * (t.replace_s + t.inflight_loss_s) * t.usd_per_hour / 3600.0
+    spot = {g: r for g, r in c.replicas.items() if by[g].spot}
+    return {"on_loss": cfg.on_loss, "spot_replicas": spot, "preemptions_per_update": pre,
+            "lost_replica_s_per_update": lost_s, "lost_share": lost_s / max(reps * t_update, 1e-12),
+            "lost_usd_per_update": usd, "time_per_update_s": t_update}
 
 
 def _twin_rank(c: Candidate, cfg: PlannerConfig) -> tuple[bool, float, float]:
