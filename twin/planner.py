@@ -84,6 +84,7 @@ from mixfleet.costmodel.roofline import (
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import GroupPlan, Plan, PoliciesPlan, PolicyRef, TrainerPlan, plan_from_dict
 from mixfleet.twin.episodes import WorkloadShape, workload_shape
+from mixfleet.twin.planner_defaults import DEFAULTS
 from scipy.optimize import Bounds, LinearConstraint, milp
 
 OBJECTIVES = ("cost_per_update", "cost_per_effective_update")
@@ -96,36 +97,37 @@ CheckMap = Callable[[Callable[..., dict[str, Any]], list[tuple[Any, ...]]], tupl
 
 @dataclass(frozen=True, kw_only=True)
 class PlannerConfig:
-    """What to plan for. Caps are GPUs per accelerator type; constraints are optional (None = no limit)."""
-    model: str = "qwen3.6-35b-a3b"
-    workload: str = "seed-agentic-coding"
-    price_table: str = "modal"
+    """What to plan for. Caps are GPUs per accelerator type; constraints are optional (None = no limit). The
+    defaults are `planner_defaults.DEFAULTS`, the one set `mixfleet plan` and the app's Plan page share."""
+    model: str = DEFAULTS.model
+    workload: str = DEFAULTS.workload
+    price_table: str = DEFAULTS.price_table
     accelerators: tuple[str, ...] = ()          # () = every GPU in the catalog
     max_gpus: dict[str, int] = field(default_factory=dict)  # per accelerator; default `default_max_gpus`
-    default_max_gpus: int = 64
-    kv_dtypes: tuple[str, ...] = ("fp8_e4m3",)
-    trainer_accelerator: str = "B200"
-    trainer_gpus: int = 8
-    max_staleness: float | None = None          # mean per-token staleness, versions
-    max_time_per_update_s: float | None = None
-    max_usd_per_hour: float | None = None       # fleet + trainer
-    objective: str = "cost_per_update"
-    verify: int = 3                             # best candidates the twin verifies in steady state and re-ranks
-    verify_updates: int = 0                     # updates per verification (0: 10 + 2 K / B, `verify_updates`)
-    seed: int = 0
+    default_max_gpus: int = DEFAULTS.default_max_gpus
+    kv_dtypes: tuple[str, ...] = DEFAULTS.kv_dtypes
+    trainer_accelerator: str = DEFAULTS.trainer_accelerator
+    trainer_gpus: int = DEFAULTS.trainer_gpus
+    max_staleness: float | None = DEFAULTS.max_staleness  # mean per-token staleness, versions
+    max_time_per_update_s: float | None = DEFAULTS.max_time_per_update_s
+    max_usd_per_hour: float | None = DEFAULTS.max_usd_per_hour  # fleet + trainer
+    objective: str = DEFAULTS.objective
+    verify: int = DEFAULTS.verify  # best candidates the twin verifies in steady state and re-ranks
+    verify_updates: int = DEFAULTS.verify_updates  # updates per verification (0: 10 + 2 K / B, `verify_updates`)
+    seed: int = DEFAULTS.seed
     prices: dict[str, float] = field(default_factory=dict)  # accelerator -> USD per GPU-hour, over the price table
     precisions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # accelerator -> allowed weight precisions
-    emulated: bool = False                      # `precisions` may name formats an accelerator only emulates
+    emulated: bool = DEFAULTS.emulated  # `precisions` may name formats an accelerator only emulates
     calibration: Any = None                     # a costmodel.calibration.Calibration: its fitted values replace
                                                 # the priors for the groups and trainer it covers (None = priors)
-    layouts: str = "smallest"                   # "smallest": smallest TP that fits; "cheapest": every layout (TP
+    layouts: str = DEFAULTS.layouts             # "smallest": smallest TP that fits; "cheapest": every layout (TP
                                                 # 1-8, attention DP + EP for MoE), the lowest $/token at the workload
-    backend: str = "roofline"                   # replica step times: roofline | auto | aiconfigurator
-    spot: tuple[str, ...] = ()                  # accelerators whose spot capacity may be used (("all",): every one
+    backend: str = DEFAULTS.backend  # replica step times: roofline | auto | aiconfigurator
+    spot: tuple[str, ...] = DEFAULTS.spot       # accelerators whose spot capacity may be used (("all",): every one
                                                 # with a spot price in the price table); () = on-demand only
     spot_preemptions_per_hour: float | None = None  # spot replicas' preemption rate (None: the catalog's)
-    on_loss: str = "resume"                     # work in flight on a lost replica: "resume" | "restart" (the plan's)
-    verify_seeds: int = 1                       # seeds per verified candidate (cfg.seed, cfg.seed + 1, ...)
+    on_loss: str = DEFAULTS.on_loss  # work in flight on a lost replica: "resume" | "restart" (the plan's)
+    verify_seeds: int = DEFAULTS.verify_seeds  # seeds per verified candidate (cfg.seed, cfg.seed + 1, ...)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
