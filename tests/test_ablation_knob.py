@@ -140,7 +140,8 @@ def test_cli_input_errors(tmp_path: Path) -> None:
     app = typer.Typer()
     experiment.register(app)
     for args, text in ((["--fleet", "gpu"], "allowed: mixed, homogeneous, both"),
-                       (["--seeds", "x"], "--seeds"), (["--variants", "ppo"], "allowed: grpo"),
+                       (["--seeds", "x"], "--seeds"), (["--seeds", "0"], "one seed alone: '0,'"),
+                       (["--variants", "ppo"], "allowed: grpo"),
                        (["--init", str(tmp_path)], "base_policy")):
         r = CliRunner().invoke(app, ["experiment", "ablation", "--out", str(tmp_path / "o"), *args])
         assert r.exit_code == 2, r.output

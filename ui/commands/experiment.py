@@ -30,7 +30,8 @@ def _ints(text: str, name: str) -> tuple[int, ...]:
     except ValueError:
         _fail(f"{name} = {text!r}; allowed: a count N (seeds 0..N-1) or a comma list such as 0,1")
     if n < 1:
-        _fail(f"{name} = {text!r}; allowed: a count >= 1 or a comma list")
+        _fail(f"{name} = {text!r}; allowed: a count >= 1 (seeds 0..N-1) or a comma list (one seed alone: "
+              f"'{text},')")
     return tuple(range(n))
 
 
