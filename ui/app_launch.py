@@ -42,14 +42,42 @@ def _default_name(pt: PlanText) -> str:
     return f"{base}-{time.strftime('%Y%m%d-%H%M%S')}"
 
 
+@st.cache_data(show_spinner=False, ttl=60, max_entries=32)
+def rehearsal_text(plan_toml: str) -> tuple[list[str], str]:
+    """What an embedded rehearsal of this plan runs here (`mixfleet run --embedded` applies the same transform,
+    runner/orchestration/rehearsal.py), or why it cannot run here: (lines, "") or ([], reason)."""
+    from mixfleet.runner.orchestration.rehearsal import rehearsal_of
+    from mixfleet.ui.app_common import error_text, plan_object
+
+    try:
+        return rehearsal_of(plan_object(PlanText("", plan_toml))).lines(), ""
+    except ValueError as e:               # SpecError: the field, the value, why
+        return [], error_text(e)
+
+
+def _rehearsal_note(pt: PlanText) -> str:
+    """The rehearsal said on the page before Start (issue 26: the page started a 35B plan on CPU, then called the
+    failure "starting"); the reason it cannot run here when it cannot."""
+    lines, why = rehearsal_text(pt.toml)
+    if why:
+        st.warning(f"An embedded rehearsal of this plan cannot run on this machine: {why}")
+        return why
+    head, *groups = lines
+    st.markdown(f"**Embedded rehearsal here**: {head}")
+    if groups:
+        st.code("\n".join(g.strip() for g in groups), language=None)
+    return ""
+
+
 def run_for_real(pt: PlanText, key: str) -> None:
     """A form that starts `mixfleet run` on this plan as a managed background process, then opens the Runs page."""
     root = runs_dir()
     with st.expander("Run for real", expanded=False):
         st.caption(f"Starts `mixfleet run` on this plan in the background, in a run folder under `{root}` with the "
-                   "plan written beside it; the Runs page follows it, stops it and resumes it. By default every group "
-                   "is rehearsed on this machine as embedded samplers in its precision and KV dtype, on the base "
-                   "policy (the tiny model).")
+                   "plan written beside it; the Runs page follows it, stops it and resumes it. By default the plan's "
+                   "own fleet is rehearsed on this machine: every group as embedded samplers in its precision, KV "
+                   "dtype and kernel, with the plan's policies, on the tiny stand-in of its model family.")
+        refusal = _rehearsal_note(pt)
         with st.form(f"{key}_run_form"):
             c1, c2 = st.columns([3, 1])
             name = c1.text_input("Run name (a folder under the runs folder)", value=_default_name(pt),
@@ -64,6 +92,9 @@ def run_for_real(pt: PlanText, key: str) -> None:
                                  value=os.environ.get(INIT_ENV, ""), key=f"{key}_run_init")
             go = st.form_submit_button("Start the run", type="primary")
         if not go:
+            return
+        if where == EMBEDDED and refusal:       # refused here, with the reason, instead of a process that dies
+            st.error(f"cannot start the run: this plan cannot be rehearsed on this machine: {refusal}")
             return
         try:
             if where == CLUSTER and not address.strip():
@@ -135,8 +166,13 @@ def _rerun_on_change(m: rm.ManagedRun, state: str) -> None:
 def show_pending(m: rm.ManagedRun) -> None:
     if (m.run_dir / "run.json").exists():
         st.rerun(scope="app")            # its run log is there now: list it
-    st.info(f"Run `{m.name}` is **{m.state()}**: starting (Ray, samplers, the base policy); its run log appears "
-            "when the first sampler is up.")
+    state = m.state()
+    if state in ("running", "stopping"):
+        st.info(f"Run `{m.name}` is **{state}**: starting (Ray, samplers, the base policy); its run log appears "
+                "when the first sampler is up.")
+    else:                     # it ended before writing a log: say so, not "starting" (issue 26)
+        st.error(f"Run `{m.name}` **{state}** before its run log appeared: it did not start. The driver log below "
+                 "says why.")
     _controls(m, None)
     _log_tail(m)
 
@@ -175,20 +211,23 @@ def managed_panel(m: rm.ManagedRun, twin_path: str | None) -> None:
 
 def _controls(m: rm.ManagedRun, p: dict[str, Any] | None) -> None:
     state = m.state()
+    err = st.session_state.get(ACT_ERROR_KEY, {}).get(m.name)
+    if err is not None:
+        show_error("managed run", err)
     c = st.columns(4)
     key = f"mr_{m.name}"
     if state == "running":
         if c[0].button("Stop (after this update)", key=f"{key}_stop",
                        help="SIGTERM: the run finishes the update under way, checkpoints and closes its log "
                             "as 'stopped'. Resume continues it."):
-            _act(lambda: rm.stop(m))
+            _act(lambda: rm.stop(m), m.name)
         if c[1].button("Kill now", key=f"{key}_kill", help="SIGKILL to the run and its Ray; resumable from the "
                                                            "last checkpoint."):
-            _act(lambda: rm.kill(m))
+            _act(lambda: rm.kill(m), m.name)
     elif state == "stopping":
         c[0].caption("stopping after the current update...")
         if c[1].button("Kill now", key=f"{key}_kill"):
-            _act(lambda: rm.kill(m))
+            _act(lambda: rm.kill(m), m.name)
     elif state in ("stopped", "killed", "exited", "failed", "finished"):
         label = "Continue" if state == "finished" else "Resume"
         more = c[1].number_input(f"{label} to updates (target)", min_value=1, max_value=rm.MAX_UPDATES,
@@ -197,13 +236,21 @@ def _controls(m: rm.ManagedRun, p: dict[str, Any] | None) -> None:
                                                          "start: more than it has done continues it that far")
         if c[0].button(label, key=f"{key}_resume", type="primary",
                        help="`mixfleet run ... --resume`: from the last trainer checkpoint, each update once"):
-            _act(lambda: follow(rm.resume(m, int(more)).run_dir))
+            _act(lambda: follow(rm.resume(m, int(more)).run_dir), m.name)
 
 
-def _act(fn: Any) -> None:
+ACT_ERROR_KEY = "managed_run_errors"          # session state: {run name: the last control's error}
+
+
+def _act(fn: Any, name: str = "") -> None:
+    """Run a control; its error stays on the page until the next control of that run (the panel refreshes
+    every few seconds, which wiped an error shown once: issue 26)."""
+    errors = st.session_state.setdefault(ACT_ERROR_KEY, {})
+    errors.pop(name, None)
     try:
         fn()
     except Exception as e:
+        errors[name] = e
         show_error("managed run", e)
         return
     st.rerun()
