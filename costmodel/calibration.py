@@ -337,15 +337,37 @@ def _skip(skipped: list[str], note: str) -> None:
     warnings.warn(f"calibration: {note}", CalibrationWarning, stacklevel=3)
 
 
-def _read_run(path: str | os.PathLike[str], missing: list[str], skipped: list[str] | None = None) -> _Run | None:
-    where = str(path)
-    why = RunLog.not_a_run_log(path)
-    if why is not None:
-        missing.append(f"{where}: not a run log ({why})")
-        return None
-    with warnings.catch_warnings():           # said once below, as what the calibration leaves out
-        warnings.simplefilter("ignore", RunLogWarning)
-        log = RunLog.open(path)
+@dataclass(frozen=True, kw_only=True)
+class FrameLog:
+    """A run log held in memory: the four tables as DataFrames (the columns `RunLog` reads) and the header, e.g.
+    a window of a run still going (`policies.replan` fits its groups from one). `known`: the run-clock windows
+    (after, until] in which the frames hold every session that ran (see `complete_windows`); None: derived from
+    the prompt ids as for a log on disk."""
+    header: dict[str, Any]
+    trajectories: pd.DataFrame
+    updates: pd.DataFrame
+    groups: pd.DataFrame
+    events: pd.DataFrame
+    directory: str = "<in memory>"
+    known: tuple[tuple[float, float], ...] | None = None
+    skipped: tuple[Any, ...] = ()
+    skip_reasons: dict[Any, str] = field(default_factory=dict)
+
+
+def _read_run(path: str | os.PathLike[str] | FrameLog, missing: list[str],
+              skipped: list[str] | None = None) -> _Run | None:
+    if isinstance(path, FrameLog):
+        log: Any = path
+        where = path.directory
+    else:
+        where = str(path)
+        why = RunLog.not_a_run_log(path)
+        if why is not None:
+            missing.append(f"{where}: not a run log ({why})")
+            return None
+        with warnings.catch_warnings():           # said once below, as what the calibration leaves out
+            warnings.simplefilter("ignore", RunLogWarning)
+            log = RunLog.open(path)
     for part in log.skipped:
         _skip(skipped if skipped is not None else [], f"run log {where}: part {part.parent.name}/{part.name} "
               f"skipped, its rows are not in the fit: unreadable ({log.skip_reasons.get(part, 'unknown')})")
@@ -654,18 +676,20 @@ def _measured_workload(trs: list[pd.DataFrame], base: WorkloadSpec, turn_latency
 
 # ---- the fit ---------------------------------------------------------------------------------------
 
-def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: int = MIN_TRAJECTORIES_PER_GROUP,
-              min_updates: int = MIN_UPDATES) -> Calibration:
-    """Fit a Calibration to one or more run logs of the same model and trainer (see the module doc).
+def calibrate(runlogs: Iterable[str | os.PathLike[str] | FrameLog], *,
+              min_trajectories: int = MIN_TRAJECTORIES_PER_GROUP, min_updates: int = MIN_UPDATES) -> Calibration:
+    """Fit a Calibration to one or more run logs of the same model and trainer (see the module doc): folders, or
+    `FrameLog`s held in memory (a window of a running run).
 
     Raises CalibrationError naming everything that is missing when the logs hold too little data.
     """
-    paths = [str(p) for p in runlogs]
+    logs = list(runlogs)
+    paths = [p.directory if isinstance(p, FrameLog) else str(p) for p in logs]
     missing: list[str] = []
     skipped: list[str] = []
     if not paths:
         raise CalibrationError(["at least one run log"])
-    runs = [r for r in (_read_run(p, missing, skipped) for p in paths) if r is not None]
+    runs = [r for r in (_read_run(p, missing, skipped) for p in logs) if r is not None]
     if missing:
         raise CalibrationError(missing)
     models = {r.model.name for r in runs}
@@ -686,7 +710,8 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str]], *, min_trajectories: in
             keyed.setdefault((g.accelerator, g.precision, g.kv_dtype, g.kernel), []).append((r, g))
     # per run, once: the windows in which its log knows every session (`complete_windows`) and the
     # trajectories inside them
-    windows = {id(r): complete_windows(r.log, inflight_limit(r.log.header), skipped) for r in runs}
+    windows = {id(r): list(r.log.known) if getattr(r.log, "known", None) is not None
+               else complete_windows(r.log, inflight_limit(r.log.header), skipped) for r in runs}
     known = {id(r): in_windows(r.log.trajectories, windows[id(r)]) for r in runs}
     counts: dict[tuple[str, str, str, str], int] = {}
     for key, members in keyed.items():
@@ -858,4 +883,5 @@ def calibration_dict(cal: Calibration) -> dict[str, Any]:
     return d
 
 
-__all__ = ["Calibration", "CalibrationError", "Fitted", "GroupCalibration", "calibrate", "calibration_dict"]
+__all__ = ["Calibration", "CalibrationError", "FrameLog", "Fitted", "GroupCalibration", "calibrate",
+           "calibration_dict"]

@@ -41,7 +41,7 @@ import re
 import time
 import uuid
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import MISSING, dataclass, fields
 from datetime import UTC, datetime
 from importlib import metadata
@@ -62,7 +62,7 @@ STATUSES = ("running", "finished", "stopped", "failed")   # stopped: ended on re
 FINISH_REASONS = ("done", "max_turns", "no_tool_call_3x", "aborted", "error", "restarted")
 EVENT_KINDS = ("scale_up", "scale_down", "cold_start", "ready", "preempt", "crash", "restart",
                "weight_push", "weight_push_failed", "resume", "note", "placed", "node_lost", "shrink",
-               "group_lost")
+               "group_lost", "replan")
 EXTREME_RATIO_LOW = 0.2     # a token's sampler/trainer probability ratio below this is "extreme low"
 EXTREME_RATIO_HIGH = 5.0    # ... above this is "extreme high"
 
@@ -280,6 +280,14 @@ def _to_pandas(t: pa.Table, table: str) -> pd.DataFrame:
     return df
 
 
+def records_frame(table: str, records: Iterable[Any]) -> pd.DataFrame:
+    """Records of one table as the DataFrame `RunLog` reads for it (same columns and dtypes), without a file:
+    what a policy reading a run as it goes fits on (`costmodel.calibration.FrameLog`)."""
+    if table not in SCHEMAS:
+        raise SpecError("records_frame", "table", table, TABLES)
+    return _to_pandas(_records_to_table(table, list(records)), table)
+
+
 def _records_to_table(table: str, records: list[Any]) -> pa.Table:
     schema = SCHEMAS[table]
     cols = {}
@@ -385,6 +393,7 @@ class RunLogWriter:
         self.flush_every_rows = flush_every_rows
         self.flush_every_s = flush_every_s
         self._buffers: dict[str, list[Any]] = {t: [] for t in TABLES}
+        self._observers: list[Callable[[Record], Iterable[Record]]] = []
         self._closed = False
         given = dict(header or {})
         header_path = self.directory / HEADER_FILE
@@ -457,6 +466,9 @@ class RunLogWriter:
                             [c.__name__ for c in RECORD_TYPES.values()])
         buf = self._buffers[table]
         buf.append(record)
+        for observe in self._observers:   # e.g. the `replan` autoscaler: its decisions come back as records
+            for extra in observe(record):
+                self.append(extra)
         if (self.flush_every_rows is not None and len(buf) >= self.flush_every_rows) or (
                 self.flush_every_s is not None and time.monotonic() - self._last_flush >= self.flush_every_s):
             self.flush()
@@ -464,6 +476,11 @@ class RunLogWriter:
     def extend(self, records: Iterable[Record]) -> None:
         for r in records:
             self.append(r)
+
+    def observe(self, observer: Callable[[Record], Iterable[Record]]) -> None:
+        """Hand every record appended from now on to `observer` too; the records it returns are appended after
+        it (the way a policy that reads the run as it goes, `policies.replan`, logs its own decisions)."""
+        self._observers.append(observer)
 
     def pending(self) -> dict[str, int]:
         """Buffered (not yet written) rows per table."""

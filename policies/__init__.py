@@ -4,7 +4,7 @@ Pure Python: no simpy, no torch, no I/O in decisions. The twin and the real runn
 same objects. Imports only mixfleet.costmodel. Importing the package registers the built-ins.
 """
 
-from mixfleet.policies import autoscaler, batcher, router, weight_sync  # noqa: F401  (registers built-ins)
+from mixfleet.policies import autoscaler, batcher, replan, router, weight_sync  # noqa: F401  (registers built-ins)
 from mixfleet.policies.autoscaler import Autoscaler
 from mixfleet.policies.batcher import BatchDecision, Batcher
 from mixfleet.policies.plan import (

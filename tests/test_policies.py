@@ -23,7 +23,7 @@ def group(name: str, cap: float, n: int = 1, *, up: int | None = None, usd_mtok:
 
 def test_registry_lists_builtins_and_refuses_unknowns() -> None:
     assert names("router") == ["capacity_proportional", "cost_aware", "least_outstanding_tokens"]
-    assert names("autoscaler") == ["fixed", "queue_based"]
+    assert names("autoscaler") == ["fixed", "queue_based", "replan"]
     assert names("weight_sync") == ["drain", "in_flight"]
     with pytest.raises(SpecError, match="least_outstanding_tokens"):
         make("router", "round_robin")

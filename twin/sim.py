@@ -67,7 +67,8 @@ def _json_safe(x: Any) -> Any:
 
 def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = None, out: str | Path | None = None,
              price_table: str | None = None, setup: Setup | None = None, calibration: Calibration | None = None,
-             progress: Callable[[int], None] | None = None, warm_start: bool = False) -> TwinResult:
+             truth: Calibration | None = None, progress: Callable[[int], None] | None = None,
+             warm_start: bool = False) -> TwinResult:
     """Dry-run `plan` for `updates` trainer updates.
 
     plan: a Plan, a plan file path or a shipped plan name. seed: overrides the plan's. out: the run-log
@@ -75,6 +76,9 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
     setup: the world's numbers (default: from the cost model, `build_setup`); tests pass their own.
     calibration: a costmodel Calibration: its fitted values in place of the cost model's priors for the groups and
     trainer it covers (`build_setup(plan, calibration=...)`; ignored when `setup` is given).
+    truth: a Calibration the simulated world runs on instead, while what plans and re-plans (the `replan`
+    autoscaler's solver) starts from `calibration` (None: the priors): a bench for the re-planning loop, e.g.
+    one group slower than its prior (`twin.replan.perturbed_truth`). Recorded in the header as `truth`.
     progress: called with each finished update's number (1..updates).
     warm_start: begin near the steady state (sessions and prompt-groups at the ages the workload implies,
     `World.seed_steady_state`; update versions then start above 1) instead of from empty pipelines.
@@ -87,17 +91,23 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:   # numpy's generators take seeds >= 0
         from mixfleet.costmodel.errors import SpecError
         raise SpecError("simulate", "seed", seed, "an integer >= 0")
-    setup = setup or build_setup(plan, price_table=price_table, calibration=calibration)
+    setup = setup or build_setup(plan, price_table=price_table, calibration=truth or calibration)
     folder = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="mixfleet-twin-"))
     wall0 = time.perf_counter()
     gc_thresholds = gc.get_threshold()
     gc.set_threshold(100_000, 50, 100)  # the run holds ~1e6 small live objects: collect cycles less often
     try:
         header = {"source": "twin", "plan": plan.to_dict(), "seed": seed, "clock": "simulated",
-                  **({"warm_start": True} if warm_start else {})}
+                  **({"warm_start": True} if warm_start else {}),
+                  **({"truth": truth.to_dict()} if truth is not None else {})}
         with RunLogWriter(folder, header, flush_every_rows=50_000, flush_every_s=None) as writer:
+            policies = plan.build_policies(setup.workload)
+            if hasattr(policies["autoscaler"], "attach"):   # the re-planner reads the run and re-solves (twin.replan)
+                from mixfleet.twin.replan import planner_solver
+                policies["autoscaler"].attach(writer, planner_solver(plan, policies["autoscaler"].config,
+                                                                     calibration))
             world = World(groups=setup.groups, trainer=setup.trainer, workload=setup.workload,
-                          policies=plan.build_policies(setup.workload), seed=seed, writer=writer,
+                          policies=policies, seed=seed, writer=writer,
                           run_id=writer.run_id, preemptions_per_replica_hour=plan.faults.preemptions_per_replica_hour,
                           on_loss=plan.faults.on_loss, progress=progress)
             done = world.env.process(run_loop(world, updates, warm_start=warm_start))

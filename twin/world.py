@@ -174,6 +174,12 @@ class World:
         idle = sorted((r for r in g.replicas if r.up and not r.running and not r.waiting),
                       key=lambda r: (self.router.pinned(g.setup.name, r.index), -r.index))
         victim = starting[-1] if starting else (idle[0] if idle else None)
+        if victim is None and getattr(self.autoscaler, "stops_busy", False):
+            # the re-planner (policies.replan) stops the least loaded replica now: its requests resume elsewhere
+            busy = [r for r in g.replicas if r.up]
+            if busy:
+                self.lose_replica(g, min(busy, key=lambda r: (r.outstanding_tokens, -r.index)), "scale_down")
+            return
         if victim is None:
             return
         g.accrue(self.env.now)

@@ -1,0 +1,188 @@
+"""The twin's side of the re-planning loop: the solver `policies.replan` re-solves with, and "truth" calibrations.
+
+`planner_solver(plan, config)` re-solves a running fleet's replica counts with the planner's own analytic model
+(`twin.planner.group_types` + `metrics`: session-limited throughput, time per update = max(sampler, train + push),
+staleness by Little's law, cost per update or per effective update): the plan's groups priced through the
+window's fit (`calibration=`), the plan's prompts in flight and update shape, each group within its
+[min_replicas, max_replicas] (only the groups the policy may touch move), under the policy's budget, staleness
+and time limits. It searches from the current counts by steps of 1, 2, 4 and 8 replicas per group and
+one-for-one swaps between two groups, taking the best feasible move until none improves.
+
+`perturbed_truth(plan, slower=..., mismatch=...)` builds the calibration a dry run's world runs on while the
+planner and the re-planner start from the priors (`simulate(plan, truth=...)`): every group at its prior, some
+slower (speed x factor) or more mismatched (KL and extreme share x factor).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import replace
+from datetime import UTC, datetime
+
+import numpy as np
+from mixfleet.costmodel.calibration import Calibration, Fitted, GroupCalibration
+from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.planspec import plan_catalog, resolve_groups
+from mixfleet.costmodel.workload import load_workload
+from mixfleet.policies.plan import Plan
+from mixfleet.policies.replan import Proposal, Replan, Solver
+from mixfleet.twin.planner import PlannerConfig, group_types, metrics
+
+SEARCH_STEPS = (1, 2, 4, 8)          # replicas per move of one group
+MAX_SEARCH_ROUNDS = 200
+ANCHOR_RANGE = (0.25, 4.0)           # the speed anchor's search range (factor on every fitted decode_scale)
+ANCHOR_ITERATIONS = 8               # halvings of the log range: the factor to within ~1%
+
+
+def planner_config(plan: Plan, config: Replan.Config, calibration: Calibration | None = None) -> PlannerConfig:
+    """The planner's settings for the plan's own pool, with the policy's objective and limits."""
+    return PlannerConfig(model=plan.model, workload=plan.workload, price_table=plan.price_table or "modal",
+                         prices=dict(plan.prices), backend=plan.cost_backend,
+                         trainer_accelerator=plan.trainer.accelerator, trainer_gpus=plan.trainer.gpus,
+                         objective=config.objective, max_staleness=config.max_staleness,
+                         max_time_per_update_s=config.max_time_per_update_s,
+                         max_usd_per_hour=config.max_usd_per_hour, verify=0, calibration=calibration)
+
+
+def planner_solver(plan: Plan, config: Replan.Config, calibration: Calibration | None = None) -> Solver:
+    """A `policies.replan.Solver` for `plan`: the planner's analytic model over the plan's groups (see the module
+    doc), each call on the window's fit with its speeds anchored (one factor on every group's decode_scale) so
+    that the model's time per update at the current counts is the measured one. `calibration`: what the plan was
+    sized on (None: the priors); `solve(None, ...)` prices the counts on it (the oracle's and the static plan's
+    sizing in benchmarks/replan_bench.py)."""
+    base = planner_config(plan, config, None)
+    wl = load_workload(plan.workload)
+    bat = plan.build_policies(wl)["batcher"].config
+    shape = (bat.prompts_per_update, bat.samples_per_prompt)
+    k = bat.inflight_prompts
+    names = [g.name for g in plan.groups]
+    lo = np.array([g.min_replicas for g in plan.groups])
+    hi = np.array([g.max_replicas for g in plan.groups])
+
+    def scaled(fit: Calibration, a: float) -> Calibration:
+        """The fit with every group's decode_scale (and prefill overhead) times `a`."""
+        gs = tuple(replace(g, decode_scale=replace(g.decode_scale, value=g.decode_scale.value * a),
+                           prefill_overhead_s=replace(g.prefill_overhead_s, value=g.prefill_overhead_s.value * a))
+                   for g in fit.groups)
+        return replace(fit, groups=gs)
+
+    def model(cal: Calibration | None) -> tuple[PlannerConfig, list]:
+        cfg = replace(base, calibration=cal)
+        return cfg, group_types(cfg, only=list(plan.groups))
+
+    def anchor(fit: Calibration, x0: np.ndarray, measured_s: float) -> float:
+        """The factor on every fitted decode_scale at which the model's time per update at the current counts is
+        the measured one (1 when the trainer bounds it, or it is not measured): bisection on a log scale."""
+        if not (math.isfinite(measured_s) and measured_s > 0):
+            return 1.0
+        lo, hi = math.log(ANCHOR_RANGE[0]), math.log(ANCHOR_RANGE[1])
+
+        def t_update(a: float) -> tuple[float, bool]:
+            cfg, types = model(scaled(fit, a))
+            m = metrics(types, x0[None, :], np.array([k]), cfg, shape)
+            return float(m["time_per_update_s"][0]), bool(m["trainer_bound"][0])
+
+        t_hi, bound_hi = t_update(math.exp(hi))
+        if bound_hi or t_hi < measured_s:
+            return math.exp(hi) if not bound_hi else 1.0
+        for _ in range(ANCHOR_ITERATIONS):
+            mid = 0.5 * (lo + hi)
+            t, bound = t_update(math.exp(mid))
+            if bound or t < measured_s:
+                lo = mid
+            else:
+                hi = mid
+        return math.exp(0.5 * (lo + hi))
+
+    def solve(fit: Calibration | None, current: dict[str, int], touch: tuple[str, ...],
+              measured: dict[str, float]) -> Proposal:
+        x0 = np.array([int(current.get(n, g.replicas)) for n, g in zip(names, plan.groups, strict=True)])
+        if fit is None:   # no measurements: the values the plan was sized on, as they are
+            a = 1.0
+            cfg, types = model(calibration)
+        else:
+            a = anchor(fit, x0, float(measured.get("time_per_update_s", math.nan)))
+            cfg, types = model(scaled(fit, a))
+        free = np.array([n in touch for n in names])
+        lo_t, hi_t = np.where(free, lo, x0), np.where(free, hi, x0)
+
+        def score(rows: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+            m = metrics(types, rows, np.full(len(rows), k), cfg, shape)
+            ok = np.ones(len(rows), dtype=bool)
+            if cfg.max_staleness is not None:
+                ok &= m["staleness"] <= cfg.max_staleness
+            if cfg.max_time_per_update_s is not None:
+                ok &= m["time_per_update_s"] <= cfg.max_time_per_update_s
+            if cfg.max_usd_per_hour is not None:
+                ok &= m["usd_per_hour"] <= cfg.max_usd_per_hour + 1e-9
+            ok &= rows.sum(1) > 0
+            return np.where(ok, m[cfg.objective], np.inf), m
+
+        x = x0.copy()
+        best, _ = score(x[None, :])
+        eye = np.eye(len(x), dtype=int)
+        moves = [d * e for d in SEARCH_STEPS for e in eye] + [-d * e for d in SEARCH_STEPS for e in eye]
+        moves += [eye[i] - eye[j] for i in range(len(x)) for j in range(len(x)) if i != j]
+        moves_a = np.array(moves, dtype=int)
+        for _ in range(MAX_SEARCH_ROUNDS):
+            rows = x[None, :] + moves_a
+            rows = rows[((rows >= lo_t) & (rows <= hi_t)).all(1)]
+            if not len(rows):
+                break
+            sc, _ = score(rows)
+            i = int(np.argmin(sc))
+            if not sc[i] < best[0] * (1 - 1e-9):
+                break
+            x, best = rows[i], sc[i:i + 1]
+        obj, m = score(np.stack([x0, x]))
+        raw = m[cfg.objective]
+        note = "" if math.isfinite(obj[1]) else "no counts within the pool meet the limits"
+        return Proposal(counts={n: int(c) for n, c in zip(names, x, strict=True)}, objective_now=float(raw[0]),
+                        objective_new=float(raw[1]), time_per_update_now_s=float(m["time_per_update_s"][0]),
+                        time_per_update_new_s=float(m["time_per_update_s"][1]), staleness_now=float(m["staleness"][0]),
+                        staleness_new=float(m["staleness"][1]), feasible=bool(math.isfinite(obj[1])), anchor=a,
+                        note=note)
+
+    return solve
+
+
+def perturbed_truth(plan: Plan, *, slower: Mapping[str, float] | None = None,
+                    mismatch: Mapping[str, float] | None = None) -> Calibration:
+    """A calibration holding every group of `plan` at its prior except: `slower[g]` = f, the group's speed x f
+    (decode_scale 1 / f: 0.6 is 40% slower); `mismatch[g]` = m, its KL and extreme-ratio share x m. The trainer at
+    its prior; no measured workload (the plan's stays)."""
+    slower, mismatch = dict(slower or {}), dict(mismatch or {})
+    names = [g.name for g in plan.groups]
+    for what, d in (("slower", slower), ("mismatch", mismatch)):
+        for g, f in d.items():
+            if g not in names:
+                raise SpecError("perturbed_truth", f"{what}.{g}", f, "a group of the plan: " + ", ".join(names))
+            if not (isinstance(f, int | float) and f > 0):
+                raise SpecError("perturbed_truth", f"{what}.{g}", f, "a factor > 0")
+    cat = plan_catalog(plan)
+    groups = []
+    for r in resolve_groups(plan, catalog=cat):
+        g = r.group
+        f, m = float(slower.get(g.name, 1.0)), float(mismatch.get(g.name, 1.0))
+        fx = lambda v, prior, unit="": Fitted(value=v, stderr=0.0, prior=prior, unit=unit, note="truth")  # noqa: E731
+        groups.append(GroupCalibration(
+            name=g.name, accelerator=g.accelerator, precision=g.precision, kv_dtype=g.kv_dtype, kernel=g.kernel,
+            decode_scale=fx(1.0 / f, 1.0, "x"),
+            prefill_overhead_s=fx(r.prior.prefill_overhead_s / f, r.prior.prefill_overhead_s, "s"),
+            weight_sync_s=fx(r.weight_sync_s, r.weight_sync_s, "s"),
+            kl_k3=fx(r.kl_k3 * m, r.kl_k3, "nats/token"),
+            kl_growth_per_staleness=fx(r.kl_growth_per_staleness, r.kl_growth_per_staleness, "1/version"),
+            extreme_share=fx(min(1.0, r.extreme_share * m), r.extreme_share, "share"),
+            extreme_growth_per_staleness=fx(r.kl_growth_per_staleness, r.kl_growth_per_staleness, "1/version")))
+    acc = cat.accelerator(plan.trainer.accelerator)
+    return Calibration(groups=tuple(groups), trainer_accelerator=acc.name, trainer_gpus=plan.trainer.gpus,
+                       trainer_scale=Fitted(value=1.0, stderr=0.0, prior=1.0, unit="x"),
+                       trainer_overhead_s=Fitted(value=acc.trainer_overhead_s, stderr=0.0,
+                                                 prior=acc.trainer_overhead_s, unit="s"),
+                       update_overhead_s=Fitted(value=0.0, stderr=0.0, prior=0.0, unit="s"),
+                       turn_latency_s=Fitted(value=0.0, stderr=0.0, prior=0.0, unit="s"),
+                       model=load_model_spec(plan.model).name,
+                       runs=(f"truth: slower {slower or '{}'}, mismatch {mismatch or '{}'}",),
+                       created_utc=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
