@@ -1,7 +1,7 @@
 """A sampler group none of whose replicas can start fails the run, or (allowed) is left out and reported.
 
 Real runs (tiny model, Ray actors, Megatron-core trainer): the plan's second group is started from a
-truncated checkpoint (the `SamplerFleet.start_kwargs` hook), so its engine refuses it for real at every
+truncated checkpoint (the `SamplerFleet.start_launch` hook), so its engine refuses it for real at every
 start. Before this check the run logged a "crash" per try, restarted it forever and finished with exit
 code 0 without that group. Now: `MAX_START_FAILURES` failed starts in a row with none up fail the run with
 `RunFailed` naming the group (run log closed "failed"), or, with `allow_group_loss`, the group is given
@@ -11,6 +11,7 @@ run.json name the lost group (`mixfleet run` then exits 3).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from pathlib import Path
@@ -20,6 +21,7 @@ from mixfleet.costmodel.runlog import RunLog
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.orchestration.orchestrator import RunConfig, RunFailed, run_plan
 from mixfleet.runner.orchestration.sampler_fleet import MAX_START_FAILURES
+from mixfleet.runner.sampler.replica import ReplicaLaunch
 from runplans import CPU_BF16, CPU_FP8, FIXED_EVERY_1S, run_files, run_plan_toml
 
 pytestmark = pytest.mark.slow
@@ -48,12 +50,12 @@ def _run(files: dict, name: str, **cfg: object) -> tuple[Path, dict | BaseExcept
                        ray_num_cpus=2, **cfg)
 
     def setup(orch) -> None:  # noqa: ANN001
-        def broken_start(group: str, kwargs: dict) -> dict:
-            if group != "cpu-broken":
-                return kwargs
-            return {**kwargs, "model_path": files["broken"], "weights": None}
+        def broken_start(launch: ReplicaLaunch) -> ReplicaLaunch:
+            if launch.group != "cpu-broken":
+                return launch
+            return dataclasses.replace(launch, model_path=files["broken"], weights=None)
 
-        orch.fleet.start_kwargs = broken_start
+        orch.fleet.start_launch = broken_start
 
     try:
         return out, run_plan(files["plan"], config, setup=setup)
@@ -100,10 +102,12 @@ def test_mixfleet_run_exit_codes(setup_files: dict, monkeypatch: pytest.MonkeyPa
     from mixfleet.ui.cli import app
     from typer.testing import CliRunner
 
-    def broken_start(group: str, kwargs: dict) -> dict:       # installed as every fleet's default hook
-        return {**kwargs, "model_path": setup_files["broken"], "weights": None} if group == "cpu-broken" else kwargs
+    def broken_start(launch: ReplicaLaunch) -> ReplicaLaunch:  # installed as every fleet's default hook
+        if launch.group != "cpu-broken":
+            return launch
+        return dataclasses.replace(launch, model_path=setup_files["broken"], weights=None)
 
-    monkeypatch.setattr(sampler_fleet, "_same_kwargs", broken_start)
+    monkeypatch.setattr(sampler_fleet, "_same_launch", broken_start)
     plan = str(setup_files["root"] / "plan.toml")
     base = ["run", plan, "--updates", "1", "--init", setup_files["init"], "--eval-every", "0", "--quiet"]
     r = CliRunner().invoke(app, [*base, "--out", str(setup_files["root"] / "cli-fails")])

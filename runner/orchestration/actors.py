@@ -30,9 +30,11 @@ import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-SAMPLER_MODES = ("embedded", "sglang")
+if TYPE_CHECKING:
+    from mixfleet.runner.sampler.replica import ReplicaLaunch
+
 LOOPBACK = "127.0.0.1"
 RAY_START_ATTEMPTS = 3      # a local Ray whose raylet does not register within Ray's 30 s (busy machine) is retried
 
@@ -73,51 +75,39 @@ def _set_threads(threads: int) -> None:
 
 
 class SamplerWorker:
-    """One sampler replica (run as a Ray actor, or in-process in tests)."""
+    """One sampler replica (run as a Ray actor, or in-process in tests), started from its one launch record
+    (runner/sampler/replica.py `ReplicaLaunch`)."""
 
-    def __init__(self, *, group: str, index: int, model_path: str, precision: str, kv_dtype: str,
-                 kernel: str | None = None, weight_noise: float = 0.0, threads: int = 1, seed: int = 0,
-                 weight_version: str = "0",
-                 mode: str = "embedded", max_running_requests: int = 256, top_p_replay: bool = False,
-                 tp: int = 1, routed_experts: bool = False, dp_attention: int = 1, ep: int = 1,
-                 api_key: str | None = None, weights: Mapping[str, Any] | None = None, run: str = "",
-                 driver_node: str | None = None) -> None:
-        if mode not in SAMPLER_MODES:
-            raise ValueError(f"SamplerWorker.mode = {mode!r}; allowed: {', '.join(SAMPLER_MODES)}")
-        self.group, self.index, self.mode = group, index, mode
+    def __init__(self, launch: ReplicaLaunch) -> None:
+        self.launch = launch
+        self.group, self.index, self.mode = launch.group, launch.index, launch.mode
         self._handle: Any = None
         self._proc: Any = None
         self.started_s = time.time()
         self.node_id, node_ip = _this_node()
-        self.host = serve_host(self.node_id, driver_node, node_ip)
+        self.host = serve_host(self.node_id, launch.driver_node, node_ip)
         self.transfer_s = 0.0
-        if weights is not None:                  # the pinned version, from this node's own cache
+        model_path = launch.model_path
+        if launch.weights is not None:           # the pinned version, from this node's own cache
             from mixfleet.runner.orchestration.distribution import local_path
 
-            model_path, self.transfer_s = local_path(weights, run)
+            model_path, self.transfer_s = local_path(launch.weights, launch.run)
         self.model_path = model_path
-        if mode == "embedded":
-            _set_threads(threads)
+        if launch.mode == "embedded":
+            _set_threads(launch.threads)
             from mixfleet.runner.sampler.engine import Engine
-            from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
+            from mixfleet.runner.sampler.replica import embedded_settings
+            from mixfleet.runner.sampler.server import start_in_thread
 
-            engine = Engine(model_path, precision=precision, kv_cache_dtype=kv_dtype, kernel=kernel,
-                            weight_noise=weight_noise, seed=seed,
-                            weight_version=weight_version, max_running_requests=max_running_requests,
-                            max_total_tokens=max_running_requests * 1024,
-                            enable_return_routed_experts=routed_experts)
-            self._handle = start_in_thread(engine, server_args=ServerArgs(
-                host=self.host, port=0, kernel=kernel, max_running_requests=max_running_requests, api_key=api_key))
+            engine_kw, server_args = embedded_settings(launch, model_path=str(model_path), host=self.host)
+            self._handle = start_in_thread(Engine(**engine_kw), server_args=server_args)
             self.url = self._handle.url
         else:
-            from mixfleet.runner.sampler.sglang_launch import launch, spec_for_group
+            from mixfleet.runner.sampler.sglang_launch import launch as launch_server
+            from mixfleet.runner.sampler.sglang_launch import spec_for_replica
 
-            spec = spec_for_group({"name": group, "precision": precision, "kv_dtype": kv_dtype, "tp": tp,
-                                   "dp_attention": dp_attention, "ep": ep},
-                                  model_path=model_path, port=_free_port(self.host), host=self.host,
-                                  top_p_replay=top_p_replay, weight_version=weight_version,
-                                  enable_return_routed_experts=routed_experts, api_key=api_key)
-            self._proc, attached = launch(spec)
+            spec = spec_for_replica(launch, model_path=str(model_path), port=_free_port(self.host), host=self.host)
+            self._proc, attached = launch_server(spec)
             self.url = attached.url
         self.ready_s = time.time() - self.started_s
 

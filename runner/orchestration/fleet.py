@@ -13,7 +13,7 @@ Three ways a group becomes replicas:
 
 Routing weights: capacity-proportional routing needs each group's serving capacity. It comes from the
 cost model for the plan's accelerator / precision / KV dtype / tp / emulated flag at the workload's mean
-decode context, by the very functions the twin uses (costmodel/planspec.py `group_replica_model`,
+decode context, from the record the twin uses (costmodel/planspec.py `resolve_groups`: the prior replica's
 `nominal_point`); a group the cost model refuses (a format its accelerator lacks without `emulated = true`,
 a tp too small for the model) is an error here as in the twin. When a rehearsal scales a group of R planned
 replicas down to n, each local replica carries R / n replicas' weight, so the groups' routing shares stay
@@ -22,15 +22,14 @@ the plan's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
-from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.formats import formats
-from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.planspec import group_replica_model, nominal_point
-from mixfleet.costmodel.workload import load_workload
-from mixfleet.policies.plan import EmbeddedPlan, GroupPlan, Plan
+from mixfleet.costmodel.planspec import ResolvedGroup, resolve_groups
+from mixfleet.policies.plan import EmbeddedPlan, Plan
+from mixfleet.runner.sampler.replica import ReplicaLaunch
 
 MODES = ("embedded", "sglang", "attach")
 ENGINE_PRECISIONS = formats().engine_precisions     # data/precisions.toml
@@ -39,25 +38,18 @@ ENGINE_KV_DTYPES = formats().engine_kv_dtypes
 
 @dataclass(frozen=True, kw_only=True)
 class GroupSpec:
-    """One sampler group as the runner starts it."""
+    """One sampler group as the runner starts it: the plan's resolved group (`planspec.resolve_groups`: the
+    group, its replica model and nominal point) and what this run makes of it in its fleet mode. The group's
+    own fields are read through it (`name`, `precision`, ...), never copied."""
 
-    name: str
-    accelerator: str                      # the plan's accelerator (the Ray custom resource requested)
-    precision: str                        # engine / SGLang weight precision
-    kv_dtype: str
-    kernel: str | None                    # embedded engine's matmul dtype (None: the precision's own)
-    weight_noise: float                   # embedded engine's emulated kernel error (0 = off)
+    resolved: ResolvedGroup
+    mode: str                             # the fleet's mode (MODES)
     replicas: int                         # replicas started (scaled down when embedded)
-    planned_replicas: int                 # the plan's count
     min_replicas: int
     max_replicas: int
     tp: int                               # accelerators per replica (the Ray resource amount); 1 embedded
-    capacity_tokens_per_s: float          # one replica's nominal throughput (routing weight)
-    usd_per_hour: float                   # one replica's price
-    usd_per_mtoken: float
+    capacity_tokens_per_s: float          # one replica's routing weight (the nominal point; x R / n scaled down)
     urls: tuple[str, ...] = ()            # "attach" mode: the replicas' base URLs
-    dp_attention: int = 1                 # the plan's layout (SGLang --dp-size with --enable-dp-attention)
-    ep: int = 1                           # the plan's expert-parallel size (SGLang --ep-size)
 
     def __post_init__(self) -> None:
         where = f"fleet group '{self.name}'"
@@ -67,6 +59,63 @@ class GroupSpec:
             raise ValueError(f"{where}: kv_dtype = {self.kv_dtype!r}; allowed: {', '.join(ENGINE_KV_DTYPES)}")
         if self.replicas < 0:
             raise ValueError(f"{where}: replicas = {self.replicas}; allowed: >= 0")
+
+    # the plan group's own fields, read through the resolved group
+    @property
+    def name(self) -> str:
+        return self.resolved.group.name
+
+    @property
+    def accelerator(self) -> str:
+        """The plan's accelerator (the Ray custom resource a replica requests)."""
+        return self.resolved.group.accelerator
+
+    @property
+    def precision(self) -> str:
+        return self.resolved.group.precision
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.resolved.group.kv_dtype
+
+    @property
+    def kernel(self) -> str | None:
+        """The embedded engine's matmul dtype (None: the precision's own)."""
+        return self.resolved.group.kernel or None
+
+    @property
+    def weight_noise(self) -> float:
+        return self.resolved.group.weight_noise
+
+    @property
+    def planned_replicas(self) -> int:
+        return self.resolved.group.replicas
+
+    @property
+    def dp_attention(self) -> int:
+        """The plan's attention-DP size where SGLang serves the layout; 1 for an embedded replica."""
+        return self.resolved.group.dp_attention if self.mode == "sglang" else 1
+
+    @property
+    def ep(self) -> int:
+        return self.resolved.group.ep if self.mode == "sglang" else 1
+
+    @property
+    def usd_per_hour(self) -> float:
+        """One replica's price."""
+        return float(self.resolved.prior.price_usd_per_hour)
+
+    @property
+    def usd_per_mtoken(self) -> float:
+        return self.resolved.usd_per_mtoken
+
+    def launch(self, *, index: int, **replica: Any) -> ReplicaLaunch:
+        """The launch record of replica `index` of this group: the group's serving settings, and the replica's
+        own (`replica`: seed, threads, model_path / weights, weight_version, api_key, ...; ReplicaLaunch)."""
+        return ReplicaLaunch(group=self.name, index=index, mode="sglang" if self.mode == "sglang" else "embedded",
+                             precision=self.precision, kv_dtype=self.kv_dtype, kernel=self.kernel,
+                             weight_noise=self.weight_noise, tp=self.tp, dp_attention=self.dp_attention, ep=self.ep,
+                             **replica)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,19 +144,6 @@ class FleetSpec:
         return sum(g.replicas for g in self.groups)
 
 
-def _nominal(plan: Plan) -> Callable[[GroupPlan], tuple[float, float, float, int]]:
-    """(tokens/s, USD/hour, USD/Mtoken, GPUs) of one replica of a group, as the twin has them."""
-    cat = load_catalog(plan.price_table or None).with_prices(plan.prices)
-    model = load_model_spec(plan.model)
-    workload = load_workload(plan.workload)
-
-    def one(g: GroupPlan) -> tuple[float, float, float, int]:
-        rm = group_replica_model(plan, g, model, cat, workload)
-        tps, usd_m = nominal_point(rm, workload.mean_decode_context)
-        return tps, float(rm.price_usd_per_hour), usd_m, int(rm.n_gpus)
-    return one
-
-
 def fleet_from_plan(plan: Plan, *, mode: str = "embedded", attach: Mapping[str, Sequence[str]] | None = None,
                     max_replicas_per_group: int | None = None) -> FleetSpec:
     """The replicas a run of `plan` starts in `mode` (see the module doc)."""
@@ -120,9 +156,9 @@ def fleet_from_plan(plan: Plan, *, mode: str = "embedded", attach: Mapping[str, 
         plan.group(name)                                   # unknown names -> SpecError listing the groups
     groups = []
     resources: dict[str, float] = {}
-    nominal = _nominal(plan)
-    for g in plan.groups:
-        tps, usd_h, usd_m, tp = nominal(g)
+    for r in resolve_groups(plan):
+        g = r.group
+        tps, tp = r.capacity_tokens_per_s, int(r.gpus)
         urls = tuple(attach.get(g.name, ()))
         if mode == "embedded":
             n = min(g.replicas, cap)
@@ -136,12 +172,8 @@ def fleet_from_plan(plan: Plan, *, mode: str = "embedded", attach: Mapping[str, 
             n, lo, hi = len(urls), len(urls), len(urls)
         else:
             n, lo, hi = g.replicas, g.min_replicas or 0, g.max_replicas or g.replicas
-        groups.append(GroupSpec(name=g.name, accelerator=g.accelerator, precision=g.precision, kv_dtype=g.kv_dtype,
-                                kernel=g.kernel or None, weight_noise=g.weight_noise, replicas=n,
-                                planned_replicas=g.replicas, min_replicas=lo, max_replicas=hi, tp=tp,
-                                capacity_tokens_per_s=tps, usd_per_hour=usd_h, usd_per_mtoken=usd_m, urls=urls,
-                                dp_attention=g.dp_attention if mode == "sglang" else 1,
-                                ep=g.ep if mode == "sglang" else 1))
+        groups.append(GroupSpec(resolved=r, mode=mode, replicas=n, min_replicas=lo, max_replicas=hi, tp=tp,
+                                capacity_tokens_per_s=tps, urls=urls))
         resources[g.accelerator] = resources.get(g.accelerator, 0.0) + hi * tp
     if sum(g.replicas for g in groups) == 0:
         raise ValueError(f"plan '{plan.name}': no sampler replica to start (every group scaled to 0)")

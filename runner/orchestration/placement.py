@@ -119,12 +119,9 @@ class ClusterWatch:
             return 0
         per_node = [float((n.get("Resources") or {}).get(g.accelerator, 0.0)) for n in nodes]
 
-        def held(name: str) -> int:
-            return fleet._starting[name] + sum(1 for r in fleet.replicas[name] if r.up)
-
-        used = sum(o.tp * held(o.name) for o in fleet.spec.groups if o.accelerator == g.accelerator)
+        used = sum(o.tp * fleet.held(o.name) for o in fleet.spec.groups if o.accelerator == g.accelerator)
         room = max(0, min(int((sum(per_node) - used) // g.tp), sum(int(u // g.tp) for u in per_node)))
-        capacity = held(g.name) + room
+        capacity = fleet.held(g.name) + room
         if capacity < g.replicas:
             self._shrink(g, capacity, f"the live nodes hold {sum(per_node):g} {g.accelerator}, "
                                       f"{used:g} in use by this run")

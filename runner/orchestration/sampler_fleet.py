@@ -48,6 +48,7 @@ from mixfleet.runner.orchestration.fleet import FleetSpec, GroupSpec
 from mixfleet.runner.orchestration.placement import ClusterWatch
 from mixfleet.runner.orchestration.weights import WeightPublisher
 from mixfleet.runner.sampler.client import ClientConfig, SamplerClient
+from mixfleet.runner.sampler.replica import ReplicaLaunch
 
 MONITOR_INTERVAL_S = 1.0           # the fleet monitor's tick; the autoscaler is asked every min(its interval, 5 s)
 PROBE_TIMEOUT_S = 10.0             # a /health probe; no answer in time is "undecided", refused is "dead"
@@ -112,15 +113,15 @@ class ReplicaSeconds:
         self.t = now
 
 
-def _same_kwargs(group: str, kwargs: dict[str, Any]) -> dict[str, Any]:
-    return kwargs
+def _same_launch(launch: ReplicaLaunch) -> ReplicaLaunch:
+    return launch
 
 
 class SamplerFleet:
     """The replicas of every group (`replicas[group]`, up or not yet noticed down) and their monitor.
 
-    `start_kwargs(group, kwargs) -> kwargs` is what a replica's actor is started with; a hook, like
-    `WeightPublisher.source_for`: a test may hand a group a broken checkpoint (a real failed start).
+    `start_launch(launch) -> launch` is what a replica's actor is started with (its `ReplicaLaunch`); a hook,
+    like `WeightPublisher.source_for`: a test may hand a group a broken checkpoint (a real failed start).
     """
 
     def __init__(self, ctx: RunContext, spec: FleetSpec, *, router: Any, autoscaler: Any, weights: WeightPublisher,
@@ -134,7 +135,7 @@ class SamplerFleet:
         self._starting = dict.fromkeys(self.names, 0)
         self._start_failures = dict.fromkeys(self.names, 0)  # failed starts in a row
         self.lost_groups: dict[str, str] = {}                 # given up (allow_group_loss): group -> last error
-        self.start_kwargs: Callable[[str, dict[str, Any]], dict[str, Any]] = _same_kwargs
+        self.start_launch: Callable[[ReplicaLaunch], ReplicaLaunch] = _same_launch
         self._replica_s = {n: ReplicaSeconds(ctx.now()) for n in self.names}
         self._busy_gone_s = dict.fromkeys(self.names, 0.0)   # busy seconds of replicas no longer listed
         self._last_scale_check = -math.inf
@@ -191,17 +192,14 @@ class SamplerFleet:
                 if self.weights.caches is not None:
                     self.weights.caches.ensure()         # a cache on every live node, before Ray places it
                 cls = remote_sampler(accelerator=g.accelerator, amount=g.tp)
-                kwargs = dict(group=g.name, index=index, model_path=path, precision=g.precision,
-                              kv_dtype=g.kv_dtype, kernel=g.kernel, weight_noise=g.weight_noise,
-                              threads=cfg.sampler_threads or self.spec.threads_per_replica,
-                              seed=cfg.seed * 1009 + zlib.crc32(f"{g.name}/{index}".encode()) % 1000,
-                              weight_version=str(version),
-                              mode="sglang" if self.spec.mode == "sglang" else "embedded",
-                              top_p_replay=self.top_p_replay, tp=g.tp, dp_attention=g.dp_attention, ep=g.ep,
-                              routed_experts=self.routed_experts, api_key=self.api_key,
-                              weights=self.weights.starting_weights(version), run=self.weights.run_id,
-                              driver_node=self.weights.driver_node)
-                actor = cls.remote(**self.start_kwargs(g.name, kwargs))
+                launch = g.launch(index=index, model_path=path,
+                                  threads=cfg.sampler_threads or self.spec.threads_per_replica,
+                                  seed=cfg.seed * 1009 + zlib.crc32(f"{g.name}/{index}".encode()) % 1000,
+                                  weight_version=str(version), top_p_replay=self.top_p_replay,
+                                  routed_experts=self.routed_experts, api_key=self.api_key,
+                                  weights=self.weights.starting_weights(version), run=self.weights.run_id,
+                                  driver_node=self.weights.driver_node)
+                actor = cls.remote(self.start_launch(launch))
                 info = await actor.info.remote()
                 url = info["url"]
         except Exception as e:  # noqa: BLE001 - a replica that cannot start is logged (and counted)
@@ -315,6 +313,10 @@ class SamplerFleet:
             f"it (--allow-group-loss)"))
 
     # ---- accounting and views ---------------------------------------------------------------------------
+    def held(self, group: str) -> int:
+        """Replicas of `group` up or starting (what it holds of its accelerator now)."""
+        return self._starting[group] + sum(1 for r in self.replicas[group] if r.up)
+
     def _recount(self, group: str) -> None:
         """The group's replicas up / billed (up or starting) changed: integrate the old levels to now."""
         up = sum(1 for r in self.replicas[group] if r.up)

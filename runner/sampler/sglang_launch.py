@@ -36,6 +36,7 @@ from typing import Any
 
 import httpx
 from mixfleet.costmodel.formats import formats
+from mixfleet.runner.sampler.replica import ReplicaLaunch
 
 # from data/precisions.toml (servers = [..., "sglang"], sglang_quantization, sglang_kv_cache_dtype)
 SGLANG_PRECISIONS = formats().sglang_precisions
@@ -133,21 +134,39 @@ def _field(group: Any, name: str, default: Any = None) -> Any:
     return getattr(group, name, default)
 
 
+def spec_for_replica(launch: ReplicaLaunch, *, model_path: str, port: int, host: str = LOOPBACK,
+                     **kw: Any) -> SGLangLaunchSpec:
+    """The launch spec of one SGLang replica from its launch record (runner/sampler/replica.py), the one
+    derivation of `SGLangLaunchSpec` from a group's settings: layout, weight format and KV dtype, the top-p mask
+    flag, the version it reports at start, routing capture and the run's key. `model_path`: the node-local
+    checkpoint it loads; `kw`: the spec's site fields (`python`, `extra_args`)."""
+    return SGLangLaunchSpec(model_path=str(model_path), port=port, host=host, tp_size=launch.tp,
+                            dp_size=launch.dp_attention, ep_size=launch.ep, precision=launch.precision,
+                            kv_cache_dtype=launch.kv_dtype,
+                            sampling_mask_max_tokens=DEFAULT_SAMPLING_MASK_MAX_TOKENS if launch.top_p_replay
+                            else None, weight_version=launch.weight_version,
+                            enable_return_routed_experts=launch.routed_experts, api_key=launch.api_key, **kw)
+
+
 def spec_for_group(group: Any, *, model_path: str, port: int, tp_size: int | None = None,
-                   top_p_replay: bool = False, host: str = LOOPBACK, **kw: Any) -> SGLangLaunchSpec:
-    """The launch spec of one replica of a plan group (a `GroupPlan` or a mapping with its fields:
-    precision, kv_dtype, tp, and the layout's dp_attention and ep). `tp_size` overrides the group's `tp`;
-    a group with tp = 0 ("the smallest that fits", decided by the cost model) needs it."""
+                   top_p_replay: bool = False, host: str = LOOPBACK, weight_version: str | None = None,
+                   enable_return_routed_experts: bool = False, api_key: str | None = None,
+                   **kw: Any) -> SGLangLaunchSpec:
+    """The launch spec of one replica of a plan group (a `GroupPlan` or a mapping with its fields: name,
+    precision, kv_dtype, tp, and the layout's dp_attention and ep), through `spec_for_replica`. `tp_size`
+    overrides the group's `tp`; a group with tp = 0 ("the smallest that fits", decided by the cost model)
+    needs it."""
     tp = tp_size if tp_size is not None else _field(group, "tp", 1)
     name = _field(group, "name", "?")
     if not tp:
         raise ValueError(f"plan group '{name}': tp = 0 (auto); pass tp_size resolved by the cost model")
-    kv = _field(group, "kv_dtype", None) or _field(group, "kv_cache_dtype", "bf16")
-    return SGLangLaunchSpec(model_path=str(model_path), port=port, host=host, tp_size=int(tp),
-                            dp_size=int(_field(group, "dp_attention", 1) or 1),
-                            ep_size=int(_field(group, "ep", 1) or 1),
-                            precision=_field(group, "precision"), kv_cache_dtype=kv,
-                            sampling_mask_max_tokens=DEFAULT_SAMPLING_MASK_MAX_TOKENS if top_p_replay else None, **kw)
+    launch = ReplicaLaunch(group=str(name), index=0, mode="sglang", precision=_field(group, "precision"),
+                           kv_dtype=_field(group, "kv_dtype", "bf16"), tp=int(tp),
+                           dp_attention=int(_field(group, "dp_attention", 1) or 1),
+                           ep=int(_field(group, "ep", 1) or 1), model_path=str(model_path),
+                           weight_version=weight_version, top_p_replay=top_p_replay,
+                           routed_experts=enable_return_routed_experts, api_key=api_key)
+    return spec_for_replica(launch, model_path=str(model_path), port=port, host=host, **kw)
 
 
 def argv_for_group(group: Any, *, model_path: str, port: int, tp_size: int | None = None,
