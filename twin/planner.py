@@ -193,7 +193,15 @@ class PlannerConfig:
                 raise SpecError("plan", "spot", "all", f"a price table with spot prices (price table "
                                 f"'{self.price_table}' has none; tables: {', '.join(cat.price_tables())})")
         else:
-            names = tuple(dict.fromkeys(cat.spot(a).name for a in self.spot))  # unknown / no spot price: refused
+            have = cat.spot_accelerators()
+            names = []
+            for a in self.spot:
+                try:
+                    names.append(cat.spot(a).name)
+                except SpecError:
+                    raise SpecError("plan", "spot", a, f"an accelerator with a spot price in price table "
+                                    f"'{self.price_table}': " + (", ".join(have) or "none") + " (or all)") from None
+            names = tuple(dict.fromkeys(names))
         object.__setattr__(self, "spot", names)
 
     def _check_overrides(self) -> None:

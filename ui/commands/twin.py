@@ -94,53 +94,121 @@ def _progress(total: int, label: str):
 
 
 def _simulate(plan: str, updates: int, seed: int | None, out: str | None, price_table: str | None, label: str,
-              calibration: Path | None = None, warm_start: bool = False):
+              calibration: Path | None = None, warm_start: bool = False, truth: Path | None = None):
+    from mixfleet.costmodel.calibration import Calibration
     from mixfleet.twin.sim import simulate
 
+    world = {"truth": Calibration.load(truth)} if truth is not None else {}   # the world's numbers, not the plan's
     with _progress(updates, label) as bar:
         task = bar.add_task(label, total=updates)
         if calibration is not None:  # fitted values (mixfleet calibrate) in place of the cost model's priors
             from mixfleet.twin.calibrated import simulate_calibrated
 
             return simulate_calibrated(plan, calibration, updates=updates, seed=seed, out=out, warm_start=warm_start,
-                                       price_table=price_table, progress=lambda v: bar.update(task, completed=v))
+                                       price_table=price_table, progress=lambda v: bar.update(task, completed=v),
+                                       **world)
         return simulate(plan, updates=updates, seed=seed, out=out, price_table=price_table, warm_start=warm_start,
-                        progress=lambda v: bar.update(task, completed=v))
+                        progress=lambda v: bar.update(task, completed=v), **world)
+
+
+def _spot_source(cfg: Any) -> dict[str, Any]:
+    """Where the spot figures come from: the price table's [spot.<table>] source and date, and per offered
+    accelerator its spot price, preemption rate and whether they are estimates."""
+    from mixfleet.costmodel.catalog import load_catalog
+
+    cat = load_catalog(cfg.price_table)
+    return {"source": cat.spot_source, "date": cat.spot_date,
+            "accelerators": {a: {"usd_per_gpu_hour": cat.spot(a).price_usd_per_gpu_hour,
+                                 "on_demand_usd_per_gpu_hour": cat.accelerator(a).price_usd_per_gpu_hour,
+                                 "preemptions_per_hour": (cfg.spot_preemptions_per_hour
+                                                          if cfg.spot_preemptions_per_hour is not None
+                                                          else cat.spot(a).spot_preemptions_per_hour),
+                                 "estimate": cat.spot(a).price_estimate} for a in cfg.spot}}
+
+
+def _print_spot(result: Any, cfg: Any) -> None:
+    """The spot mix beside the best on-demand one: mix, cost and time per update (twin where verified, else the
+    screen), expected lost work per update; then the source and date of every spot figure."""
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"With and without spot (price table {cfg.price_table}; work in flight on a lost replica: "
+                    f"{cfg.on_loss})")
+    for col in ("", "mix", "cost/update USD", "time/update s", "preemptions/update", "lost replica-s/update",
+                "lost share", "lost USD/update", "turns cut/update (twin)"):
+        t.add_column(col, justify="left" if col in ("", "mix") else "right")
+    for label, c in (("chosen", result.best), ("on-demand only", result.on_demand)):
+        if c is None:
+            continue
+        v, lw = c.verified, c.lost_work
+        cost = _pm(v["cost_per_update_usd"], v["cost_per_update_ci_usd"], ",.2f") if v else _num(c.cost_per_update_usd)
+        tpu = _pm(v["time_per_update_s"], v["time_per_update_ci_s"], ",.0f") if v else _num(c.time_per_update_s, ",.0f")
+        cut = _num(v["turns_lost"] / max(v["updates"], 1), ",.2f") if v else "—"
+        t.add_row(label, ", ".join(f"{g} x{n}" for g, n in c.replicas.items()), cost, tpu,
+                  _num(lw.get("preemptions_per_update"), ".3g"), _num(lw.get("lost_replica_s_per_update"), ".3g"),
+                  _num(lw.get("lost_share"), ".2e"), _num(lw.get("lost_usd_per_update"), ".3g"), cut)
+    Console().print(t)
+    src = _spot_source(cfg)
+    typer.echo(f"spot figures: {src['source']} ({src['date']}); per accelerator: " + "; ".join(
+        f"{a} ${x['usd_per_gpu_hour']:.2f}/GPU-h (on-demand ${x['on_demand_usd_per_gpu_hour']:.2f}), "
+        f"{x['preemptions_per_hour']:.2g} preemptions/replica-h{' (estimates)' if x['estimate'] else ''}"
+        for a, x in src["accelerators"].items()))
 
 
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the `mixfleet` app."""
 
+    from mixfleet.twin.planner_defaults import DEFAULTS as D  # one set of defaults with the app's Plan page
+
     @app.command("plan")
     def plan_cmd(
-        model: str = typer.Option("qwen3.6-35b-a3b", "--model", "-m", help="Model spec name or TOML path."),
-        workload: str = typer.Option("seed-agentic-coding", "--workload", "-w", help="Workload name or TOML path."),
-        price_table: str = typer.Option("modal", "--price-table", "-p", help="Price table (modal, runpod)."),
+        model: str = typer.Option(D.model, "--model", "-m", help="Model spec name or TOML path."),
+        workload: str = typer.Option(D.workload, "--workload", "-w", help="Workload name or TOML path."),
+        price_table: str = typer.Option(D.price_table, "--price-table", "-p", help="Price table (modal, runpod)."),
         accelerators: str = typer.Option("", "--accelerators", help="Comma-separated pool (default: every GPU)."),
         max_gpus: list[str] = typer.Option([], "--max-gpus", help="Cap, ACCELERATOR=GPUS (repeatable)."),
-        default_max_gpus: int = typer.Option(64, "--default-max-gpus", help="Cap for accelerators not named."),
-        kv_dtypes: str = typer.Option("fp8_e4m3", "--kv-dtypes", help="KV-cache dtypes to consider."),
+        default_max_gpus: int = typer.Option(D.default_max_gpus, "--default-max-gpus",
+                                             help="Cap for accelerators not named."),
+        kv_dtypes: str = typer.Option(",".join(D.kv_dtypes), "--kv-dtypes", help="KV-cache dtypes to consider."),
         price: list[str] = typer.Option([], "--price", help="USD per GPU-hour over the price table, "
                                         "ACCELERATOR=USD (repeatable), e.g. H100=3.0."),
         precisions: list[str] = typer.Option([], "--precisions", help="Allowed weight precisions, "
                                              "ACCELERATOR=P1,P2 (repeatable; default: the native ones)."),
-        emulated: bool = typer.Option(False, "--emulated", help="Let --precisions name emulated formats."),
-        trainer: str = typer.Option("B200", "--trainer", help="Trainer accelerator."),
-        trainer_gpus: int = typer.Option(8, "--trainer-gpus", help="Trainer GPUs."),
-        max_staleness: float = typer.Option(None, "--max-staleness", help="Max mean staleness, versions."),
-        max_time: float = typer.Option(None, "--max-time-per-update", help="Max seconds per update."),
-        budget: float = typer.Option(None, "--budget", help="Max USD per hour (fleet + trainer)."),
-        objective: str = typer.Option("cost_per_update", "--objective",
+        emulated: bool = typer.Option(D.emulated, "--emulated", help="Let --precisions name emulated formats."),
+        trainer: str = typer.Option(D.trainer_accelerator, "--trainer", help="Trainer accelerator."),
+        trainer_gpus: int = typer.Option(D.trainer_gpus, "--trainer-gpus", help="Trainer GPUs."),
+        max_staleness: float = typer.Option(D.max_staleness, "--max-staleness", help="Max mean staleness, versions."),
+        max_time: float = typer.Option(D.max_time_per_update_s, "--max-time-per-update",
+                                       help="Max seconds per update."),
+        budget: float = typer.Option(D.max_usd_per_hour, "--budget", help="Max USD per hour (fleet + trainer)."),
+        objective: str = typer.Option(D.objective, "--objective",
                                       help="cost_per_update | cost_per_effective_update."),
-        verify: int = typer.Option(3, "--verify", help="Best candidates the twin verifies in steady state and "
+        verify: int = typer.Option(D.verify, "--verify", help="Best candidates the twin verifies in steady state and "
                                    "re-ranks (0: none)."),
-        verify_updates: int = typer.Option(0, "--verify-updates", help="Updates per twin verification "
+        verify_updates: int = typer.Option(D.verify_updates, "--verify-updates", help="Updates per twin verification "
                                            "(0: 10 + prompts in flight / prompts per update; warm start)."),
+        verify_seeds: int = typer.Option(D.verify_seeds, "--verify-seeds", help="Seeds per verified candidate "
+                                         "(--seed, --seed + 1, ...; the figures are their means)."),
+        seed: int = typer.Option(D.seed, "--seed", min=0, help="The plan's seed and the first twin check seed."),
+        workers: int = typer.Option(D.workers, "--workers", min=0, help="Twin checks: 1 = one after another in this "
+                                    "process; N > 1 = N Ray workers on a local Ray (0: this machine's CPUs); the "
+                                    "same results."),
+        address: str = typer.Option(None, "--address", help="Run the twin checks as Ray tasks on this Ray cluster "
+                                    "(e.g. 10.0.0.1:6379) instead of a local one."),
+        spot: bool = typer.Option(False, "--spot", help="Offer every accelerator's spot capacity where the price "
+                                  "table has a spot price (data/accelerators.toml [spot.<table>]); the best "
+                                  "on-demand mix is shown beside it."),
+        spot_accelerators: str = typer.Option("", "--spot-accelerators", help="Offer spot capacity of these "
+                                              "accelerators only (comma-separated)."),
+        spot_rate: float = typer.Option(None, "--spot-preemptions-per-hour", help="Spot replicas' preemptions per "
+                                        "replica-hour (default: the catalog's per accelerator); kept in the plan."),
+        on_loss: str = typer.Option(D.on_loss, "--on-loss", help="Work in flight on a lost replica: resume "
+                                    "(re-prefill elsewhere) | restart (the trajectory starts over); kept in the plan."),
         out: Path = typer.Option(None, "--out", "-o", help="Write the chosen plan here (TOML)."),
         pareto_n: int = typer.Option(12, "--pareto", help="Pareto rows to print."),
-        layouts: str = typer.Option("smallest", "--layouts", help="smallest: the smallest TP that fits; cheapest: "
+        layouts: str = typer.Option(D.layouts, "--layouts", help="smallest: the smallest TP that fits; cheapest: "
                                     "each group's cheapest layout per token (TP 1-8, attention DP + EP for MoE)."),
-        backend: str = typer.Option("roofline", "--backend", help="Replica step times: roofline, auto (measured "
+        backend: str = typer.Option(D.backend, "--backend", help="Replica step times: roofline, auto (measured "
                                     "aiconfigurator tables where they cover a group), aiconfigurator."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
         calibration: Path = typer.Option(None, "--calibration", "-c",
@@ -170,10 +238,20 @@ def register(app: typer.Typer) -> None:
                                 max_time_per_update_s=max_time, max_usd_per_hour=budget, objective=objective,
                                 verify=verify, verify_updates=verify_updates, prices=_prices(price),
                                 precisions=_precisions(precisions), emulated=emulated, layouts=layouts,
-                                backend=backend)
+                                backend=backend, seed=seed, verify_seeds=verify_seeds, on_loss=on_loss,
+                                spot=("all",) if spot else tuple(a.strip() for a in spot_accelerators.split(",")
+                                                                 if a.strip()),
+                                spot_preemptions_per_hour=spot_rate)
+            check_map = None
+            if workers != 1 or address:   # the twin checks as Ray tasks (runner/orchestration/ray_map.py)
+                import functools
+
+                from mixfleet.runner.orchestration.ray_map import ray_map
+
+                check_map = functools.partial(ray_map, workers=workers, address=address)
             wall0 = time.perf_counter()
             with console.status("planning") as status:
-                result = plan_mix(cfg, progress=lambda m: status.update(f"planning: {m}"))
+                result = plan_mix(cfg, progress=lambda m: status.update(f"planning: {m}"), check_map=check_map)
             wall_s = time.perf_counter() - wall0
         except (SpecError, FileNotFoundError) as e:
             _fail(e)
@@ -195,13 +273,16 @@ def register(app: typer.Typer) -> None:
                 "best": result.best.to_dict(), "pareto": [c.to_dict() for c in result.pareto],
                 "verified": [c.to_dict() for c in result.verified], "screened": result.screened,
                 "feasible": result.feasible, "plan_file": str(out) if out else None, "wall_s": wall_s,
+                "checks": result.checks, "on_demand": result.on_demand.to_dict() if result.on_demand else None,
+                "spot_source": _spot_source(cfg) if cfg.spot else None,
                 "groups": {x.name: {"tp": x.tp, "dp_attention": x.dp_attention, "ep": x.ep, "backend": x.backend}
                            for x in result.types if x.name in result.best.replicas}}), indent=2))
             return
         b = result.best
         t = Table(title=f"Chosen mix ({cfg.objective}; {result.screened} candidates screened, {result.feasible} "
                         "feasible)")
-        for col in ("group", "replicas", "GPUs", "layout", "tokens/s", "USD/h", "prior masked share", "priced by"):
+        for col in ("group", "replicas", "GPUs", "layout", "tokens/s", "USD/h", "prior masked share", "priced by",
+                    *(("preemptions / replica-h",) if cfg.spot else ())):
             t.add_column(col, justify="right" if col not in ("group", "layout", "priced by") else "left")
         types = {x.name: x for x in result.types}
         for g, n in b.replicas.items():
@@ -210,7 +291,8 @@ def register(app: typer.Typer) -> None:
                    f"TP{x.tp // x.dp_attention}-DP{x.dp_attention}-EP{x.ep}" if x.tp // x.dp_attention > 1
                    else f"DEP{x.tp}")
             t.add_row(g, str(n), str(n * x.tp), lay, _num(n * x.tokens_per_s, ",.0f"), _num(n * x.usd_per_hour),
-                      _num(x.masked_share, ".3%"), "measured" if x.backend == "aiconfigurator" else x.backend)
+                      _num(x.masked_share, ".3%"), "measured" if x.backend == "aiconfigurator" else x.backend,
+                      *((_num(x.preemptions_per_hour, ".2g") if x.spot else "on-demand",) if cfg.spot else ()))
         Console().print(t)
         lines = []
         if b.verified:
@@ -259,6 +341,15 @@ def register(app: typer.Typer) -> None:
             p.add_row(_num(c.cost_per_update_usd), _num(c.time_per_update_s, ",.0f"), _num(c.staleness, ".2f"),
                       str(c.inflight_prompts), ", ".join(f"{g} x{n}" for g, n in c.replicas.items()))
         Console().print(p)
+        if cfg.spot:
+            _print_spot(result, cfg)
+        ch = result.checks
+        if ch:
+            n_cands = ch["tasks"] // cfg.verify_seeds
+            typer.echo(f"twin checks: {ch['tasks']} ({n_cands} candidates x {cfg.verify_seeds} seeds) on "
+                       f"{ch['workers']} worker{'s' if ch['workers'] != 1 else ''}"
+                       + (f" ({ch['nodes']} nodes, Ray at {ch['address']})" if ch["mode"] == "ray" else
+                          " (in this process, one after another)") + f", {ch['wall_s']:,.1f} s wall")
         typer.echo(f"planned in {wall_s:,.1f} s wall ({result.screened} candidates screened, "
                    f"{len(result.verified)} verified in the twin)")
         if out is not None:
@@ -278,6 +369,9 @@ def register(app: typer.Typer) -> None:
                                          help="Calibration TOML (mixfleet calibrate): replaces the priors."),
         warm_start: bool = typer.Option(False, "--warm-start", help="Begin near the steady state (prompt-groups "
                                         "at the ages the workload implies), so fewer updates measure it."),
+        truth: Path = typer.Option(None, "--truth", help="Calibration TOML the simulated world runs on, while the "
+                                   "plan and its re-planner (autoscaler replan) start from the priors "
+                                   "(or --calibration): the re-planning loop's test bench."),
     ) -> None:
         """Dry-run a plan in the twin: run log + summary."""
         from mixfleet.costmodel.errors import SpecError
@@ -287,7 +381,7 @@ def register(app: typer.Typer) -> None:
             if out is not None:
                 prepare_output_dir(out, "twin_runlog", where="mixfleet simulate", force=force)
             r = _simulate(plan, updates, seed, str(out) if out else None, price_table, "simulating", calibration,
-                          warm_start=warm_start)
+                          warm_start=warm_start, truth=truth)
         except (SpecError, FileNotFoundError) as e:
             _fail(e)
         if as_json:
@@ -296,6 +390,9 @@ def register(app: typer.Typer) -> None:
         _print_summaries([(Path(plan).stem, r)])
         if calibration is not None:
             typer.echo(f"calibrated twin: fitted values from {calibration} in place of the cost model's priors")
+        if truth is not None:
+            typer.echo(f"truth: the world ran on {truth}; the plan and its re-planner started from "
+                       f"{calibration or 'the priors'}")
         typer.echo(f"simulated {r.simulated_s:,.0f} s in {r.wall_s:,.1f} s wall ({r.events:,} events, "
                    f"{r.events_per_s:,.0f}/s); run log: {r.runlog_dir or '(not kept; pass --out)'}")
 
