@@ -157,3 +157,16 @@ def test_the_solver_moves_work_off_a_slow_group() -> None:
     slow = planner_solver(plan, cfg, perturbed_truth(plan, slower={"cpu-bf16": SLOW}))(None, start, names, {})
     assert slow.counts["cpu-bf16"] <= prior.counts["cpu-bf16"]
     assert slow.objective_new <= slow.objective_now
+
+
+def test_the_cli_runs_the_world_on_a_truth_file(tmp_path: Path) -> None:
+    from mixfleet.ui.cli import app
+    from typer.testing import CliRunner
+
+    truth = perturbed_truth(load_plan("tiny-cpu"), slower={"cpu-bf16": SLOW}).save(tmp_path / "truth.toml")
+    res = CliRunner().invoke(app, ["simulate", "tiny-cpu", "-n", "2", "--truth", str(truth), "--out",
+                                   str(tmp_path / "log")])
+    assert res.exit_code == 0, res.output
+    assert "truth: the world ran on" in res.stdout
+    header = RunLog.open(tmp_path / "log").header
+    assert header["truth"]["groups"][0]["decode_scale"]["value"] == pytest.approx(1 / SLOW)

@@ -27,6 +27,7 @@ from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.planspec import plan_catalog, resolve_groups
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import Plan
+from mixfleet.policies.registry import make_config
 from mixfleet.policies.replan import Proposal, Replan, Solver
 from mixfleet.twin.planner import PlannerConfig, group_types, metrics
 
@@ -146,6 +147,15 @@ def planner_solver(plan: Plan, config: Replan.Config, calibration: Calibration |
                         note=note)
 
     return solve
+
+
+def solver_for(plan: Plan, calibration: Calibration | None = None) -> Solver | None:
+    """The solver a plan's `replan` autoscaler re-solves with (`planner_solver` at its settings), None for any
+    other autoscaler: what `mixfleet run` hands the runner (which imports no twin)."""
+    ref = plan.policies.autoscaler
+    if ref.name != "replan":
+        return None
+    return planner_solver(plan, make_config("autoscaler", ref.name, ref.settings), calibration)
 
 
 def perturbed_truth(plan: Plan, *, slower: Mapping[str, float] | None = None,

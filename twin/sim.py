@@ -103,9 +103,8 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
         with RunLogWriter(folder, header, flush_every_rows=50_000, flush_every_s=None) as writer:
             policies = plan.build_policies(setup.workload)
             if hasattr(policies["autoscaler"], "attach"):   # the re-planner reads the run and re-solves (twin.replan)
-                from mixfleet.twin.replan import planner_solver
-                policies["autoscaler"].attach(writer, planner_solver(plan, policies["autoscaler"].config,
-                                                                     calibration))
+                from mixfleet.twin.replan import solver_for
+                policies["autoscaler"].attach(writer, solver_for(plan, calibration))
             world = World(groups=setup.groups, trainer=setup.trainer, workload=setup.workload,
                           policies=policies, seed=seed, writer=writer,
                           run_id=writer.run_id, preemptions_per_replica_hour=plan.faults.preemptions_per_replica_hour,

@@ -66,6 +66,8 @@ class RunConfig:
     seed: int = 0
     ray_num_cpus: int | None = None
     allow_group_loss: bool = False             # a group that cannot start: go on without it (reported) or fail
+    replan_solver: Callable[..., Any] | None = None  # the `replan` autoscaler's solver (policies.replan.Solver;
+                                               # `mixfleet run` hands the twin's, twin.replan.solver_for)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))

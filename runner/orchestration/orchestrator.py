@@ -178,10 +178,16 @@ class Orchestrator:
             raise SpecError("mixfleet run", "--out", str(self.out), "a new or empty folder (it holds a run: "
                             "pass resume=True / --resume to continue it)")
         resuming = point is not None and point.from_state
+        replan = getattr(self.fleet.autoscaler, "attach", None)   # the re-planner (policies.replan) reads the log
+        if replan is not None and cfg.replan_solver is None:
+            raise SpecError("mixfleet run", "policies.autoscaler", "replan", "a run given its solver "
+                            "(RunConfig.replan_solver; `mixfleet run` hands the twin's, twin.replan.solver_for)")
         header = self._header()
         if point is not None:
             header["plan"] = point.plan             # the same plan (checked): keep it as the log recorded it
         writer = self.recorder.open(header)
+        if replan is not None:
+            replan(writer, cfg.replan_solver)
         if cfg.address is None:
             init_ray(num_cpus=cfg.ray_num_cpus, resources=dict(self.spec.resources))
         else:

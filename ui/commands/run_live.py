@@ -155,6 +155,7 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
     from mixfleet.costmodel.trackers import LiveTracker
     from mixfleet.policies.plan import load_plan
     from mixfleet.runner.orchestration.orchestrator import RunConfig, prepare_resume
+    from mixfleet.twin.replan import solver_for
 
     torch.set_num_threads(1)
     lock = None
@@ -200,7 +201,8 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
         cfg = RunConfig.for_plan(plan, out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
                                  fleet_mode=fleet_mode, attach=attach_map, address=address, resume=resume,
                                  task=task or (emb.task if emb and emb.task else "guess"), eval_every=eval_every,
-                                 trainer_threads=trainer_threads, allow_group_loss=allow_group_loss)
+                                 trainer_threads=trainer_threads, allow_group_loss=allow_group_loss,
+                                 replan_solver=solver_for(plan))
     except (SpecError, ValueError) as e:
         if lock is not None:
             lock.release()
