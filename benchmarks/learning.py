@@ -7,6 +7,7 @@ Rungs (docs/learning.md), each a real run with a reward curve and held-out evalu
     a0          synchronous on-policy GRPO in one process (runner/orchestration/onpolicy.py: engine + trainer, no Ray)
     a           the same through the real runner: `mixfleet run --mode sync`, one fp32 sampler group (fp32 kernel
                 and KV, exactly the trainer's numbers), GRPO, plan learning-onpolicy
+    a-lr        a at half the learning rate (1.5e-4 after the same warm-up)
     b           a, fully asynchronous (`--mode async`) with the plan's staleness bound (max_staleness 2)
     b-c         b with c's correction (SC + MIS + top-p 0.95 replay): the homogeneous fleet c is held against
     b-c-drain   b-c with weight sync "drain" (a running request never continues on new weights over old KV)
@@ -49,12 +50,15 @@ class Rung:
     plan: str = ""                                   # "" = the in-process loop (a0)
     model: str = "tiny"
     mode: str = "async"
-    overrides: dict[str, Any] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)      # dotted plan keys
+    settings: dict[str, Any] = field(default_factory=dict)       # RunConfig fields (e.g. lr) over the plan's
 
 
 RUNGS: dict[str, Rung] = {r.key: r for r in (
     Rung(key="a0", label="on-policy GRPO, in process (no Ray)"),
     Rung(key="a", label="on-policy GRPO, runner, sync, one fp32 group", plan="learning-onpolicy", mode="sync"),
+    Rung(key="a-lr", label="a at half the learning rate (1.5e-4)", plan="learning-onpolicy", mode="sync",
+         settings={"lr": 1.5e-4}),
     Rung(key="b", label="GRPO, runner, async (staleness <= 2), one fp32 group", plan="learning-onpolicy"),
     Rung(key="b-c", label="SC+MIS+top-p, runner, async, one fp32 group", plan="learning-onpolicy",
          overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95, "trainer.top_p_replay": True}),
@@ -114,7 +118,8 @@ def study_runs(rungs: list[str], seeds: list[int], args: argparse.Namespace, out
                 name=f"{key}/seed{seed}", out_dir=out / key / f"seed{seed}", plan=r.plan,
                 overrides={**r.overrides, "seed": seed}, run_file="learning_run.json",
                 run={"updates": args.updates, "seed": seed, "mode": r.mode, "eval_every": args.eval_every,
-                     "eval_at_start": True, "eval_problems": args.eval_problems, "pass_k": args.eval_samples},
+                     "eval_at_start": True, "eval_problems": args.eval_problems, "pass_k": args.eval_samples,
+                     **r.settings},
                 meta={"rung": key, "label": r.label, "model": r.model, "seed": seed}))
     return runs
 
