@@ -51,6 +51,7 @@ from mixfleet.policies.views import GroupView
 
 OBJECTIVES = ("cost_per_update", "cost_per_effective_update")
 MIN_TRAJECTORIES = 5                 # a group's trajectories in the window for its own fit
+MAX_REL_STDERR = 0.25                # a fitted value with a larger relative stderr is not identified (kept)
 WHERE = "policies.autoscaler (replan)"
 
 
@@ -341,9 +342,27 @@ class Replan(Autoscaler):
             frame = replace(frame, header={**frame.header, "plan": plan},
                             trajectories=tr[~tr["group"].isin(thin)].reset_index(drop=True))
         fit = calibrate([frame], min_trajectories=MIN_TRAJECTORIES)
+        groups = tuple(self._identified(g) for g in fit.groups)
         kept = tuple(self._last_fit[g] for g in thin if g in self._last_fit)
-        self._last_fit.update({g.name: g for g in fit.groups})
-        return replace(fit, groups=fit.groups + kept) if kept else fit
+        self._last_fit.update({g.name: g for g in groups})
+        return replace(fit, groups=groups + kept)
+
+    def _identified(self, g: GroupCalibration) -> GroupCalibration:
+        """`g` with each value the window did not identify (not fitted, or its stderr over MAX_REL_STDERR of it: a
+        replica or two with few trajectories) replaced by its last identified value, else its prior."""
+        last = self._last_fit.get(g.name)
+        out = {}
+        for p in ("decode_scale", "weight_sync_s", "kl_k3", "extreme_share"):
+            f = getattr(g, p)
+            ok = f.fitted and math.isfinite(f.stderr) and f.stderr <= MAX_REL_STDERR * abs(f.value) and f.value > 0
+            if not ok:
+                old = getattr(last, p) if last is not None else None
+                out[p] = old if old is not None else replace(f, value=f.prior, stderr=math.nan, fitted=False,
+                                                             note="not identified in the window: prior kept")
+        if "decode_scale" in out:   # the prefill overhead is fitted as decode_scale x its prior
+            pf = g.prefill_overhead_s
+            out["prefill_overhead_s"] = replace(pf, value=out["decode_scale"].value * pf.prior)
+        return replace(g, **out) if out else g
 
     def drift(self, fit: Calibration) -> list[str]:
         """Groups whose fitted speed, sync or mismatch left the interval of the values the counts were sized

@@ -103,8 +103,8 @@ def timeline(updates: pd.DataFrame, groups: pd.DataFrame, events: pd.DataFrame, 
             xs = [x for a, b in zip(starts, g["version"].map(ends), strict=True) for x in (a, b)]
             ys = [y for y in g["replicas_up"] for _ in (0, 1)]
             fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=str(name)), row=2, col=1)
-    marks = events[events["kind"].isin(["cold_start", "scale_up", "scale_down", "preempt", "crash", "restart"])] \
-        if len(events) else events
+    marks = events[events["kind"].isin(["cold_start", "scale_up", "scale_down", "preempt", "crash", "restart",
+                                        "replan"])] if len(events) else events
     if len(marks):
         for kind, e in marks.groupby("kind", sort=True):
             fig.add_trace(go.Scatter(x=e["time_s"], y=[0] * len(e), mode="markers", name=str(kind),
