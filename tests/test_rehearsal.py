@@ -75,7 +75,8 @@ def test_more_samplers_than_this_machine_holds_is_refused_naming_why() -> None:
 @pytest.mark.slow
 def test_seed_mixed_rehearsed_with_embedded_for_two_updates(tmp_path: Path) -> None:
     """A real run (Ray, the Megatron-core trainer on the tiny Qwen3-MoE, 8 embedded samplers in the seed's
-    precisions): seed-mixed with a test-sized batch, `--embedded`, 2 updates (about 80 s on 2 cores)."""
+    precisions): seed-mixed with a test-sized batch, `--embedded`, 2 updates, held-out evaluations at 0 and 2
+    (about 80 s alone on 2 cores)."""
     from mixfleet.costmodel.model import load_model_spec
     from mixfleet.costmodel.runlog import RunLog
     from mixfleet.runner.checkpoint.init_model import init_model
@@ -85,7 +86,8 @@ def test_seed_mixed_rehearsed_with_embedded_for_two_updates(tmp_path: Path) -> N
     init = init_model(load_model_spec("tiny-qwen3-moe"), tmp_path / "init", seed=0)
     plan = tmp_path / "seed-mixed-short.toml"
     plan.write_text('base = "seed-mixed"\nname = "seed-mixed-short"\n\n[policies.batcher]\nprompts_per_update = 2\n'
-                    'samples_per_prompt = 2\ninflight_prompts = 4\n\n[embedded]\nmax_turns = 2\nmax_new_tokens = 8\n')
+                    'samples_per_prompt = 2\ninflight_prompts = 4\n\n[embedded]\nmax_turns = 2\nmax_new_tokens = 8\n'
+                    'eval_every = 2\npass_k = 2\n\n[embedded.extra]\neval_problems = 2\n')
     out = tmp_path / "run"
     r = CliRunner().invoke(app, ["run", str(plan), "--embedded", "--out", str(out), "--init", str(init),
                                  "--updates", "2", "--quiet"])
@@ -102,3 +104,10 @@ def test_seed_mixed_rehearsed_with_embedded_for_two_updates(tmp_path: Path) -> N
     assert set(log.groups["group"]) <= {g.name for g in seed.groups}
     ready = log.events[log.events["kind"] == "ready"]
     assert set(ready["group"]) == {g.name for g in seed.groups}          # every group's sampler started
+    # the held-out evaluations record how they sampled (the Runs page states it under the held-out chart)
+    from mixfleet.ui.app_charts import heldout_frame
+
+    ev = heldout_frame(log.events)
+    assert ev["version"].tolist() == [0, 2]
+    assert ev[["k", "problems", "task", "max_new_tokens", "max_turns"]].iloc[-1].tolist() == [2, 2, "guess", 8, 2]
+    assert ev["temperature"].tolist() == [1.0, 1.0]

@@ -52,6 +52,40 @@ def update_series(updates: pd.DataFrame, columns: Mapping[str, str], *, title: s
     return _integer_versions(fig, updates["version"])
 
 
+HELDOUT_SETTINGS = ("task", "temperature", "max_new_tokens", "max_turns", "precision")   # recorded since 2026-12-01
+
+
+def heldout_frame(events: pd.DataFrame | None) -> pd.DataFrame:
+    """The run's held-out evaluations, one row per version (the last, if a resume evaluated one twice): reward,
+    pass@k, k, problems and the sampling settings the event records (NaN / "" where an older log does not).
+    Read through `costmodel.trackers.eval_detail`, the one reader of the runner's eval events."""
+    from mixfleet.costmodel.trackers import eval_detail
+
+    cols = ["version", "reward", "pass_at_k", "k", "problems", *HELDOUT_SETTINGS]
+    rows = []
+    if events is not None and len(events) and "kind" in events:
+        for d in events[events["kind"] == "note"]["detail"]:
+            rec = eval_detail(d)
+            if rec is not None and isinstance(rec.get("version"), int):
+                rows.append({c: rec.get(c) for c in cols})
+    df = pd.DataFrame(rows, columns=cols)
+    return df.drop_duplicates("version", keep="last").sort_values("version").reset_index(drop=True)
+
+
+def heldout_settings(frame: pd.DataFrame) -> str:
+    """How the held-out numbers were sampled, in words, from the last evaluation's record."""
+    if len(frame) == 0:
+        return ""
+    last = frame.iloc[-1]
+    head = f"{int(last['problems'])} held-out problems x {int(last['k'])} samples (pass@{int(last['k'])})"
+    if pd.isna(last.get("temperature")):
+        return head + "; its sampling settings are not recorded in this run log (evaluations before 2026-12-01)"
+    turns = "the task's own turn cap" if pd.isna(last.get("max_turns")) else f"<= {int(last['max_turns'])} turns"
+    return (f"{head} of task {last['task']}, sampled at temperature {float(last['temperature']):g} from the full "
+            f"vocabulary (no top-p, no top-k), <= {int(last['max_new_tokens'])} new tokens per turn, {turns}, "
+            f"{last['precision']} weights")
+
+
 def extreme_share_frame(updates: pd.DataFrame) -> pd.DataFrame:
     """version + extreme_share: the share of tokens with ratio below 0.2 or above 5."""
     from mixfleet.costmodel.runlog import extreme_shares

@@ -90,6 +90,7 @@ def _charts(run: RunData, twin: RunData | None) -> None:
         _chart(has(u, "reward_mean"), lambda: charts.update_series(
             u, {"reward_mean": "mean reward", "pass_at_k": "pass@k"}, title="Reward", y="reward", overlay=ou),
             "reward")
+        _heldout(run)
         _chart(has(g, "kl_k3"), lambda: charts.group_series(g, "kl_k3", title="KL (k3) by group", y="KL (nats/token)",
                                                              overlay=og), "KL by group")
         _chart(has(u, "grad_norm"), lambda: charts.update_series(u, {"grad_norm": "grad norm"}, title="Grad norm",
@@ -123,6 +124,19 @@ def _charts(run: RunData, twin: RunData | None) -> None:
             _chart(True, lambda: charts.group_series(
                 g, "routing_layer_share", title="Routing disagreement by group: mean share of layers that differ",
                 y="% of layers", percent=True, overlay=og), "routing disagreement (layers)")
+
+
+def _heldout(run: RunData) -> None:
+    """Held-out reward and pass@k per evaluated version (issue 23: the curves RL people compare), with how they
+    were sampled; the reward chart above is the training batches'."""
+    ev = charts.heldout_frame(run.events)
+    if len(ev) == 0:
+        st.caption("Held-out evaluation: none in this run log (a real run evaluates every `[embedded] eval_every` "
+                   "updates, `mixfleet run --eval-every N`).")
+        return
+    st.plotly_chart(charts.update_series(ev, {"reward": "held-out reward", "pass_at_k": "held-out pass@k"},
+                                         title="Held-out evaluation", y="reward / pass@k"), width="stretch")
+    st.caption("Held-out: " + charts.heldout_settings(ev) + ".")
 
 
 def _prediction_table(run: RunData, twin: RunData) -> None:

@@ -261,7 +261,9 @@ class Orchestrator:
         res = await pass_at_k_eval(await self.weights.local_copy(), cfg)
         self.ctx.event("note", version=version, detail=json.dumps({
             "eval": "pass_at_k", "k": cfg.k, "version": version, "pass_at_k": res.pass_at_k,
-            "reward": res.reward_mean, "problems": cfg.problems}), duration_s=res.wall_s)
+            "reward": res.reward_mean, "problems": cfg.problems, "task": cfg.task, "temperature": cfg.temperature,
+            "max_new_tokens": cfg.max_new_tokens, "max_turns": cfg.max_turns, "precision": cfg.precision}),
+            duration_s=res.wall_s)
         return res.pass_at_k
 
     async def _checkpoint(self) -> None:
