@@ -19,12 +19,14 @@ PLAN_ENV = "MIXFLEET_TEST_FORM_PLAN"
 
 def _form_page() -> None:
     import os
+    import tomllib
     from pathlib import Path
 
     from mixfleet.ui.app_common import PlanText
     from mixfleet.ui.app_launch import run_for_real
 
-    run_for_real(PlanText("form-test", Path(os.environ["MIXFLEET_TEST_FORM_PLAN"]).read_text()), "t")
+    text = Path(os.environ["MIXFLEET_TEST_FORM_PLAN"]).read_text()
+    run_for_real(PlanText(tomllib.loads(text)["name"], text), "t")
 
 
 def _plan_file(tmp_path: Path, plan: dict) -> Path:
@@ -74,3 +76,14 @@ def test_the_form_says_what_the_rehearsal_of_seed_mixed_runs(env: Path, tmp_path
     assert "Embedded rehearsal here" in text and "its tiny stand-in tiny-qwen3-moe" in text
     assert "embedded samplers (at most" in text
     assert "H100-FP8: fp8 weights, KV fp8_e4m3: 10 planned H100 replicas" in text
+
+
+def test_the_run_name_follows_the_chosen_plan(env: Path, tmp_path: Path) -> None:
+    """The form's default run name is the plan's; choosing another plan changes it (it kept the first one's)."""
+    from mixfleet.policies.plan import load_plan
+
+    at = _start(tmp_path, load_plan("seed-mixed").to_dict())
+    assert at.text_input[0].value.startswith("seed-mixed-")
+    _plan_file(tmp_path, load_plan("tiny-cpu").to_dict())          # the page's plan is now another one
+    at.run()
+    assert at.text_input[0].value.startswith("tiny-cpu-")

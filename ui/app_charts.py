@@ -120,6 +120,7 @@ def group_series(groups: pd.DataFrame, column: str, *, title: str, y: str, perce
 
 
 # ---- dry run ----------------------------------------------------------------------------------------
+REPLICA_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 def timeline(updates: pd.DataFrame, groups: pd.DataFrame, events: pd.DataFrame, clock: str = "simulated") -> go.Figure:
     """Top: updates finished over time. Bottom: replicas up per group (per update window), with
     cold starts / scale events / preemptions marked."""
@@ -130,13 +131,18 @@ def timeline(updates: pd.DataFrame, groups: pd.DataFrame, events: pd.DataFrame, 
                              name="updates (version 0 = start)"), row=1, col=1)
     if len(groups) and len(u):
         ends = u.set_index("version")["end_s"]
-        for name, g in groups.groupby("group", sort=True):
+        for i, (name, g) in enumerate(groups.groupby("group", sort=True)):
             g = g.sort_values("version")
             # each row is the time-mean over the window ending at that update: drawn as a step over the window
             starts = [0.0, *g["version"].map(ends).iloc[:-1]]
             xs = [x for a, b in zip(starts, g["version"].map(ends), strict=True) for x in (a, b)]
             ys = [y for y in g["replicas_up"] for _ in (0, 1)]
-            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=str(name)), row=2, col=1)
+            # a dash pattern and width of its own per group: groups with equal counts draw on the same y, and
+            # a solid line hid the others (issue 26)
+            fig.add_trace(go.Scatter(x=xs, y=ys, mode="lines", name=str(name),
+                                     line={"dash": REPLICA_DASHES[i % len(REPLICA_DASHES)],
+                                           "width": max(1.5, 5.0 - 1.2 * (i // len(REPLICA_DASHES)) - 0.5 * i)},
+                                     hovertemplate=f"{name}: %{{y:.2f}} replicas<extra></extra>"), row=2, col=1)
     marks = events[events["kind"].isin(["cold_start", "scale_up", "scale_down", "preempt", "crash", "restart",
                                         "replan"])] if len(events) else events
     if len(marks):
@@ -199,12 +205,15 @@ def share_vs_extreme(summary: Mapping[str, Any], extreme_token_share: Mapping[st
 def compare_bars(summaries: Sequence[tuple[str, Mapping[str, Any]]], metrics: Mapping[str, str]) -> go.Figure:
     """Side by side: one subplot per metric ({summary key: title with unit}), one bar per plan."""
     keys = list(metrics)
-    fig = make_subplots(rows=1, cols=len(keys), subplot_titles=[metrics[k] for k in keys])
+    # each title on two lines (the unit under it) in a smaller font, so neighbours do not run into each other
+    titles = [metrics[k].replace(" (", "<br>(", 1) for k in keys]
+    fig = make_subplots(rows=1, cols=len(keys), subplot_titles=titles, horizontal_spacing=0.06)
+    fig.update_annotations(font_size=12)
     for i, k in enumerate(keys, start=1):
         fig.add_trace(go.Bar(x=[lab for lab, _ in summaries], y=[s.get(k) for _, s in summaries],
                              marker={"color": ["#1f77b4", "#ff7f0e", "#2ca02c"][: len(summaries)]},
                              showlegend=False), row=1, col=i)
-    fig.update_layout(height=HEIGHT_PX, margin=_LAYOUT["margin"], title="Side by side")
+    fig.update_layout(height=HEIGHT_PX + 40, margin={**_LAYOUT["margin"], "t": 90}, title="Side by side")
     return fig
 
 

@@ -114,6 +114,20 @@ def _metrics(run: RunData) -> None:
     c[3].metric("staleness (versions)", fmt_versions(s.get("staleness_mean")))
     c[4].metric("tokens/s", fmt_compact(s.get("tokens_per_s")))
     c[5].metric("share outside [0.2, 5]", fmt_pct(s.get("extreme_share"), 3))
+    st.caption(fill_note(s))
+
+
+def fill_note(s: dict) -> str:
+    """Why this page reads higher than the Plan page for the same plan (issue 26: $77.01 and 24.5 min here,
+    $61.64 and 19.6 min there, and neither page said why)."""
+    steady = s.get("steady_time_per_update_s")
+    steady_cost = s.get("steady_cost_per_update_usd")
+    tail = (f" Steady state of this dry run: {fmt_s(steady)} and {fmt_usd(steady_cost)} per update."
+            if steady is not None and steady == steady else "")
+    return (f"Means over the whole dry run, the pipeline fill included (the first update waited "
+            f"{fmt_s(s.get('first_update_s'))} for the samplers to fill the pipeline). The Plan page shows the "
+            "twin's steady state, which leaves the fill and the warm-up out, so the same plan reads cheaper and "
+            "faster there." + tail)
 
 
 def _show_one(run: RunData, key: str) -> None:
@@ -134,10 +148,28 @@ def _show_one(run: RunData, key: str) -> None:
 def _side_by_side(a: RunData, b: RunData, la: str, lb: str) -> None:
     st.subheader("Side by side")
     st.plotly_chart(charts.compare_bars([(la, a.summary), (lb, b.summary)], SIDE_BY_SIDE), width="stretch")
-    rows = [{"metric": label, la: a.summary.get(k), lb: b.summary.get(k)} for k, label in SIDE_BY_SIDE.items()]
-    df = pd.DataFrame(rows)
-    st.dataframe(df.style.format({la: "{:,.4g}", lb: "{:,.4g}"}, na_rep="—"), hide_index=True,
-                 width="stretch")
+    st.dataframe(side_by_side_table(a.summary, b.summary, la, lb), hide_index=True, width="stretch")
+
+
+SIDE_BY_SIDE_FORMATS = {"time_per_update_mean_s": fmt_s, "cost_per_update_usd": fmt_usd,
+                        "staleness_mean": fmt_versions, "tokens_per_s": fmt_compact,
+                        "extreme_share": lambda x: fmt_pct(x, 3)}
+
+
+def side_by_side_table(a: dict, b: dict, la: str, lb: str) -> pd.DataFrame:
+    """Each metric of two dry runs in the cards' formats (not `3.213e+04`), with the difference B - A and the
+    ratio B / A (issue 26: the comparison had no difference column)."""
+    rows = []
+    for k, label in SIDE_BY_SIDE.items():
+        fmt = SIDE_BY_SIDE_FORMATS[k]
+        va, vb = a.get(k), b.get(k)
+        ok = all(isinstance(v, int | float) and v == v for v in (va, vb))
+        diff = vb - va if ok else None
+        rows.append({"metric": label, la: fmt(va), lb: fmt(vb),
+                     "difference (B - A)": ("+" if diff > 0 else "−" if diff < 0 else "") + fmt(abs(diff))
+                     if diff is not None else "—",
+                     "B / A": f"{vb / va:.2f}x" if ok and va else "—"})
+    return pd.DataFrame(rows)
 
 
 def render() -> None:

@@ -80,8 +80,9 @@ def run_for_real(pt: PlanText, key: str) -> None:
         refusal = _rehearsal_note(pt)
         with st.form(f"{key}_run_form"):
             c1, c2 = st.columns([3, 1])
+            # keyed by the plan, so the name follows the chosen plan (a fixed key kept the first plan's name)
             name = c1.text_input("Run name (a folder under the runs folder)", value=_default_name(pt),
-                                 key=f"{key}_run_name")
+                                 key=f"{key}_run_name_{pt.digest}")
             updates = c2.number_input("Updates", min_value=1, max_value=rm.MAX_UPDATES, value=_default_updates(),
                                       step=1, key=f"{key}_run_updates")
             where = st.radio("Samplers", [EMBEDDED, CLUSTER, ATTACH], horizontal=True, key=f"{key}_run_where")

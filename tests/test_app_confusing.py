@@ -1,0 +1,64 @@
+"""Issue 26's "Confusing" items on the Dry-run page and its charts: the pipeline fill that makes this page read
+higher than the Plan page for the same plan, said here; the side-by-side table in the cards' formats with a
+difference column; side-by-side subplot titles that do not run into each other; replica lines with equal counts
+that do not hide each other."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+pytest.importorskip("streamlit")
+
+
+def test_side_by_side_table_has_the_cards_formats_and_a_difference_column() -> None:
+    from mixfleet.ui.app_dryrun import side_by_side_table
+
+    a = {"time_per_update_mean_s": 600.0, "cost_per_update_usd": 2.5, "staleness_mean": 1.0, "tokens_per_s": 32130.0,
+         "extreme_share": 0.001}
+    b = {"time_per_update_mean_s": 500.0, "cost_per_update_usd": 3.0, "staleness_mean": 1.5, "tokens_per_s": 40000.0,
+         "extreme_share": math.nan}
+    t = side_by_side_table(a, b, "A: x", "B: y").set_index("metric")
+    assert list(t.columns) == ["A: x", "B: y", "difference (B - A)", "B / A"]
+    assert t.loc["tokens/s"].tolist() == ["32.1 k", "40 k", "+7.87 k", "1.24x"]          # was 3.213e+04
+    assert t.loc["cost per update (USD)"].tolist() == ["$2.50", "$3.00", "+$0.50", "1.20x"]
+    assert t.loc["time per update (s)"].tolist() == ["10.0 min", "8.3 min", "−100.00 s", "0.83x"]
+    assert t.loc["share outside [0.2, 5]"].tolist()[2:] == ["—", "—"]                     # B has no value
+    assert not any("e+" in str(v) for v in t.to_numpy().ravel())
+
+
+def test_the_dry_run_says_the_pipeline_fill_is_in_and_gives_the_steady_state() -> None:
+    from mixfleet.ui.app_dryrun import fill_note
+
+    note = fill_note({"first_update_s": 300.0, "steady_time_per_update_s": 1176.0, "steady_cost_per_update_usd": 61.64})
+    assert "the pipeline fill included" in note and "5.0 min" in note
+    assert "The Plan page shows the twin's steady state" in note
+    assert note.endswith("Steady state of this dry run: 19.6 min and $61.64 per update.")
+    no_steady = fill_note({"first_update_s": 3.0, "steady_time_per_update_s": math.nan})
+    assert "Steady state of this dry run" not in no_steady
+
+
+def test_side_by_side_subplot_titles_wrap_their_unit() -> None:
+    from mixfleet.ui.app_charts import compare_bars
+    from mixfleet.ui.app_dryrun import SIDE_BY_SIDE
+
+    fig = compare_bars([("A", {}), ("B", {})], SIDE_BY_SIDE)
+    titles = [a.text for a in fig.layout.annotations]
+    assert titles == [t.replace(" (", "<br>(", 1) for t in SIDE_BY_SIDE.values()]
+    assert all(len(line) <= 26 for t in titles for line in t.split("<br>"))
+    assert fig.layout.margin.t >= 80                                 # room for the two-line titles
+
+
+def test_replica_lines_with_equal_counts_are_told_apart() -> None:
+    from mixfleet.ui.app_charts import timeline
+
+    updates = pd.DataFrame({"version": [1, 2], "end_s": [10.0, 20.0]})
+    groups = pd.DataFrame({"version": [1, 2] * 3, "group": ["a", "a", "b", "b", "c", "c"],
+                           "replicas_up": [2.0] * 6})                # three groups, every count the same
+    fig = timeline(updates, groups, pd.DataFrame({"kind": [], "time_s": [], "group": []}))
+    lines = [t for t in fig.data if t.name in ("a", "b", "c")]
+    assert len({(t.line.dash, t.line.width) for t in lines}) == 3
+    widths = [t.line.width for t in lines]
+    assert widths == sorted(widths, reverse=True)                    # the later (on top) thinner: all visible
