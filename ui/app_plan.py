@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import threading
 import tomllib
 from collections import OrderedDict
@@ -111,8 +110,9 @@ def _plan_cached(inputs: dict[str, Any], pool: pd.DataFrame, progress: Any) -> p
     Streamlit cannot replay a cached call that drew elements (it raised CacheReplayClosureError on the second
     press of Run planner with the same inputs, in any tab). Each caller gets its own deep copy, as from
     `st.cache_data`."""
-    key = hashlib.sha256(json.dumps(inputs, sort_keys=True, default=str).encode()
-                         + pool.to_csv(index=False).encode()).hexdigest()
+    from mixfleet.ui.app_plan_result import inputs_key
+
+    key = inputs_key(inputs, pool)
     with _plan_cache_lock:
         hit = _plan_cache.get(key)
         if hit is not None:
@@ -336,7 +336,9 @@ def _show(view: planner.PlannerView) -> None:
             col.metric(label, value, delta=f"analytic {fmt(p.get(analytic))}", delta_color="off",
                        help=WIDE_HELP if flagged else "the twin's steady-state mean and its 95% interval")
         st.caption(f"Pipeline fill {fmt_s(tw['fill_s'])}, warm-up {tw['warmup_updates']} updates; {tw['updates']} "
-                   f"updates from a warm start, {tw['steady_updates']} steady.")
+                   f"updates from a warm start, {tw['steady_updates']} steady. These are the steady state: the fill "
+                   "and the warm-up are left out. The Dry-run page averages over the whole dry run, the fill "
+                   "included, so the same plan reads dearer and slower there.")
         if wide:
             st.warning(f"The interval of {', '.join(wide)} is wider than half its value: {WIDE_HELP}")
         st.markdown("**The analytic screen**")
@@ -349,6 +351,9 @@ def _show(view: planner.PlannerView) -> None:
     c[4].metric("mean staleness (versions)",
                 "unbounded" if p.get("trainer_bound") else fmt_versions(p.get("staleness_mean")))
     st.table(view.mix_table)
+    from mixfleet.ui.app_plan_result import show_versus_seed
+
+    show_versus_seed(p, view.references)
     if view.notes:
         st.caption(view.notes)
     st.plotly_chart(charts.pareto(view.points, chosen=p, references=view.references, twin_points=view.twin_points),
@@ -410,6 +415,12 @@ def render() -> None:
                                     "MoE) with the lowest cost per token; **smallest**: the smallest TP that fits.")
     if mw is None or pool is None:
         return
+    from mixfleet.ui import app_plan_result as result
+
+    inputs = {"model": mw[0], "workload": mw[1], "price_table": price_table, "kv_dtypes": kv, **cons,
+              **trainer, "emulated": emulated, "calibration": calibration, "backend": backend, "layouts": layouts}
+    cols = pool[["use", "accelerator", "max_gpus", "usd_per_gpu_hour", "precisions"]]
+    cols = cols.assign(precisions=[",".join(planner.precision_list(v)) for v in cols["precisions"]])
     go = st.button("Run planner", type="primary", key="pl_go", disabled=not planner.available())
     if go:
         bar = st.progress(0.0, text="planning...")
@@ -418,11 +429,6 @@ def render() -> None:
             bar.progress(min(max(frac, 0.0), 1.0), text=text)
 
         try:
-            inputs = {"model": mw[0], "workload": mw[1], "price_table": price_table, "kv_dtypes": kv, **cons,
-                      **trainer, "emulated": emulated, "calibration": calibration, "backend": backend,
-                      "layouts": layouts}
-            cols = pool[["use", "accelerator", "max_gpus", "usd_per_gpu_hour", "precisions"]]
-            cols = cols.assign(precisions=[",".join(planner.precision_list(v)) for v in cols["precisions"]])
             view = _plan_cached(inputs, cols, progress)
         except Exception as e:
             bar.empty()
@@ -432,8 +438,10 @@ def render() -> None:
         st.session_state[RESULT_KEY] = view
         st.session_state[PLANNED_CAL_KEY] = (calibration, cal_what) if calibration else None
         st.session_state[PLAN_PAGE_KEY] = view.plan
+        result.remember(result.inputs_key(inputs, cols), inputs, cols)
     view = st.session_state.get(RESULT_KEY)
     if view is not None:
+        result.show_inputs(result.inputs_key(inputs, cols), inputs, cols)   # marked stale when they changed
         _show(view)
 
 
