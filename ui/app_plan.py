@@ -22,6 +22,7 @@ import pandas as pd
 import streamlit as st
 import tomli_w
 from mixfleet.costmodel.formats import formats
+from mixfleet.twin.planner_defaults import DEFAULTS
 from mixfleet.ui import app_charts as charts
 from mixfleet.ui import app_planner as planner
 from mixfleet.ui.app_common import (
@@ -37,8 +38,8 @@ from mixfleet.ui.app_common import (
 CALIBRATION_REQUEST_KEY = "plan_calibration_request"   # set by the Runs page: plan with this calibration file
 PLAN_PAGE_KEY = "planned_plan"      # session state: the chosen plan as PlanText (read by the Dry-run page)
 RESULT_KEY = "plan_result"          # session state: the last PlannerView
-DEFAULT_MODEL = "qwen3.6-35b-a3b"
-DEFAULT_WORKLOAD = "seed-agentic-coding"
+DEFAULT_MODEL = DEFAULTS.model           # every input's default is the planner's one set (`mixfleet plan`'s)
+DEFAULT_WORKLOAD = DEFAULTS.workload
 PRECISIONS = formats().gpu_precisions   # data/precisions.toml: native on some GPU
 
 
@@ -167,7 +168,8 @@ def _pool_editor() -> tuple[str, pd.DataFrame | None, tuple[str, ...], bool]:
     _, _, tables = _known()
     c1, c2 = st.columns([1, 3])
     with c1:
-        table = st.segmented_control("Price table", list(tables), default=tables[0], key="pl_prices") or tables[0]
+        dflt = DEFAULTS.price_table if DEFAULTS.price_table in tables else tables[0]
+        table = st.segmented_control("Price table", list(tables), default=dflt, key="pl_prices") or dflt
     with c2:
         st.caption("Prices are USD per GPU-hour from `data/accelerators.toml`; switch the table for another cloud, "
                    "or edit a price (it then overrides the table for the samplers, the trainer and the written plan). "
@@ -185,8 +187,9 @@ def _pool_editor() -> tuple[str, pd.DataFrame | None, tuple[str, ...], bool]:
             "price_note": st.column_config.TextColumn("price source", disabled=True),
         })
     c1, c2 = st.columns([3, 2])
-    kv = c1.multiselect("KV-cache dtypes to consider", list(planner.KV_DTYPES), default=["fp8_e4m3"], key="pl_kv")
-    emulated = c2.toggle("allow emulated precisions", value=False, key="pl_emul",
+    kv = c1.multiselect("KV-cache dtypes to consider", list(planner.KV_DTYPES), default=list(DEFAULTS.kv_dtypes),
+                        key="pl_kv")
+    emulated = c2.toggle("allow emulated precisions", value=DEFAULTS.emulated, key="pl_emul",
                          help="Let **allowed precisions** name formats an accelerator only emulates (runs slower), "
                               "e.g. nvfp4 on H100.")
     try:
@@ -202,12 +205,15 @@ def _trainer() -> dict[str, Any]:
 
     accs = load_catalog().gpus()
     c = st.columns(4)
-    acc = c[0].selectbox("trainer accelerator", accs, index=accs.index("B200") if "B200" in accs else 0, key="pl_tacc")
-    gpus = int(c[1].number_input("trainer GPUs", 1, 4096, 8, key="pl_tgpus"))
-    n = int(c[2].number_input("twin check: updates per dry run", 1, 100, planner.DEFAULT_TWIN_UPDATES, key="pl_tn",
-                              help="The chosen mix and the seed's two fleets are dry-run in the twin for this "
-                                   "many updates from a warm start; their steady state is shown (cached under "
-                                   "the runs folder)."))
+    t = DEFAULTS.trainer_accelerator
+    acc = c[0].selectbox("trainer accelerator", accs, index=accs.index(t) if t in accs else 0, key="pl_tacc")
+    gpus = int(c[1].number_input("trainer GPUs", 1, 4096, DEFAULTS.trainer_gpus, key="pl_tgpus"))
+    n = int(c[2].number_input("twin check: updates per run (0 = automatic)", 0, 100, planner.DEFAULT_TWIN_UPDATES,
+                              key="pl_tn",
+                              help="The planner verifies its best candidates in the twin for this many updates from "
+                                   "a warm start (0: 10 + prompts in flight / prompts per update, as `mixfleet "
+                                   "plan`), and the chosen mix and the seed's two fleets are dry-run as long; their "
+                                   "steady state is shown (cached under the runs folder)."))
     refs = c[3].toggle("show the seed's two fleets", value=True, key="pl_refs")
     return {"trainer_accelerator": acc, "trainer_gpus": gpus, "twin_updates": n, "references": refs}
 
@@ -220,7 +226,8 @@ def _constraints() -> dict[str, Any]:
                             key="pl_tpu")
     budget = c[2].number_input("budget (USD per hour, 0 = none)", 0.0, 1e7, planner.DEFAULT_BUDGET_USD_H, step=50.0,
                                key="pl_budget")
-    objective = c[3].selectbox("minimize", list(planner.OBJECTIVES), key="pl_obj")
+    objective = c[3].selectbox("minimize", list(planner.OBJECTIVES), key="pl_obj",
+                               index=list(planner.OBJECTIVES.values()).index(DEFAULTS.objective))
     return {"max_staleness": stale or None, "max_time_per_update_s": tpu or None, "budget_usd_per_hour": budget or None,
             "objective": objective}
 
@@ -376,6 +383,8 @@ def render() -> None:
     st.title("Plan")
     st.caption("Find the cheapest sampler mix that meets your constraints. Every field has a default; "
                "press **Run planner**.")
+    st.caption("The defaults are the planner's one set, the same as `mixfleet plan` with no options (so the two "
+               f"choose the same mix): {DEFAULTS.describe()}.")
     if not planner.available():
         st.warning(f"The mix planner is not available yet: {planner.unavailable_reason()}")
     if (want := st.session_state.pop(MODEL_REQUEST_KEY, None)) is not None:
@@ -406,11 +415,13 @@ def render() -> None:
         cal_what = (_calibration_notice(calibration, mw[0] if mw else "", pool, kv, trainer["trainer_accelerator"])
                     if calibration else "")
         c1, c2 = st.columns(2)
-        backend = c1.selectbox("cost backend", ["roofline", "auto"], index=0, key="pl_backend",
+        backend = c1.selectbox("cost backend", ["roofline", "auto"], index=["roofline", "auto"].index(DEFAULTS.backend),
+                               key="pl_backend",
                                help="**auto**: replica step times from NVIDIA aiconfigurator-core's measured tables "
                                     "where they cover the group (the chosen-mix table says which priced it), else "
                                     "the roofline.")
-        layouts = c2.selectbox("replica layouts", ["smallest", "cheapest"], index=0, key="pl_layouts",
+        layouts = c2.selectbox("replica layouts", ["smallest", "cheapest"],
+                               index=["smallest", "cheapest"].index(DEFAULTS.layouts), key="pl_layouts",
                                help="**cheapest**: each group's layout (TP 1-8, attention DP + expert parallel for "
                                     "MoE) with the lowest cost per token; **smallest**: the smallest TP that fits.")
     if mw is None or pool is None:

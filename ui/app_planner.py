@@ -2,7 +2,8 @@
 
 `run(...)` turns the page's inputs (model, workload, price table, the edited accelerator pool with its
 prices per GPU-hour and allowed precisions, constraints) into a `PlannerConfig`, calls `plan_mix` (`verify`
-candidates verified in the twin's steady state and re-ranked, default 0 here), dry-runs the chosen plan
+candidates verified in the twin's steady state and re-ranked; every default is the planner's one set,
+`twin.planner_defaults.DEFAULTS`, the same as `mixfleet plan`'s), dry-runs the chosen plan
 in the twin (kept as a run log so its per-group share of samples can be shown), and evaluates the seed's two
 fleets with the planner's analytic model (`evaluate_plan`) as reference points, and dry-runs them in the
 twin too (warm starts; their steady state). It returns a `PlannerView` for the page: the chosen plan as
@@ -20,6 +21,7 @@ from typing import Any
 import pandas as pd
 import tomli_w
 from mixfleet.costmodel.formats import formats
+from mixfleet.twin.planner_defaults import DEFAULTS
 from mixfleet.ui.app_common import (
     REFERENCE_PLANS,
     PlanText,
@@ -35,15 +37,14 @@ from mixfleet.ui.app_common import (
 )
 
 PLANNER_MODULE = "mixfleet.twin.planner"
-DEFAULT_MAX_GPUS = 64
-DEFAULT_MAX_STALENESS = 4.0         # versions (0 = no limit); keeps trainer-bound mixes out by default
-DEFAULT_MAX_TIME_S = 0.0            # seconds per update; 0 = no limit
-DEFAULT_BUDGET_USD_H = 0.0          # USD per hour; 0 = no limit
-DEFAULT_TWIN_UPDATES = 4            # updates per dry run of the chosen plan and of the reference fleets (warm
-                                    # start: about the CPU of the 2 cold updates it replaces; their steady state
-                                    # after the MSER-5 warm-up, wide 95% intervals; raise it on the page)
-DEFAULT_VERIFY = 0                  # candidates plan_mix verifies and re-ranks in the twin (the CLI's default is
-                                    # 3; here 0 keeps the page's run short: the chosen mix is dry-run below)
+# The page's defaults are the planner's one set (`mixfleet plan` plans with the same; the page shows them).
+DEFAULT_MAX_GPUS = DEFAULTS.default_max_gpus
+DEFAULT_MAX_STALENESS = DEFAULTS.max_staleness or 0.0        # versions; 0 = no limit
+DEFAULT_MAX_TIME_S = DEFAULTS.max_time_per_update_s or 0.0   # seconds per update; 0 = no limit
+DEFAULT_BUDGET_USD_H = DEFAULTS.max_usd_per_hour or 0.0      # USD per hour; 0 = no limit
+DEFAULT_TWIN_UPDATES = DEFAULTS.verify_updates   # updates per twin check (0: 10 + prompts in flight / per update,
+                                                 # warm start), for the verification and the page's dry runs
+DEFAULT_VERIFY = DEFAULTS.verify                 # candidates plan_mix verifies and re-ranks in the twin
 OBJECTIVES = {"cost per update": "cost_per_update",
               "cost per effective update (masked tokens count as waste)": "cost_per_effective_update"}
 KV_DTYPES = formats().sglang_kv_dtypes   # the GPU servers' KV dtypes (data/precisions.toml)
@@ -143,15 +144,15 @@ def _load_calibration(path: str) -> Any:
 def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_dtypes: tuple[str, ...],
         trainer_accelerator: str, trainer_gpus: int, max_staleness: float | None,
         max_time_per_update_s: float | None, budget_usd_per_hour: float | None, objective: str,
-        twin_updates: int = DEFAULT_TWIN_UPDATES, references: bool = True, seed: int = 0, emulated: bool = False,
-        calibration: str | None = None, progress: Callable[[float, str], None] | None = None,
-        backend: str = "roofline", layouts: str = "smallest",
-        verify: int = DEFAULT_VERIFY) -> PlannerView:
+        twin_updates: int = DEFAULT_TWIN_UPDATES, references: bool = True, seed: int = DEFAULTS.seed,
+        emulated: bool = DEFAULTS.emulated, calibration: str | None = None,
+        progress: Callable[[float, str], None] | None = None, backend: str = DEFAULTS.backend,
+        layouts: str = DEFAULTS.layouts, verify: int = DEFAULT_VERIFY) -> PlannerView:
     """Plan a mix; raises the planner's SpecError on bad inputs and ValueError when nothing is feasible.
     `pool`: columns use, accelerator, max_gpus and optionally usd_per_gpu_hour and precisions (edited prices
     and precision lists become the planner's per-accelerator overrides; `emulated` allows emulated ones)."""
     from mixfleet.policies.plan import with_overrides
-    from mixfleet.twin.planner import PlannerConfig, plan_mix
+    from mixfleet.twin.planner import PlannerConfig, plan_mix, verify_updates
 
     say = progress or (lambda _f, _m: None)
     used = pool[pool["use"].astype(bool)]
@@ -177,6 +178,10 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
     plan = result.plan
     pt = PlanText(plan.name, tomli_w.dumps(plan.to_dict()))
     best = result.best
+    if not twin_updates:   # automatic, as the verification: the chosen mix's 10 + prompts in flight / per update
+        from mixfleet.costmodel.workload import load_workload
+
+        twin_updates = verify_updates(best, cfg, load_workload(workload).prompts_per_update)
     jobs: list[tuple[str, PlanText]] = [("chosen mix (twin)", pt)]
     analytic: list[dict[str, Any]] = []
     if references:
@@ -230,7 +235,7 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
              f"{fmt_num(best.throughput_tokens_per_s, 'tokens/s')} (planner). "
              + (f"The {len(result.verified)} best by the analytic screen were verified in the twin's steady state "
                 "and re-ranked by it. " if result.verified else "")
-             + ("" if result.verified else "(`mixfleet plan` also verifies the 3 best in the twin and re-ranks them.) ")
+             + ("" if result.verified else "(No candidate was verified in the twin: verify is 0.) ")
              + f"Twin points: {twin_updates} updates each from a warm start, their steady state (the pipeline fill "
              "and the MSER-5 warm-up left out).")
     if best.trainer_bound:
