@@ -62,3 +62,31 @@ def test_replica_lines_with_equal_counts_are_told_apart() -> None:
     assert len({(t.line.dash, t.line.width) for t in lines}) == 3
     widths = [t.line.width for t in lines]
     assert widths == sorted(widths, reverse=True)                    # the later (on top) thinner: all visible
+
+
+def test_pareto_chart_stays_readable_with_a_thousand_points() -> None:
+    """1,012 Pareto mixes out to 200K s (issue 26: a blob of labels, axes to 200K s): at most 60 drawn, spread over
+    the time axis, the axis ends near the chosen mix and the seed's fleets, the rest counted off the chart; only
+    the seed's diamonds are labelled, on alternating sides."""
+    import numpy as np
+    from mixfleet.ui.app_charts import PARETO_MAX_POINTS, PARETO_X_SPAN, pareto
+
+    t = np.geomspace(300.0, 200_000.0, 1012)
+    points = pd.DataFrame({"time_per_update_s": t, "cost_per_update_usd": 5e4 / t + 20, "staleness_mean": 1.0,
+                           "label": [f"mix {i}" for i in range(len(t))]})
+    chosen = {"time_per_update_s": 450.0, "cost_per_update_usd": 131.0}
+    refs = [{"name": "seed-mixed", "time_per_update_s": 700.0, "cost_per_update_usd": 70.0, "staleness_mean": 2.0},
+            {"name": "seed-homogeneous", "time_per_update_s": 760.0, "cost_per_update_usd": 95.0}]
+    twins = [{"name": "seed-mixed (twin)", "time_per_update_s": 1500.0, "cost_per_update_usd": 120.0}]
+    fig = pareto(points, chosen=chosen, references=refs, twin_points=twins)
+    (front,) = [d for d in fig.data if d.name.startswith("Pareto set")]
+    x_hi = PARETO_X_SPAN * 1500.0
+    assert len(front.x) <= PARETO_MAX_POINTS and max(front.x) <= x_hi and min(front.x) == 300.0
+    assert front.name.endswith(f": {len(front.x)} of 1,012 shown")
+    off = int((t > x_hi).sum())
+    assert [a.text for a in fig.layout.annotations] == [
+        f"{off:,} slower Pareto mixes off the chart (up to 200,000 s) →"]
+    by_name = {d.name: d for d in fig.data}
+    assert by_name["seed-mixed (twin)"].mode == "markers"                     # named in the legend, no label
+    assert {by_name["seed-mixed"].textposition, by_name["seed-homogeneous"].textposition} == {"middle left",
+                                                                                              "middle right"}

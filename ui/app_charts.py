@@ -218,6 +218,31 @@ def compare_bars(summaries: Sequence[tuple[str, Mapping[str, Any]]], metrics: Ma
 
 
 # ---- plan -------------------------------------------------------------------------------------------
+PARETO_MAX_POINTS = 60      # Pareto mixes drawn (evenly over log time); more read as one blob
+PARETO_X_SPAN = 4.0         # the time axis ends at this many times the slowest of the chosen mix and the references
+
+
+def _pos(x: Any) -> bool:
+    return isinstance(x, int | float) and math.isfinite(x) and x > 0
+
+
+def _shown(shown: int, total: int) -> str:
+    return f": {shown:,} of {total:,} shown" if shown < total else ""
+
+
+def thin_pareto(points: pd.DataFrame, max_points: int = PARETO_MAX_POINTS) -> pd.DataFrame:
+    """At most `max_points` of a Pareto set, evenly spread over log time per update (both ends kept)."""
+    if len(points) <= max_points:
+        return points
+    import numpy as np
+
+    p = points.sort_values("time_per_update_s").reset_index(drop=True)
+    logt = np.log(p["time_per_update_s"].clip(lower=1e-9).to_numpy())
+    targets = np.linspace(logt[0], logt[-1], max_points)
+    keep = sorted({int(np.abs(logt - t).argmin()) for t in targets})
+    return p.iloc[keep]
+
+
 def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
            references: Sequence[Mapping[str, Any]] = (), twin_points: Sequence[Mapping[str, Any]] = ()) -> go.Figure:
     """The planner's Pareto set (cost, time, staleness) as cost per update vs time per update, colored by
@@ -228,6 +253,12 @@ def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
     points: columns time_per_update_s, cost_per_update_usd, staleness_mean (NaN = unbounded), label.
     references / chosen: dicts with the same keys (+ name)."""
     fig = _fig("Cost vs time per update", "time per update (s)", "cost per update (USD)")
+    total = len(points)
+    focus = [float(r["time_per_update_s"]) for r in (*references, *twin_points, *([chosen] if chosen else []))
+             if _pos(r.get("time_per_update_s"))]
+    x_hi = PARETO_X_SPAN * max(focus) if focus else math.inf
+    off = points[points["time_per_update_s"] > x_hi] if len(points) else points
+    points = thin_pareto(points[points["time_per_update_s"] <= x_hi] if len(points) else points)
     if len(points):
         bounded = points[points["staleness_mean"].notna()]
         unbounded = points[points["staleness_mean"].isna()]
@@ -235,7 +266,8 @@ def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
         if len(bounded):
             fig.add_trace(go.Scatter(
                 x=bounded["time_per_update_s"], y=bounded["cost_per_update_usd"], mode="markers",
-                name="Pareto set (planner; color: staleness)", text=bounded["label"], hovertemplate=hover,
+                name=f"Pareto set (planner; color: staleness){_shown(len(points), total)}", text=bounded["label"],
+                hovertemplate=hover,
                 marker={"color": bounded["staleness_mean"], "colorscale": "Viridis", "size": 10, "showscale": True,
                         "colorbar": {"title": "staleness<br>(versions)"}}))
         if len(unbounded):
@@ -244,11 +276,15 @@ def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
                 name="trainer-bound (staleness unbounded)", text=unbounded["label"], hovertemplate=hover,
                 marker={"color": "lightgray", "size": 10, "line": {"width": 1, "color": "gray"}}))
     for refs, symbol, size in ((references, "diamond", 14), (twin_points, "circle-open", 12)):
-        for ref in refs:
+        for i, ref in enumerate(refs):
             stale = ref.get("staleness_mean", float("nan"))
+            # only the seed's diamonds carry a label, on alternating sides (the twin's open circles sit near them
+            # and are named in the legend and on hover): the labels ran into a blob (issue 26)
+            labelled = symbol == "diamond"
             fig.add_trace(go.Scatter(
-                x=[ref["time_per_update_s"]], y=[ref["cost_per_update_usd"]], mode="markers+text",
-                name=str(ref["name"]), text=[str(ref["name"])], textposition="top center",
+                x=[ref["time_per_update_s"]], y=[ref["cost_per_update_usd"]],
+                mode="markers+text" if labelled else "markers",
+                name=str(ref["name"]), text=[str(ref["name"])], textposition=("middle left", "middle right")[i % 2],
                 hovertemplate=f"{ref['name']}<br>%{{x:,.1f}} s, $%{{y:,.2f}} per update, staleness "
                               f"{stale:.2f}<extra></extra>",
                 marker={"symbol": symbol, "size": size, "line": {"width": 2 if symbol == "circle-open" else 1,
@@ -259,6 +295,10 @@ def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
                                  textposition="bottom center",
                                  marker={"symbol": "star", "size": 20, "color": "red",
                                          "line": {"width": 1, "color": "black"}}))
+    if len(off):
+        fig.add_annotation(x=1, y=1, xref="paper", yref="paper", xanchor="right", yanchor="bottom", showarrow=False,
+                           text=f"{len(off):,} slower Pareto mixes off the chart (up to "
+                                f"{off['time_per_update_s'].max():,.0f} s) →", font={"size": 11})
     fig.update_xaxes(type="log", nticks=8, title_text="time per update (s, log scale)")
     fig.update_yaxes(type="log", nticks=8, title_text="cost per update (USD, log scale)")
     fig.update_layout(height=HEIGHT_PX + 160)
