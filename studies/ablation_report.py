@@ -41,7 +41,9 @@ VERDICT_RULE = (
     "exactly one of the two holds, else **stable**. The *signs* column lists which of the seed's three signs "
     f"occurred: R (reward fell by more than {REWARD_DROP}), K (KL >= {KL_GROWTH:g}x), T (>= "
     f"{NO_TOOL_END:.0%} of the end window's episodes ended on three replies without a tool call, up from the "
-    "start). The thresholds were set in the first ablation, after its first two runs were seen, and have not changed "
+    "start). *KL peak* (the run's largest KL over its start window) is reported beside the rule, not in it: a "
+    "policy that has collapsed into one deterministic reply can bring the end-window KL back down. The thresholds "
+    "were set in the first ablation, after its first two runs were seen, and have not changed "
     "since: every run reported with this text started after the rule was fixed. The numbers are all in the "
     "tables, so other rules can be applied to them. Held-out reward (the runner's evaluation: the task's eval "
     "split at the run's temperature over the full vocabulary) is reported beside the rule, not part of it.")
@@ -178,6 +180,8 @@ def verdict(series: pd.DataFrame) -> dict[str, Any]:
     r0, r1 = float(a["reward"].mean()), float(b["reward"].mean())
     k0, k1 = float(ka["kl_k3"].mean()), float(b["kl_k3"].mean())
     growth = k1 / k0 if k0 > 0 else (math.inf if k1 > 0 else 1.0)
+    kpeak = float(series["kl_k3"].max())
+    peak = kpeak / k0 if k0 > 0 else (math.inf if kpeak > 0 else 1.0)   # reported beside the rule, not in it
     reward_fell = r1 < r0 - REWARD_DROP
     kl_grew = growth >= KL_GROWTH
     nt0, nt1 = float(a["no_tool_share"].mean()), float(b["no_tool_share"].mean())
@@ -187,7 +191,8 @@ def verdict(series: pd.DataFrame) -> dict[str, Any]:
     nonzero = series["grad_norm"][series["grad_norm"] > 0]     # 0: a batch whose groups all had equal rewards
     g0 = float(nonzero.iloc[:w].mean()) if len(nonzero) else math.nan
     return {"updates": n, "window": w, "reward_start": r0, "reward_end": r1, "kl_start": k0, "kl_end": k1,
-            "kl_growth": growth, "reward_fell": reward_fell, "kl_grew": kl_grew, "no_tool_rose": no_tool,
+            "kl_growth": growth, "kl_peak_growth": peak, "reward_fell": reward_fell, "kl_grew": kl_grew,
+            "no_tool_rose": no_tool,
             "signs": signs, "verdict": v, "kl_start_from_update": int(ka.index[0]),
             "extreme_start": float(a["extreme_share"].mean()), "extreme_end": float(b["extreme_share"].mean()),
             "grad_start": g0, "grad_max_over_start": float(nonzero.max()) / g0 if g0 > 0 else math.nan,
@@ -407,8 +412,8 @@ def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | N
                 lines += [f"![{fleet} held-out reward]({name})" if name.endswith(".png")
                           else f"[{fleet} held-out reward (HTML)]({name})", ""]
         lines += ["| variant | seed | updates | reward start -> end | held-out start -> end | KL k3 start -> end (x) | "
-                  "r outside [0.2, 5] start -> end | grad norm max / start (non-zero) | entropy start -> end | "
-                  "no tool call x3 start -> end | signs | verdict |", "|" + "---|" * 12]
+                  "KL peak (x) | r outside [0.2, 5] start -> end | grad norm max / start (non-zero) | "
+                  "entropy start -> end | no tool call x3 start -> end | signs | verdict |", "|" + "---|" * 13]
         for r in fr:
             v = verdict(r.series)
             h0, h1 = heldout_change(r)
@@ -418,12 +423,13 @@ def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | N
                 f"| {LABELS.get(r.variant, r.variant)} | {r.seed} | {v['updates']} | {_f(v['reward_start'])} -> "
                 f"{_f(v['reward_end'])} | {_f(h0)} -> {_f(h1)} | "
                 f"{_f(v['kl_start'], '.2e')} -> {_f(v['kl_end'], '.2e')} "
-                f"({_f(v['kl_growth'], '.1f')}x) | {_pct(v['extreme_start'])} -> {_pct(v['extreme_end'])} | "
+                f"({_f(v['kl_growth'], '.1f')}x) | {_f(v['kl_peak_growth'], '.1f')}x | "
+                f"{_pct(v['extreme_start'])} -> {_pct(v['extreme_end'])} | "
                 f"{_f(v['grad_max_over_start'], '.1f')} | {_f(v['entropy_start'])} -> {_f(v['entropy_end'])} | "
                 f"{_pct(v['no_tool_start'])} -> {_pct(v['no_tool_end'])} | {v['signs']} | **{v['verdict']}** |")
         lines += ["", "Per variant (over seeds; mean (min..max)):", "", "| variant | seeds | verdicts | runs with each "
-                  "sign (R, K, T) | reward start | reward end | held-out start | held-out end | KL growth | "
-                  "share of episodes without tool calls, end |", "|---|---|---|---|---|---|---|---|---|---|"]
+                  "sign (R, K, T) | reward start | reward end | held-out start | held-out end | KL growth | KL peak | "
+                  "share of episodes without tool calls, end |", "|" + "---|" * 11]
         for k, rs in by_variant.items():
             vs = [verdict(r.series) for r in rs]
             hs = [heldout_change(r) for r in rs]
@@ -433,6 +439,7 @@ def build_report(root: str | Path, out_dir: str | Path, *, notes: str | Path | N
                          + f" | {sign_counts} | {spread([v['reward_start'] for v in vs])} | "
                          f"{spread([v['reward_end'] for v in vs])} | {spread([h[0] for h in hs])} | "
                          f"{spread([h[1] for h in hs])} | {spread([v['kl_growth'] for v in vs])} | "
+                         f"{spread([v['kl_peak_growth'] for v in vs])} | "
                          f"{spread([v['no_tool_end'] for v in vs])} |")
         lines.append("")
         table = group_table(fr)

@@ -87,6 +87,7 @@ def test_series_and_verdicts(study: Path) -> None:
     assert v["window"] == 2
     assert (v["reward_start"], v["reward_end"]) == pytest.approx((0.5, 0.2))
     assert v["kl_growth"] == pytest.approx(4.0)
+    assert v["kl_peak_growth"] == pytest.approx(4.0)       # the largest KL over the start window's
     assert v["verdict"] == "collapsed"
     assert v["signs"] == "RKT" and verdict(runs["sc"].series)["signs"] == "K"
     assert v["no_tool_end"] == pytest.approx(0.75)
@@ -145,7 +146,7 @@ def test_markdown_report(study: Path, tmp_path: Path) -> None:
     text = (tmp_path / "out" / "README.md").read_text()
     assert text.index("Findings first.") < text.index("## Verdict rule")
     assert VERDICT_RULE in text
-    assert "| GRPO | 0 | 8 | 0.500 -> 0.200 | 0.400 -> 0.100 | 1.00e-03 -> 4.00e-03 (4.0x) |" in text
+    assert "| GRPO | 0 | 8 | 0.500 -> 0.200 | 0.400 -> 0.100 | 1.00e-03 -> 4.00e-03 (4.0x) | 4.0x |" in text
     assert "| SC+MIS | 1 | 1 stable | R 0/1, K 0/1, T 0/1 | 0.500 (0.500..0.500) | 0.600 (0.600..0.600) | " \
            "0.400 (0.400..0.400) | 0.550 (0.550..0.550) |" in text
     assert "**collapsed**" in text and "**unstable**" in text and "**stable**" in text
@@ -190,3 +191,16 @@ def test_report_cli(study: Path, tmp_path: Path) -> None:
     empty.mkdir()
     r = CliRunner().invoke(app, ["report", "ablation", str(empty)])
     assert r.exit_code == 2 and "no run log" in r.output
+
+
+def test_kl_peak_is_reported_beside_the_rule_not_in_it() -> None:
+    import pandas as pd
+
+    # a collapse whose KL spikes (x50) and comes back once the policy is deterministic: the end-window growth is
+    # 1x, so the stated rule says "unstable" (reward fell, KL did not grow); the peak says what happened
+    df = pd.DataFrame({"reward": [0.5, 0.5, 0.5, 0.5, 0.2, 0.0, 0.0, 0.0], "grad_norm": 1.0, "entropy": 1.0,
+                       "kl_k3": [1.0, 1.0, 1.0, 50.0, 20.0, 2.0, 1.0, 1.0], "extreme_share": 0.0,
+                       "no_tool_share": [0, 0, 0, 0, 0.5, 1, 1, 1]}, index=range(1, 9))
+    v = verdict(df)
+    assert (v["kl_growth"], v["kl_peak_growth"]) == pytest.approx((1.0, 50.0))
+    assert (v["verdict"], v["signs"]) == ("unstable", "RT")
