@@ -90,3 +90,12 @@ def test_pareto_chart_stays_readable_with_a_thousand_points() -> None:
     assert by_name["seed-mixed (twin)"].mode == "markers"                     # named in the legend, no label
     assert {by_name["seed-mixed"].textposition, by_name["seed-homogeneous"].textposition} == {"middle left",
                                                                                               "middle right"}
+
+
+def test_table_numbers_read_like_the_cards() -> None:
+    from mixfleet.ui.app_common import fmt_table
+
+    assert fmt_table(32130.0) == "32.1 k"                   # was 3.213e+04 in the Runs page's tables
+    assert fmt_table(1234.5) == "1,234" and fmt_table(0.01234) == "0.01234"
+    assert fmt_table(2.5, signed=True) == "+2.5" and fmt_table(-32130.0, signed=True) == "-32.1 k"
+    assert fmt_table(math.nan) == "—" and fmt_table(None) == "—"

@@ -111,6 +111,17 @@ def fmt_compact(x: Any, unit: str = "") -> str:
     return f"{x:.3g} {unit}".strip()
 
 
+def fmt_table(x: Any, signed: bool = False) -> str:
+    """A number in a table as the metric cards write it: 32130 -> '32.1 k' (was '3.213e+04'), 0.01234 -> '0.01234',
+    1.5e-05 -> '1.5e-05'; a dash for a missing value (issue 26)."""
+    if not _finite(x):
+        return NONE
+    sign = "+" if signed and x > 0 else ""
+    if abs(x) >= 1e4:
+        return sign + fmt_compact(x)
+    return sign + f"{x:,.4g}"
+
+
 # ---- errors ---------------------------------------------------------------------------------------
 def error_text(e: BaseException) -> str:
     """One line for the page: the message (SpecError already names the field and the allowed values); the

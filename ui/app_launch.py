@@ -16,7 +16,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 from mixfleet.ui import run_manager as rm
-from mixfleet.ui.app_common import PlanText, fmt_s, runs_dir, show_error
+from mixfleet.ui.app_common import PlanText, fmt_s, fmt_table, runs_dir, show_error
 
 UPDATES_ENV = "MIXFLEET_UI_RUN_UPDATES"      # default target updates of a real run from the app (tests: 2)
 INIT_ENV = "MIXFLEET_UI_RUN_INIT"            # default base-policy checkpoint ("" = the cached pretrain)
@@ -364,7 +364,7 @@ def calibrate_and_replan(run_path: Path, header: dict[str, Any], root: Path,
                    "with its 1σ uncertainty, and writes a calibration file the Plan page can use.")
         return
     path, rows = res
-    st.dataframe(pd.DataFrame(rows).style.format({"fitted": "{:.4g}", "± (1σ)": "{:.2g}", "prior": "{:.4g}"},
+    st.dataframe(pd.DataFrame(rows).style.format({"fitted": fmt_table, "± (1σ)": "{:.2g}", "prior": fmt_table},
                                                  na_rep="—"),
                  hide_index=True, width="stretch", key="runs_cal_table")
     st.caption(f"written to `{path}`")

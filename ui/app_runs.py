@@ -31,6 +31,7 @@ from mixfleet.ui.app_common import (
     fmt_num,
     fmt_pct,
     fmt_s,
+    fmt_table,
     fmt_usd,
     fmt_versions,
     load_run,
@@ -146,7 +147,8 @@ def _prediction_table(run: RunData, twin: RunData) -> None:
     first["metric"] = first["metric"].map(KEY_METRICS)
     groups = df[df["metric"].str.startswith(("group_share_of_samples[", "group_tokens_per_s[", "group_kl_k3["))]
     shown = pd.concat([first, groups], ignore_index=True)
-    st.dataframe(shown.style.format({"measured": "{:,.4g}", "predicted": "{:,.4g}", "diff": "{:+,.4g}",
+    st.dataframe(shown.style.format({"measured": fmt_table, "predicted": fmt_table,
+                                     "diff": lambda x: fmt_table(x, signed=True),
                                      "rel_diff": "{:+.1%}"}, na_rep="—"), hide_index=True, width="stretch")
     if run.summary.get("clock") != twin.summary.get("clock"):
         st.caption("The measured run's seconds are wall seconds; the twin's are simulated seconds.")
@@ -248,7 +250,7 @@ def _fidelity_section(path: Path, header: dict) -> None:
                 help="goal: within 3 pp")
     c[2].metric("staleness error (versions)", _fmt_error(g.get("staleness_error_updates"), "difference"),
                 help="goal: within 0.5")
-    st.dataframe(pd.DataFrame(rows).style.format({"measured": "{:,.4g}", "predicted": "{:,.4g}"}, na_rep="—"),
+    st.dataframe(pd.DataFrame(rows).style.format({"measured": fmt_table, "predicted": fmt_table}, na_rep="—"),
                  hide_index=True, width="stretch", key="runs_fidelity_table")
     st.caption(f"{rep['updates']} updates, seed {rep['seed']}, calibration: {rep['calibration'] or 'none (priors)'}. "
                + " ".join(rep.get("notes", [])))
