@@ -58,3 +58,15 @@ def test_a_result_shows_its_inputs_and_is_marked_stale_when_they_change(tmp_path
     assert isinstance(at.table[0].value, pd.DataFrame) and at.table[0].value.equals(mix)
     stale.set_value(before).run()                               # back to the inputs it was computed from
     assert not [w.value for w in at.warning if w.value.startswith("Stale")]
+
+
+def test_runners_up_are_the_pareto_sets_next_mixes_by_cost() -> None:
+    from mixfleet.ui.app_plan_result import runners_up
+
+    points = pd.DataFrame({"label": ["a", "b", "c", "d", "e"], "cost_per_update_usd": [30.0, 33.0, 36.0, 45.0, 60.0],
+                           "time_per_update_s": [600.0, 540.0, 480.0, 300.0, 200.0],
+                           "staleness_mean": [1.0, 1.2, float("nan"), 2.0, 2.5]})
+    t = runners_up(points, {"label": "a", "cost_per_update_usd": 30.0, "time_per_update_s": 600.0})
+    assert t["mix"].tolist() == ["b", "c", "d"]
+    assert t["vs chosen"].tolist() == ["+10% cost, -10% time", "+20% cost, -20% time", "+50% cost, -50% time"]
+    assert t["staleness"].tolist() == ["1.20", "unbounded", "2.00"]

@@ -1,6 +1,7 @@
 """The Plan page's result, read against its inputs (issue 26 Confusing): the inputs a result was computed from,
 shown with it and compared with the page's inputs now (a result under inputs that changed is marked stale), and
-how the chosen mix compares with the seed's two fleets ("x% cheaper than seed-mixed").
+how the chosen mix compares with the seed's two fleets ("x% cheaper than seed-mixed") and with the runners-up
+(the Pareto set's next mixes by cost).
 
 Presentation only: the numbers are the planner's (`ui/app_planner.py` `PlannerView`).
 """
@@ -87,8 +88,41 @@ def versus_seed(point: dict[str, Any], references: list[dict[str, Any]]) -> list
     return out
 
 
-def show_versus_seed(point: dict[str, Any], references: list[dict[str, Any]]) -> None:
+def show_versus_seed(point: dict[str, Any], references: list[dict[str, Any]],
+                     points: pd.DataFrame | None = None) -> None:
+    """The chosen mix against the seed's fleets, and the runners-up (`points`: the Pareto set)."""
+    if points is not None:
+        show_runners_up(points, point)
     lines = versus_seed(point, references)
     if lines:
         st.markdown("**Against the seed's fleets** (the planner's analytic figures, same model, workload, prices "
                     "and trainer): " + "; ".join(lines) + ".")
+
+
+RUNNERS_UP = 3
+
+
+def runners_up(points: pd.DataFrame, chosen: dict[str, Any], n: int = RUNNERS_UP) -> pd.DataFrame:
+    """The Pareto set's next `n` mixes by cost per update after the chosen one, each with what it costs more and
+    what it saves in time per update, in the cards' formats."""
+    if len(points) == 0 or "label" not in points:
+        return pd.DataFrame(columns=["mix", "cost per update", "vs chosen", "time per update", "staleness"])
+    cost, time_s = chosen.get("cost_per_update_usd"), chosen.get("time_per_update_s")
+    rest = points[points["label"] != chosen.get("label")].sort_values("cost_per_update_usd").head(n)
+    rows = []
+    for _, r in rest.iterrows():
+        dc = (r["cost_per_update_usd"] / cost - 1.0) if isinstance(cost, int | float) and cost > 0 else float("nan")
+        dt = (r["time_per_update_s"] / time_s - 1.0) if isinstance(time_s, int | float) and time_s > 0 else float("nan")
+        rows.append({"mix": r["label"], "cost per update": fmt_usd(r["cost_per_update_usd"]),
+                     "vs chosen": f"{dc:+.0%} cost, {dt:+.0%} time" if dc == dc and dt == dt else "—",
+                     "time per update": fmt_s(r["time_per_update_s"]),
+                     "staleness": fmt_versions(r["staleness_mean"]) if r["staleness_mean"] == r["staleness_mean"]
+                     else "unbounded"})
+    return pd.DataFrame(rows)
+
+
+def show_runners_up(points: pd.DataFrame, chosen: dict[str, Any]) -> None:
+    table = runners_up(points, chosen)
+    if len(table):
+        with st.expander(f"Runners-up: the Pareto set's next {len(table)} mixes by cost", expanded=False):
+            st.dataframe(table, hide_index=True, width="stretch")
