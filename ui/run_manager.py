@@ -40,8 +40,6 @@ import json
 import os
 import re
 import secrets
-import signal
-import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -59,7 +57,6 @@ MAX_UPDATES = 100_000
 LOG_TAIL_BYTES = 16_384
 KEY_FILE = Path("ui") / "managed-runs.key"   # under the state folder (runner/orchestration/local_ray.state_dir)
 SIGNATURE = "signature"
-CLI_MODULE = "mixfleet.ui.cli"
 SPEC_FIELDS = {"model": "models", "workload": "workloads"}   # plan field -> shipped data folder
 
 
@@ -151,9 +148,12 @@ def _argv(pid: int) -> list[str] | None:
 
 
 def run_argv(folder: str | Path) -> list[str]:
-    """The start of every command line the app runs for the run in `folder` (and the one it looks for)."""
+    """The start of every command line the app runs for the run in `folder` (and the one it looks for): the
+    launcher's `mixfleet run` command line (runner/orchestration/launcher.py `run_argv`)."""
+    from mixfleet.runner.orchestration.launcher import run_argv as launcher_argv
+
     folder = Path(folder)
-    return [sys.executable, "-m", CLI_MODULE, "run", str(folder / PLAN_FILE), "--out", str(folder / RUN_SUBDIR)]
+    return launcher_argv(folder / PLAN_FILE, folder / RUN_SUBDIR, quiet=False)
 
 
 def is_run_process(pid: int, folder: str | Path) -> bool:
@@ -351,25 +351,13 @@ def _options(extra: Any) -> tuple[str | None, str | None, list[str], bool]:
 
 def _launch(folder: Path, updates: int, resume: bool, init: str | None, address: str | None,
             attach: list[str], embedded: bool) -> tuple[int, str, list[str]]:
-    import subprocess
+    """Start the run in `folder` as a child through the launcher; (pid, its /proc start time, the command)."""
+    from mixfleet.runner.orchestration import launcher
 
-    cmd = [*run_argv(folder), "--updates", str(updates), "--quiet"]
-    if resume:
-        cmd.append("--resume")
-    if init:
-        cmd += ["--init", init]
-    if address:
-        cmd += ["--address", address]
-    for a in attach:
-        cmd += ["--attach", a]
-    if embedded:
-        cmd.append("--embedded")
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with (folder / LOG_FILE).open("ab") as log:
-        log.write(f"\n[{_utc()}] mixfleet ui: {' '.join(cmd)}\n".encode())
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                cwd=str(folder), env=env, start_new_session=True)
+    cmd = launcher.run_argv(folder / PLAN_FILE, folder / RUN_SUBDIR, updates=updates, resume=resume, init=init,
+                            address=address, attach=attach, embedded=embedded)
+    proc = launcher.start_child(cmd, log_path=folder / LOG_FILE, cwd=folder,
+                                banner=f"[{_utc()}] mixfleet ui: {' '.join(cmd)}")
     _reap(proc)
     start = None
     for _ in range(250):                     # be patient on a loaded machine: the /proc entry appears at once,
@@ -381,8 +369,9 @@ def _launch(folder: Path, updates: int, resume: bool, init: str | None, address:
     if start is None:
         # running, but /proc does not show it as this run's: the app could never stop it, so it is not kept
         if proc.returncode is None and _pid_start(proc.pid) is not None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
+            from mixfleet.runner.orchestration.launcher import kill_child
+
+            kill_child(proc.pid)
             raise RunManagerError(f"the launched process {proc.pid} does not show the command line {cmd[:7]} in "
                                   "/proc, so the app could never stop it; killed it")
         raise RunManagerError(f"mixfleet run exited at once (code {proc.returncode}); see {folder / LOG_FILE}")
@@ -504,25 +493,24 @@ def _mark(m: ManagedRun, **changes: str) -> None:
 
 def stop(m: ManagedRun) -> None:
     """Ask the run to stop cleanly (SIGTERM: it ends after the current update, checkpointed and closed)."""
+    from mixfleet.runner.orchestration.launcher import stop_child
+
     if not m.alive():                        # this folder's `mixfleet run`, by /proc, or nothing is signalled
         raise RunManagerError(f"run {m.name} is not running ({m.state()})")
-    os.kill(m.pid, signal.SIGTERM)
+    stop_child(m.pid)
     _mark(m, stop_requested_utc=_utc())
 
 
 def kill(m: ManagedRun) -> None:
     """Kill the run at once: SIGKILL to its process group (its local Ray included). Resumable."""
+    from mixfleet.runner.orchestration.launcher import kill_child
+
     if not m.alive():                        # this folder's `mixfleet run`, by /proc, or nothing is signalled
         raise RunManagerError(f"run {m.name} is not running ({m.state()})")
-    try:
-        group = os.getpgid(m.pid)
-    except ProcessLookupError:
-        group = None
-    if group != m.pid:                       # launched in a session of its own: it leads its process group
-        raise RunManagerError(f"run {m.name}: pid {m.pid} does not lead its own process group (group {group}); "
-                              "not killing a group that is not the run's")
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(m.pid, signal.SIGKILL)
+    try:                                     # launched in a session of its own: it leads its process group
+        kill_child(m.pid)
+    except RuntimeError as e:
+        raise RunManagerError(f"run {m.name}: {e}") from None
     _mark(m, killed_utc=_utc())
     for _ in range(100):                     # reaped by the app's reaper thread (or init); wait until it is gone
         if not m.alive():

@@ -26,6 +26,7 @@ the export.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Mapping
@@ -36,7 +37,8 @@ if TYPE_CHECKING:
     from mixfleet.runner.sampler.replica import ReplicaLaunch
 
 LOOPBACK = "127.0.0.1"
-RAY_START_ATTEMPTS = 3      # a local Ray whose raylet does not register within Ray's 30 s (busy machine) is retried
+RAY_START_ATTEMPTS = 4      # a local Ray whose raylet does not register within Ray's 30 s (busy machine) is retried
+RAY_RETRY_GAP_S = 10.0      # x attempt: the wait before the next try (Ray start-ups overload a small host)
 
 
 def _free_port(host: str) -> int:
@@ -201,22 +203,45 @@ class TrainerWorker:
         return self.trainer.token_logprobs(input_ids, temperature=temperature)
 
 
+def _startup_failure(e: BaseException) -> bool:
+    """A local Ray that did not come up (worth another try): Ray raises a bare Exception when its node times out
+    during start-up, or a connection / time-out error reaching its own GCS."""
+    return type(e) is Exception or isinstance(e, ConnectionError | TimeoutError) or "timed out" in str(e)
+
+
 def init_ray(*, address: str | None = None, num_cpus: int | None = None,
              resources: Mapping[str, float] | None = None) -> None:
     """Connect to a Ray cluster (`address`) or start a local one declaring `resources` (idempotent).
 
     A local Ray listens on 127.0.0.1 only and is recorded, so that a later start or `mixfleet cleanup`
     stops it if this driver dies without shutting it down (runner/orchestration/local_ray.py); leftovers of
-    earlier killed drivers are stopped first."""
+    earlier killed drivers are stopped first. A local start that fails the way a busy host makes it fail is
+    tried again (`RAY_START_ATTEMPTS`, `RAY_RETRY_GAP_S` x attempt apart): the one Ray retry loop. `ray.init`
+    installs its own SIGTERM handler (exit at once); a handler the caller had set (the launcher's stop after
+    the current update) is put back."""
+    import signal
+    import threading
+
     import ray
 
     if ray.is_initialized():
         return
+    main = threading.current_thread() is threading.main_thread()
+    ours = signal.getsignal(signal.SIGTERM) if main else None
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                         "PYTHONWARNINGS": "ignore"}}
-    if address:
-        ray.init(address=address, runtime_env=env, log_to_driver=False)
-        return
+    try:
+        if address:
+            ray.init(address=address, runtime_env=env, log_to_driver=False)
+            return
+        _start_local_ray(num_cpus, resources, env)
+    finally:
+        if callable(ours) and main:
+            signal.signal(signal.SIGTERM, ours)
+
+
+def _start_local_ray(num_cpus: int | None, resources: Mapping[str, float] | None, env: dict[str, Any]) -> None:
+    import ray
     from mixfleet.runner.orchestration import local_ray
 
     local_ray.stop_leftover_rays()
@@ -234,9 +259,12 @@ def init_ray(*, address: str | None = None, num_cpus: int | None = None,
                                log_to_driver=False, configure_logging=True, logging_level="ERROR")
                 break
             except Exception as e:  # noqa: BLE001 - Ray's own "node timed out during startup" on a busy machine
-                if attempt == RAY_START_ATTEMPTS - 1 or "timed out during startup" not in str(e):
+                if attempt == RAY_START_ATTEMPTS - 1 or not _startup_failure(e):
                     raise
-                ray.shutdown()
+                print(f"ray start attempt {attempt + 1} of {RAY_START_ATTEMPTS} failed: {e}", flush=True)
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+                time.sleep(RAY_RETRY_GAP_S * (attempt + 1))
     local_ray.record_local_ray(token, started=True)
     node_ip = ctx.address_info.get("node_ip_address")
     if node_ip != local_ray.LOOPBACK:

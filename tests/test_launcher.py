@@ -1,0 +1,161 @@
+"""One launcher for a real run (runner/orchestration/launcher.py, issue 25 item 2): the CLI, the app's managed
+runs and the studies start, stop and resume a run through it.
+
+Fast: the fleet mode of a plan, the child's command line (the app's `run_argv` is its prefix), SIGTERM asking a
+run to stop, a child and its whole process group killed (and a process that does not lead its group refused),
+a study's run that outlives its time-out killed through it. Slow (a real run): `mixfleet run` started as a
+child, stopped with SIGTERM after its first update (log "stopped", resumable), resumed to its target with each
+update once; Ray's own SIGTERM handler, installed by `ray.init`, is handed back to the launcher's by
+`actors.init_ray` (main re-took it on every event of the run).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.runlog import RunLog
+from mixfleet.policies.plan import load_plan
+from mixfleet.runner.orchestration import launcher
+from mixfleet.studies.runs import StudyRun, StudySettings, run_study
+from mixfleet.ui import run_manager
+from runplans import CPU_BF16, run_files, run_plan_toml
+
+
+def _alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _wait_gone(pids: list[int], timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if not any(_alive(p) for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_the_fleet_mode_of_a_plan() -> None:
+    cpu, gpu = load_plan("tiny-cpu"), load_plan("seed-mixed")
+    assert launcher.fleet_mode(cpu) == "embedded"
+    assert launcher.fleet_mode(gpu, embedded=True) == "embedded"
+    assert launcher.fleet_mode(gpu, address="10.0.0.1:6379") == "sglang"
+    assert launcher.fleet_mode(gpu, attach={gpu.groups[0].name: ["http://127.0.0.1:1"]}) == "attach"
+    with pytest.raises(SpecError, match="pass --embedded to rehearse this plan locally, --address"):
+        launcher.fleet_mode(gpu)
+
+
+def test_the_childs_command_line_is_the_apps(tmp_path: Path) -> None:
+    argv = launcher.run_argv(tmp_path / "plan.toml", tmp_path / "run", updates=5, resume=True, init="/ckpt",
+                             attach=["g=http://h:1"], embedded=True)
+    assert argv == [sys.executable, "-m", "mixfleet.ui.cli", "run", str(tmp_path / "plan.toml"), "--out",
+                    str(tmp_path / "run"), "--updates", "5", "--quiet", "--resume", "--init", "/ckpt", "--attach",
+                    "g=http://h:1", "--embedded"]
+    assert argv[:7] == run_manager.run_argv(tmp_path)          # what the app looks for in /proc
+
+
+def test_sigterm_asks_the_run_to_stop_after_its_update() -> None:
+    class Run:                        # what the handler sets: the orchestrator's stop flag, read at each update
+        stop_requested = False
+
+    said: list[str] = []
+    before = signal.getsignal(signal.SIGTERM)
+    with launcher.StopOnSigterm(said.append) as stop:
+        run = Run()
+        stop.attach(run)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        assert stop.asked and run.stop_requested and said == [launcher.STOP_MESSAGE]
+        late = Run()
+        stop.attach(late)                  # asked before the run was there: it stops at its first update
+        assert late.stop_requested
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_child_is_killed_with_its_process_group(tmp_path: Path) -> None:
+    log = tmp_path / "child.log"
+    proc = launcher.start_child(["sh", "-c", "sleep 60 & echo started $!; wait"], log_path=log, banner="[t] begin")
+    for _ in range(200):
+        if "started" in log.read_text():
+            break
+        time.sleep(0.02)
+    grandchild = int(log.read_text().split("started")[1].split()[0])
+    assert os.getpgid(proc.pid) == proc.pid and os.getpgid(grandchild) == proc.pid
+    launcher.kill_child(proc.pid)
+    proc.wait(10)
+    assert _wait_gone([proc.pid, grandchild]), "the child's group outlived kill_child"
+    assert log.read_text().startswith("\n[t] begin\n")
+    plain = subprocess.Popen(["sleep", "60"])                  # not started by the launcher: in our group
+    try:
+        with pytest.raises(RuntimeError, match=f"pid {plain.pid} does not lead its own process group"):
+            launcher.kill_child(plain.pid)
+    finally:
+        plain.kill()
+        plain.wait()
+    launcher.kill_child(proc.pid)                               # gone already: no error
+
+
+def test_a_study_run_past_its_time_out_is_killed_through_the_launcher(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # a child module of the study's protocol (`-m MODULE --child JOB`) that never finishes, with a child of its own
+    (tmp_path / "hang_child.py").write_text(
+        "import subprocess, sys, time\n"
+        "p = subprocess.Popen(['sleep', '60'])\n"
+        "print('grandchild', p.pid, flush=True)\n"
+        "time.sleep(60)\n")
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    run = StudyRun(name="hang", out_dir=tmp_path / "hang", plan="tiny-cpu", run={"updates": 1})
+    manifest = run_study([run], manifest_path=tmp_path / "study.json", manifest_extra={}, base_policy="/none",
+                         settings=StudySettings(run_timeout_s=2.0, start_gap_s=0.0, retries=0), log=lambda _: None,
+                         child_module="hang_child")
+    entry = manifest["runs"]["hang"]
+    assert entry["status"] == "timeout" and entry["exit_code"] == -signal.SIGKILL
+    grandchild = int((tmp_path / "hang" / "driver.log").read_text().split("grandchild")[1].split()[0])
+    assert _wait_gone([grandchild]), "the study's run left a process of its group behind"
+    assert json.loads((tmp_path / "study.json").read_text())["runs"]["hang"]["status"] == "timeout"
+
+
+@pytest.mark.slow
+def test_a_run_stopped_by_sigterm_and_resumed_through_the_launcher(tmp_path: Path) -> None:
+    plan_toml = run_plan_toml("launcher-test", [CPU_BF16], embedded={"max_turns": 2, "max_new_tokens": 8},
+                              batcher={"prompts_per_update": 2, "samples_per_prompt": 2, "inflight_prompts": 4,
+                                       "max_staleness": 0, "stale": "wait"})
+    init, plan_path = run_files(tmp_path, plan_toml)
+    out, log = tmp_path / "run", tmp_path / "driver.log"
+    argv = launcher.run_argv(plan_path, out, updates=3, init=str(init)) + ["--eval-every", "0"]
+    proc = launcher.start_child(argv, log_path=log)
+    try:
+        deadline = time.monotonic() + 300
+        while "update 1/3" not in log.read_text() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert "update 1/3" in log.read_text(), log.read_text()[-2000:]
+        launcher.stop_child(proc.pid)
+        assert proc.wait(300) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            launcher.kill_child(proc.pid)
+    text = log.read_text()
+    assert launcher.STOP_MESSAGE in text and "stopped: version" in text, text[-2000:]
+    first = RunLog.open(out)
+    assert first.header["status"] == "stopped" and 1 <= int(first.updates["version"].max()) < 3
+    proc = launcher.start_child(launcher.run_argv(plan_path, out, updates=3, init=str(init), resume=True)
+                                + ["--eval-every", "0"], log_path=log)
+    try:
+        assert proc.wait(300) == 0, log.read_text()[-2000:]
+    finally:
+        if proc.poll() is None:
+            launcher.kill_child(proc.pid)
+    done = RunLog.open(out)
+    assert done.header["status"] == "finished" and done.header["resumes"] == 1
+    assert sorted(done.updates["version"].tolist()) == [1, 2, 3]              # each update once
