@@ -632,6 +632,79 @@ def _growth_fit(stale: np.ndarray, value: np.ndarray, weight: np.ndarray, prior_
             Fitted(value=prior_g, prior=prior_g, unit="1/version", fitted=False, note=f"{why}: prior kept"))
 
 
+MIN_LEVEL_SHARE = 0.01   # the fitted KL at staleness 0 is kept >= this share of the KL at the run's mean staleness
+
+
+def _mismatch_split(gr: pd.DataFrame, prior: Any) -> tuple[Fitted, Fitted, Fitted, Fitted] | None:
+    """KL and extreme-ratio share as a function of staleness from one run's own range of staleness.
+
+    Every update's group row splits its tokens in two points: its staleness-0 tokens (`kl_k3_on_policy`,
+    `tokens_on_policy`: the precision and format mismatch alone) and the rest, whose KL and mean staleness follow
+    from the row's totals (kl_off = (kl N - kl_on N_on) / (N - N_on) at s_off = s N / (N - N_on)). A line
+    kl(s) = a + b s (a, b >= 0: format level, drift per version of staleness) through those points is fitted by
+    weighted least squares (weights: tokens) with its stderr, so a run whose updates all have the same mean
+    staleness still separates the two. The twin's form is kl0 (1 + g s); a run whose mismatch is almost all
+    staleness (a ~ 0: a tiny model trained at a high learning rate) gets kl0 = max(a, MIN_LEVEL_SHARE x kl(s_run))
+    and g so that kl0 (1 + g s_run) = a + b s_run. The extreme-ratio share has no staleness-0 split in the log: it
+    is taken proportional to the KL, ext(s) = r kl(s), r = sum(ext N) / sum(kl N) over the run (its stderr from
+    the updates' spread), so it grows with the same g. None when the rows hold no staleness-0 and stale tokens
+    (older logs, or an on-policy run): the caller fits the per-update means instead (`_growth_fit`)."""
+    prior_kl, prior_ext, prior_g = prior.kl_k3, prior.extreme_share, prior.growth_per_staleness
+    need = ("kl_k3_on_policy", "tokens_on_policy", "tokens_trained", "kl_k3", "staleness_mean", "extreme_share")
+    if not all(c in gr for c in need) or not len(gr):
+        return None
+    n = gr["tokens_trained"].to_numpy(dtype=np.float64)
+    n_on = gr["tokens_on_policy"].to_numpy(dtype=np.float64)
+    kl = gr["kl_k3"].to_numpy(dtype=np.float64)
+    kl_on = gr["kl_k3_on_policy"].to_numpy(dtype=np.float64)
+    st = gr["staleness_mean"].to_numpy(dtype=np.float64)
+    ok = np.isfinite(kl) & np.isfinite(st) & (n > 0)
+    on = ok & np.isfinite(kl_on) & (n_on > 0)
+    off = ok & (n - np.where(on, n_on, 0.0) > 0) & (st > 0)
+    if on.sum() < 1 or off.sum() < 1 or on.sum() + off.sum() < 3:
+        return None
+    n_off = n - np.where(on, n_on, 0.0)
+    kl_off = (kl * n - np.where(on, kl_on * n_on, 0.0)) / np.maximum(n_off, 1e-300)
+    s_off = st * n / np.maximum(n_off, 1e-300)
+    xs = np.concatenate([np.zeros(int(on.sum())), s_off[off]])
+    ys = np.concatenate([kl_on[on], np.maximum(kl_off[off], 0.0)])
+    ws = np.concatenate([n_on[on], n_off[off]])
+    design = np.stack([np.ones_like(xs), xs], axis=1)
+    w = np.sqrt(ws / ws.mean())
+    scale = max(float(np.abs(ys).max()), 1e-12)
+    (a, b), (ea, eb), _, _ = _lsq(design, ys / scale, np.array([0.0, 0.0]), np.array([np.inf, np.inf]),
+                                  np.array([max(float(ys.min()), 0.0) / scale, 0.0]), w)
+    a, b, ea, eb = a * scale, b * scale, ea * scale, eb * scale
+    s_run = float((st[ok] * n[ok]).sum() / n[ok].sum())
+    at_run = a + b * s_run
+    level = max(a, MIN_LEVEL_SHARE * at_run)
+    g = (at_run / level - 1.0) / s_run if level > 0 and s_run > 0 else 0.0
+    eg = float(eb / level) if level > 0 else math.nan
+    note = f"kl(s) = {a:.3g} (+- {ea:.2g}) + {b:.3g} (+- {eb:.2g}) x s, fitted on the run's staleness 0..{xs.max():.2f}"
+    if level > a:
+        note += f"; kl0 kept at {MIN_LEVEL_SHARE:.0%} of kl at the run's staleness {s_run:.2f}"
+    ext = gr["extreme_share"].to_numpy(dtype=np.float64)
+    eok = ok & np.isfinite(ext)
+    r = float((ext[eok] * n[eok]).sum() / max((kl[eok] * n[eok]).sum(), 1e-300)) if eok.any() else math.nan
+    per = ext[eok] / np.where(kl[eok] > 0, kl[eok], np.nan)
+    per = per[np.isfinite(per)]
+    er = float(per.std(ddof=1) / math.sqrt(len(per))) if len(per) > 1 else math.nan
+    kl0 = Fitted(value=float(level), stderr=float(ea), prior=prior_kl, unit="nats/token", note=note)
+    klg = Fitted(value=float(g), stderr=eg, prior=prior_g, unit="1/version",
+                 note="drift per version / level (the line above)")
+    if math.isfinite(r):
+        ex0 = Fitted(value=float(r * level), stderr=float(er * level) if math.isfinite(er) else math.nan,
+                     prior=prior_ext, unit="share", note=f"proportional to the KL: ext = {r:.3g} x kl(s)")
+        exg = Fitted(value=float(g), stderr=eg, prior=prior_g, unit="1/version",
+                     note="the KL's (extreme share taken proportional to the KL)")
+    else:
+        note_e = "not measured in these run logs (prior kept)"
+        ex0 = Fitted(value=prior_ext, prior=prior_ext, unit="share", fitted=False, note=note_e)
+        exg = Fitted(value=prior_g, prior=prior_g, unit="1/version", fitted=False,
+                     note=note_e)
+    return kl0, klg, ex0, exg
+
+
 def _round_values(x: np.ndarray) -> list[float]:
     return [float(v) for v in np.round(x, 6)]
 
@@ -838,10 +911,14 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str] | FrameLog], *,
         if not (wts > 0).any():
             wts = gr["samples"].to_numpy(dtype=np.float64)
         stale = gr["staleness_mean"].to_numpy(dtype=np.float64)
-        kl0, klg = _growth_fit(stale, gr["kl_k3"].to_numpy(dtype=np.float64), wts, prior.kl_k3,
-                               prior.growth_per_staleness, "nats/token")
-        ex0, exg = _growth_fit(stale, gr["extreme_share"].to_numpy(dtype=np.float64), wts, prior.extreme_share,
-                               prior.growth_per_staleness, "share")
+        split = _mismatch_split(gr, prior)
+        if split is not None:   # the run's own staleness range: its on-policy tokens against its stale ones
+            kl0, klg, ex0, exg = split
+        else:
+            kl0, klg = _growth_fit(stale, gr["kl_k3"].to_numpy(dtype=np.float64), wts, prior.kl_k3,
+                                   prior.growth_per_staleness, "nats/token")
+            ex0, exg = _growth_fit(stale, gr["extreme_share"].to_numpy(dtype=np.float64), wts, prior.extreme_share,
+                                   prior.growth_per_staleness, "share")
         pushes = np.asarray(push_by_key[key], dtype=np.float64)
         sync_prior = prior_sync(rm, r0.catalog.accelerator(r0.trainer_accelerator))
         if len(pushes):
