@@ -25,6 +25,9 @@ def test_versus_seed_and_changed_inputs_in_words() -> None:
     lines = versus_seed(chosen, refs)
     assert lines[0].startswith("**25% cheaper than seed-mixed** per update ($30.00 vs $40.00")
     assert lines[1].startswith("**20% dearer than seed-homogeneous**")
+    assert "staleness 1.00 vs 2.00)" in lines[0]
+    bound = versus_seed({**chosen, "staleness_mean": float("nan"), "trainer_bound": True}, refs[:1])
+    assert "staleness unbounded vs 2.00)" in bound[0]                         # was "— vs —"
     was = {"model": "m", "max_staleness": 4.0, "kv_dtypes": ("fp8_e4m3",), "calibration": None}
     now = {**was, "max_staleness": 2.0}
     assert changed_inputs(was, now, pool_changed=True) == ["max mean staleness 4.0 -> 2.0", "the accelerator pool"]

@@ -70,6 +70,12 @@ def show_inputs(now_key: str | None, now: dict[str, Any] | None, pool: pd.DataFr
                    + "; ".join(diff or ["the inputs"]) + "). Press **Run planner** to plan these.")
 
 
+def _staleness(p: dict[str, Any]) -> str:
+    """Mean staleness as the cards write it; 'unbounded' for a trainer-bound mix (its staleness grows)."""
+    v = p.get("staleness_mean")
+    return "unbounded" if p.get("trainer_bound") or not isinstance(v, int | float) or v != v else fmt_versions(v)
+
+
 def versus_seed(point: dict[str, Any], references: list[dict[str, Any]]) -> list[str]:
     """The chosen mix against each of the seed's fleets, the planner's analytic figures for all (the same model,
     workload, prices and trainer): 'x% cheaper than seed-mixed per update, ... time, staleness'."""
@@ -83,8 +89,7 @@ def versus_seed(point: dict[str, Any], references: list[dict[str, Any]]) -> list
         word = "cheaper" if rel >= 0 else "dearer"
         out.append(f"**{abs(rel):.0%} {word} than {ref['name']}** per update ({fmt_usd(cost)} vs {fmt_usd(rc)}; "
                    f"time per update {fmt_s(point.get('time_per_update_s'))} vs {fmt_s(ref.get('time_per_update_s'))}"
-                   f", staleness {fmt_versions(point.get('staleness_mean'))} vs "
-                   f"{fmt_versions(ref.get('staleness_mean'))})")
+                   f", staleness {_staleness(point)} vs {_staleness(ref)})")
     return out
 
 

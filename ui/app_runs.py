@@ -130,6 +130,8 @@ def _charts(run: RunData, twin: RunData | None) -> None:
 def _heldout(run: RunData) -> None:
     """Held-out reward and pass@k per evaluated version (issue 23: the curves RL people compare), with how they
     were sampled; the reward chart above is the training batches'."""
+    if run.header.get("source") == "twin":     # the twin does not evaluate
+        return
     ev = charts.heldout_frame(run.events)
     if len(ev) == 0:
         st.caption("Held-out evaluation: none in this run log (a real run evaluates every `[embedded] eval_every` "
