@@ -52,8 +52,7 @@ def main() -> None:
     for mode in ("sync", "async"):
         out = root / mode
         shutil.rmtree(out, ignore_errors=True)
-        cfg = RunConfig.for_plan(plan, out_dir=out, updates=args.updates, init_checkpoint=args.init, mode=mode,
-                                 eval_every=0, task=(plan.embedded.task if plan.embedded else "") or "guess")
+        cfg = RunConfig(out_dir=out, updates=args.updates, init_checkpoint=args.init, mode=mode, eval_every=0)
         t0 = time.perf_counter()
         load_before = os.getloadavg()[0]
         res = run_plan(plan, cfg)

@@ -216,29 +216,68 @@ class FaultsPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class EmbeddedPlan:
-    """Settings for rehearsing the plan on this machine with embedded samplers (read by the runner).
-    Each group becomes min(replicas, max_replicas_per_group) embedded samplers in its precision,
-    KV dtype and kernel; the policies are the plan's."""
+    """The plan's run settings (read by the runner): rehearsing it on this machine with embedded samplers (each
+    group becomes min(replicas, max_replicas_per_group) embedded samplers in its precision, KV dtype and kernel;
+    the policies are the plan's), the episodes, the held-out evaluation and the trainer's recipe. The one owner
+    of these settings: a run may override one (runner/orchestration/config.py `RunConfig`: None = the plan's)."""
     max_replicas_per_group: int = 1  # scale each group down to at most this many local samplers
     threads_per_replica: int = 1     # torch threads per embedded sampler
     max_turns: int = 8               # episode turn cap
     max_new_tokens: int = 64         # reply tokens per turn cap
     temperature: float = 1.0
     task: str = ""                   # the runner's task name ("" = its default)
+    task_options: dict[str, Any] = field(default_factory=dict)   # the task's own options (its config's fields)
     eval_every: int = 0              # updates between pass@k evaluations (0 = never)
+    eval_at_start: bool = True       # also evaluate the base policy (when eval_every > 0)
+    eval_problems: int = 8           # held-out problems per evaluation
     pass_k: int = 4
-    extra: dict[str, Any] = field(default_factory=dict)  # free-form runner settings
+    lr: float = 1e-4                 # the trainer's learning rate (AdamW)
+    lr_warmup_steps: int = 0         # linear warm-up of the learning rate over the first updates
+    grad_clip_norm: float = 1.0
+    loss_agg: str = "token_mean"     # token_mean | seq_mean_token_mean (runner/corrections/loss.py LOSS_AGGS)
+    advantage_std: bool = False      # GRPO advantages divided by their prompt-group's std
+    top_k_record: int = 16           # top-K log-probs recorded per sampled token (the corrections' head)
+    trainer_threads: int = 1         # torch threads of the trainer
 
     def __post_init__(self) -> None:
         w = "plan embedded"
         for f, hi in (("max_replicas_per_group", MAX_LOCAL_REPLICAS), ("threads_per_replica", MAX_THREADS),
-                      ("max_turns", MAX_TURNS), ("max_new_tokens", MAX_NEW_TOKENS), ("pass_k", MAX_PASS_K)):
+                      ("max_turns", MAX_TURNS), ("max_new_tokens", MAX_NEW_TOKENS), ("pass_k", MAX_PASS_K),
+                      ("trainer_threads", MAX_THREADS), ("eval_problems", 1_000_000)):
             check_count(w, f, getattr(self, f), 1, hi)
         check_count(w, "eval_every", self.eval_every, 0, 1_000_000)
+        check_count(w, "lr_warmup_steps", self.lr_warmup_steps, 0, 1_000_000)
+        check_count(w, "top_k_record", self.top_k_record, 0, 1024)
         _need(w, "temperature", _number(self.temperature) and 0 < self.temperature <= 100, self.temperature,
               "a number in (0, 100]")
+        _need(w, "lr", _number(self.lr) and self.lr > 0, self.lr, "a number > 0")
+        _need(w, "grad_clip_norm", _number(self.grad_clip_norm) and self.grad_clip_norm > 0, self.grad_clip_norm,
+              "a number > 0")
         _need(w, "task", isinstance(self.task, str), self.task, "a task name (\"\" = the runner's default)")
-        _need(w, "extra", isinstance(self.extra, dict), self.extra, "a table of runner settings")
+        _need(w, "loss_agg", isinstance(self.loss_agg, str), self.loss_agg, "a loss aggregation name")
+        for f in ("advantage_std", "eval_at_start"):
+            _need(w, f, isinstance(getattr(self, f), bool), getattr(self, f), "true or false")
+        _need(w, "task_options", isinstance(self.task_options, dict), self.task_options,
+              "a table of the task's options")
+
+
+def embedded_table(raw: Any, where: str) -> Any:
+    """The [embedded] table with a legacy `[embedded.extra]` (plans and run logs written before issue 25) lifted
+    into its own fields: every key of `extra` must be one of them and not given twice."""
+    if not isinstance(raw, dict) or "extra" not in raw:
+        return raw
+    out = {k: v for k, v in raw.items() if k != "extra"}
+    extra = raw["extra"]
+    if not isinstance(extra, dict):
+        raise SpecError(where, "extra", extra, "a table of [embedded] settings (better: the settings themselves)")
+    known = [f.name for f in fields(EmbeddedPlan)]
+    for key, value in extra.items():
+        if key not in known:
+            raise SpecError(where, f"extra.{key}", value, "one of the [embedded] settings: " + ", ".join(known))
+        if key in out:
+            raise SpecError(where, f"extra.{key}", value, f"given once (it is also [embedded] {key})")
+        out[key] = value
+    return out
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -361,6 +400,8 @@ def plan_data_fields(raw: dict[str, Any], known: list[str]) -> tuple[dict[str, A
     if not isinstance(pol_raw, dict):
         raise SpecError(where, "policies", pol_raw, "a table of [policies.<kind>] tables")
     sub = {"trainer": TrainerPlan, "faults": FaultsPlan, "embedded": EmbeddedPlan}
+    if "embedded" in raw:
+        raw["embedded"] = embedded_table(raw["embedded"], f"{where} [embedded]")
     kwargs = {k: build_table(cls, raw.pop(k), f"{where} [{k}]") for k, cls in sub.items() if k in raw}
     for key in raw:
         if key not in known:

@@ -6,6 +6,9 @@ overrides (`policies.plan.with_overrides`), and the runner's settings (`RunConfi
 goes to `RUN_FILE` in its folder (what it is, before it starts) and the study's manifest (its state, status, wall
 time, attempts), both written atomically.
 
+Each run is a child process of the runner's launcher (runner/orchestration/launcher.py `start_child`, `kill_child`,
+and `launch` in the child: the Ray start with its retries, SIGTERM stopping after the current update).
+
 Resumable: a run whose log says "finished" at >= its target updates is skipped; an unfinished one (killed, failed,
 or finished at fewer updates than now asked) is continued from its trainer checkpoint with `resume=True` (the
 runner cuts its log back to that checkpoint), and refused without it, so nothing is silently overwritten. Runs go
@@ -17,11 +20,9 @@ to `retries` times; one still going after `run_timeout_s` is killed with its pro
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -30,9 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mixfleet.runner.orchestration import launcher
+
 RUN_FILE = "study_run.json"
 LOG_PARTS = ("run.json", "trajectories", "updates", "groups", "events", "trainer_state", "weights")
-RAY_START_ATTEMPTS = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,7 +135,7 @@ def run_study(runs: Sequence[StudyRun], *, manifest_path: Path, manifest_extra: 
     todo = [r for r in runs if states[r.name] != "finished"]
     log(f"study: {len(runs)} runs, {len(runs) - len(todo)} finished, {len(todo)} to run "
         f"(parallel {settings.parallel}), base policy {base_policy}")
-    running: list[tuple[StudyRun, subprocess.Popen, float, Any]] = []
+    running: list[tuple[StudyRun, subprocess.Popen, float]] = []
     queue = list(todo)
     attempts = {r.name: 0 for r in runs}
     last_start = -float("inf")
@@ -145,24 +147,21 @@ def run_study(runs: Sequence[StudyRun], *, manifest_path: Path, manifest_extra: 
             attempts[r.name] += 1
             resume = states[r.name] == "partial"
             argv = [sys.executable, "-m", child_module, "--child", json.dumps(_job(r, base_policy, resume))]
-            fh = open(r.out_dir / "driver.log", "a")  # noqa: SIM115 - closed when the child ends
-            child = subprocess.Popen(argv, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
-            running.append((r, child, time.monotonic(), fh))
+            child = launcher.start_child(argv, log_path=r.out_dir / "driver.log")   # its own process group
+            running.append((r, child, time.monotonic()))
             manifest["runs"][r.name].update(state="running", resumed=resume, pid=child.pid)
             write_json(manifest_path, manifest)
             log(f"  start {r.name}{' (resume)' if resume else ''}")
         time.sleep(0.5)
         for item in list(running):
-            r, child, t0, fh = item
+            r, child, t0 = item
             rc = child.poll()
             timed_out = rc is None and time.monotonic() - t0 > settings.run_timeout_s
             if timed_out:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(child.pid, signal.SIGKILL)       # our own child's new session: the run and its Ray
+                launcher.kill_child(child.pid)                 # the run and its Ray: one process group
                 rc = child.wait()
             if rc is None:
                 continue
-            fh.close()
             running.remove(item)
             state = run_state(r.out_dir, r.updates)
             status = "timeout" if timed_out else state if rc == 0 else f"failed (exit {rc})"
@@ -183,10 +182,11 @@ def run_study(runs: Sequence[StudyRun], *, manifest_path: Path, manifest_extra: 
 
 
 def run_child(job: Mapping[str, Any]) -> dict[str, Any]:
-    """One run, in this process (the driver's child): the plan with its overrides through the real runner."""
+    """One run, in this process (the driver's child): the plan with its overrides through the runner's launcher
+    (runner/orchestration/launcher.py: the Ray start and its retries, SIGTERM stops after the current update)."""
     import torch
     from mixfleet.policies.plan import load_plan, with_overrides
-    from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
+    from mixfleet.runner.orchestration.orchestrator import RunConfig
 
     torch.set_num_threads(1)
     out = Path(job["out_dir"])
@@ -198,40 +198,17 @@ def run_child(job: Mapping[str, Any]) -> dict[str, Any]:
     write_json(out / job["run_file"], {**job["meta"], "name": job["name"], "plan_ref": job["plan"],
                                        "overrides": job["overrides"], "run": job["run"],
                                        "base_policy": job["base_policy"]})
-    settings = {"trainer_threads": 1, "sampler_threads": 1, "ray_num_cpus": 2, **dict(job["run"])}
-    cfg = RunConfig.for_plan(plan, out_dir=out, init_checkpoint=job["base_policy"], resume=bool(job["resume"]),
-                             **settings)
-    start_ray(plan)
+    settings = {"trainer_threads": 1, "threads_per_replica": 1, "ray_num_cpus": 2, **dict(job["run"])}
+    cfg = RunConfig(out_dir=out, init_checkpoint=job["base_policy"], resume=bool(job["resume"]), **settings)
 
     def on_update(view: Any, _orch: Any) -> None:
         print(f"update {view.version}/{view.target} reward {view.reward_mean:.3f} k3 {view.kl_k3:.2e} "
               f"t {view.elapsed_s:.0f}s", flush=True)
 
-    result = run_plan(plan, cfg, on_update=on_update)
+    result = launcher.launch(plan, cfg, on_update=on_update).result
     if not job["meta"].get("keep_weights", False):
         shutil.rmtree(out / "weights", ignore_errors=True)   # only needed to resume; the log stays
     return result
-
-
-def start_ray(plan: Any) -> None:
-    """Start the child's local Ray as the runner would (same resources), retrying: on a loaded host Ray's own
-    30 s start-up wait can run out. The runner's `init_ray` then finds it started."""
-    import ray
-    from mixfleet.runner.orchestration.actors import init_ray
-    from mixfleet.runner.orchestration.fleet import fleet_from_plan
-
-    resources = dict(fleet_from_plan(plan, mode="embedded").resources)
-    for attempt in range(RAY_START_ATTEMPTS):
-        try:
-            init_ray(num_cpus=2, resources=resources)
-            return
-        except Exception as e:  # noqa: BLE001 - Ray raises a bare Exception on a start-up timeout
-            print(f"ray start attempt {attempt + 1} failed: {e}", flush=True)
-            with contextlib.suppress(Exception):
-                ray.shutdown()
-            if attempt == RAY_START_ATTEMPTS - 1:
-                raise
-            time.sleep(10.0 * (attempt + 1))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

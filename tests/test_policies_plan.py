@@ -31,10 +31,10 @@ def test_tiny_cpu_plan_has_three_cpu_precisions() -> None:
     assert (p.trainer.loss, p.trainer.top_p_replay) == ("sc_mis", True)
     b = p.policies.batcher.settings
     assert (b["prompts_per_update"], b["samples_per_prompt"]) == (8, 8) and p.embedded is not None
-    # the learning recipe (docs/learning.md) reaches the runner through [embedded.extra]
+    # the learning recipe (docs/learning.md) reaches the runner from the plan's [embedded] settings
     from mixfleet.runner.orchestration.config import RunConfig
 
-    cfg = RunConfig.for_plan(p, out_dir="/nonexistent", init_checkpoint="/nonexistent")
+    cfg = RunConfig(out_dir="/nonexistent", init_checkpoint="/nonexistent").resolved(p)
     assert (cfg.lr, cfg.lr_warmup_steps, cfg.loss_agg, cfg.advantage_std) == (3e-4, 3, "seq_mean_token_mean", True)
     for field, bad in (("lr_warmup_steps", -1), ("loss_agg", "sum"), ("advantage_std", "yes")):
         with pytest.raises(ValueError, match=field):

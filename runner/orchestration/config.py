@@ -9,6 +9,7 @@ pushes each new version; `recorder.py` writes the run log's rows; `orchestrator.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 import time
 from collections.abc import Callable, Coroutine
@@ -17,9 +18,10 @@ from pathlib import Path
 from typing import Any
 
 from mixfleet.costmodel.runlog import EventRecord, RunLogWriter
-from mixfleet.policies.plan import Plan
+from mixfleet.policies.plan import EmbeddedPlan, Plan
 
 RUN_MODES = ("async", "sync")
+DEFAULT_TASK = "guess"                      # the task of a plan that names none
 STATE_DIR = "trainer_state"
 WEIGHTS_DIR = "weights"
 ORCH_STATE_FILE = "orchestrator.json"
@@ -35,7 +37,12 @@ class RunFailed(RuntimeError):
 
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
-    """Everything a real run needs beyond the plan (validated on construction)."""
+    """Everything a real run needs beyond the plan (validated on construction).
+
+    The plan's run settings (its [embedded] table, costmodel/planspec.py `EmbeddedPlan`: the episodes, the
+    evaluation, the trainer's recipe) are owned by the plan. The fields below of the same names (`PLAN_SETTINGS`)
+    are this run's overrides: None is the plan's value, anything else (0 and false included) this run's, merged
+    once by `resolved(plan)`, which the orchestrator calls before anything reads them."""
 
     out_dir: Path
     updates: int = 30                          # target trainer version
@@ -45,29 +52,30 @@ class RunConfig:
     attach: dict[str, list[str]] = field(default_factory=dict)
     address: str | None = None                 # Ray cluster address; None: a local Ray
     resume: bool = False
-    task: str = "guess"
-    task_options: dict[str, Any] = field(default_factory=dict)
-    max_turns: int | None = None               # None: the plan's embedded.max_turns
-    max_new_tokens: int | None = None          # None: the plan's embedded.max_new_tokens
-    temperature: float | None = None
-    top_k_record: int = 16                     # top-K log-probs recorded per sampled token (corrections' head)
-    lr: float = 1e-4
-    lr_warmup_steps: int = 0                   # linear warm-up of the learning rate over the first updates
-    grad_clip_norm: float = 1.0
-    loss_agg: str = "token_mean"               # token_mean | seq_mean_token_mean (CorrectionConfig.loss_agg)
-    advantage_std: bool = False                # GRPO advantages divided by their prompt-group's std
-    trainer_threads: int = 1
-    sampler_threads: int | None = None         # None: the plan's embedded.threads_per_replica
-    eval_every: int | None = None              # None: the plan's embedded.eval_every (0 = never)
-    eval_problems: int = 8
-    pass_k: int | None = None
-    eval_at_start: bool = True
     batcher_overrides: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     ray_num_cpus: int | None = None
     allow_group_loss: bool = False             # a group that cannot start: go on without it (reported) or fail
     replan_solver: Callable[..., Any] | None = None  # the `replan` autoscaler's solver (policies.replan.Solver;
                                                # `mixfleet run` hands the twin's, twin.replan.solver_for)
+    # overrides of the plan's [embedded] settings (None: the plan's; see EmbeddedPlan for each one's meaning)
+    task: str | None = None                    # the plan's "" is the runner's default task, "guess"
+    task_options: dict[str, Any] | None = None
+    max_turns: int | None = None
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_k_record: int | None = None
+    lr: float | None = None
+    lr_warmup_steps: int | None = None
+    grad_clip_norm: float | None = None
+    loss_agg: str | None = None
+    advantage_std: bool | None = None
+    trainer_threads: int | None = None
+    threads_per_replica: int | None = None     # torch threads of one embedded sampler
+    eval_every: int | None = None              # 0 = never
+    eval_problems: int | None = None
+    pass_k: int | None = None
+    eval_at_start: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "out_dir", Path(self.out_dir))
@@ -77,39 +85,44 @@ class RunConfig:
             raise ValueError(f"RunConfig.updates = {self.updates!r}; allowed: an integer >= 1")
         if not self.init_checkpoint:
             raise ValueError("RunConfig.init_checkpoint: required (a Hugging Face layout checkpoint folder)")
-        for name in ("top_k_record", "trainer_threads", "eval_problems"):
+        for name, lo in (("top_k_record", 0), ("trainer_threads", 1), ("threads_per_replica", 1),
+                         ("eval_problems", 1), ("lr_warmup_steps", 0), ("eval_every", 0), ("max_turns", 1),
+                         ("max_new_tokens", 1), ("pass_k", 1)):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < (0 if name == "top_k_record" else 1):
-                lo = 0 if name == "top_k_record" else 1
-                raise ValueError(f"RunConfig.{name} = {v!r}; allowed: an integer >= {lo}")
-        if not self.lr > 0:
-            raise ValueError(f"RunConfig.lr = {self.lr!r}; allowed: > 0")
-        if not isinstance(self.lr_warmup_steps, int) or isinstance(self.lr_warmup_steps, bool) \
-                or self.lr_warmup_steps < 0:
-            raise ValueError(f"RunConfig.lr_warmup_steps = {self.lr_warmup_steps!r}; allowed: an integer >= 0")
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < lo):
+                raise ValueError(f"RunConfig.{name} = {v!r}; allowed: an integer >= {lo} (None: the plan's)")
+        for name in ("lr", "grad_clip_norm", "temperature"):
+            v = getattr(self, name)
+            if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool) and v > 0):
+                raise ValueError(f"RunConfig.{name} = {v!r}; allowed: > 0 (None: the plan's)")
         from mixfleet.runner.corrections.loss import LOSS_AGGS
 
-        if self.loss_agg not in LOSS_AGGS:
+        if self.loss_agg is not None and self.loss_agg not in LOSS_AGGS:
             raise ValueError(f"RunConfig.loss_agg = {self.loss_agg!r}; allowed: {', '.join(LOSS_AGGS)}")
-        if not isinstance(self.advantage_std, bool):
-            raise ValueError(f"RunConfig.advantage_std = {self.advantage_std!r}; allowed: true or false")
-        if self.task:                              # "" = the plan's [embedded] task (checked when the run starts)
+        for name in ("advantage_std", "eval_at_start"):
+            v = getattr(self, name)
+            if v is not None and not isinstance(v, bool):
+                raise ValueError(f"RunConfig.{name} = {v!r}; allowed: true or false (None: the plan's)")
+        if self.task:                              # None / "": the plan's [embedded] task (checked when the run starts)
             check_task(self.task, self.task_options, where="RunConfig.task")
 
-    @classmethod
-    def for_plan(cls, plan: Plan, **kw: Any) -> RunConfig:
-        """A RunConfig from the plan's `[embedded.extra]` runner settings (e.g. lr, trainer_threads,
-        eval_problems, top_k_record), then `kw` (explicit arguments win; None values are ignored)."""
-        settable = {"lr", "lr_warmup_steps", "loss_agg", "advantage_std", "grad_clip_norm", "trainer_threads",
-                    "sampler_threads", "eval_problems", "top_k_record",
-                    "task_options", "max_turns", "max_new_tokens", "temperature", "eval_at_start"}
-        extra = dict((plan.embedded.extra if plan.embedded is not None else {}) or {})
-        for key in extra:
-            if key not in settable:
-                raise ValueError(f"plan '{plan.name}' [embedded.extra]: unknown runner setting {key!r}; "
-                                 f"allowed: {', '.join(sorted(settable))}")
-        extra.update({k: v for k, v in kw.items() if v is not None})
-        return cls(**extra)
+    def resolved(self, plan: Plan) -> RunConfig:
+        """This run's settings with every override left None taken from the plan's [embedded] table (the one merge
+        of the two; an already resolved config is returned as it is)."""
+        emb = plan.embedded or EmbeddedPlan()
+        taken = {name: getattr(emb, name) for name in PLAN_SETTINGS if getattr(self, name) is None}
+        if "task" in taken or self.task == "":
+            taken["task"] = emb.task or DEFAULT_TASK
+        if not taken:
+            return self
+        try:                                       # the plan's values checked against the runner's vocabularies
+            return dataclasses.replace(self, **taken)
+        except ValueError as e:
+            raise ValueError(f"plan '{plan.name}' [embedded] ({', '.join(sorted(taken))}): {e}") from None
+
+
+PLAN_SETTINGS = tuple(f.name for f in dataclasses.fields(RunConfig)
+                      if f.name in {e.name for e in dataclasses.fields(EmbeddedPlan)})
 
 
 def check_task(name: str, options: dict[str, Any] | None = None, *, where: str = "task") -> None:

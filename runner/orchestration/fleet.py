@@ -122,7 +122,6 @@ class GroupSpec:
 class FleetSpec:
     mode: str                             # one of MODES
     groups: tuple[GroupSpec, ...]
-    threads_per_replica: int = 1          # torch threads of one embedded sampler
     resources: dict[str, float] = field(default_factory=dict)  # local Ray: custom resources to declare
 
     def __post_init__(self) -> None:
@@ -177,5 +176,4 @@ def fleet_from_plan(plan: Plan, *, mode: str = "embedded", attach: Mapping[str, 
         resources[g.accelerator] = resources.get(g.accelerator, 0.0) + hi * tp
     if sum(g.replicas for g in groups) == 0:
         raise ValueError(f"plan '{plan.name}': no sampler replica to start (every group scaled to 0)")
-    return FleetSpec(mode=mode, groups=tuple(groups), threads_per_replica=emb.threads_per_replica,
-                     resources=resources)
+    return FleetSpec(mode=mode, groups=tuple(groups), resources=resources)

@@ -41,7 +41,7 @@ from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.ledger import GroupTotals, trainer_usd_per_hour
 from mixfleet.costmodel.outdir import STAGING_SUFFIX, is_our_temp, lock_output_dir
 from mixfleet.costmodel.runlog import EventRecord, RunLog, plan_differences
-from mixfleet.policies.plan import EmbeddedPlan, Plan, plan_from_dict
+from mixfleet.policies.plan import Plan, plan_from_dict
 from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
 from mixfleet.runner.checkpoint.hf_checkpoint import recover_replaced_dir, remove_leftovers, replace_dir_atomically
 from mixfleet.runner.orchestration.batching import BatchItem, BatchOptions, build_batch
@@ -77,10 +77,12 @@ class Orchestrator:
     def __init__(self, plan: Plan, config: RunConfig, *,
                  on_update: Callable[[UpdateView, Orchestrator], Any] | None = None,
                  on_event: Callable[[EventRecord], Any] | None = None) -> None:
+        # the plan's [embedded] settings under this run's overrides, merged once (config.py RunConfig.resolved)
+        self._task_where = "RunConfig.task" if config.task else f"plan '{plan.name}' [embedded] task"
+        config = config.resolved(plan)
         self.plan, self.config = plan, config
         # MoE: (layers, top_k) of the served checkpoint; samplers then record and return each token's experts
         self.routed_shape = routed_shape(config.init_checkpoint)
-        emb = plan.embedded or EmbeddedPlan()
         self.on_update = on_update
         self.ctx = ctx = RunContext(config, on_event)
         self.out, self.target = config.out_dir, config.updates
@@ -91,15 +93,14 @@ class Orchestrator:
         self.stop_requested = False   # set (e.g. on SIGTERM): end after the current update, status 'stopped'
         trainer_top_p = plan.trainer.top_p
         self.top_p_replay = bool(plan.trainer.top_p_replay and trainer_top_p < 1.0)
-        self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens or emb.max_new_tokens,
-                                       temperature=config.temperature or emb.temperature, top_p=trainer_top_p)
-        self.agent_config = AgentConfig(sampling=self.sampling, max_turns=config.max_turns or emb.max_turns,
+        self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                       top_p=trainer_top_p)
+        self.agent_config = AgentConfig(sampling=self.sampling, max_turns=config.max_turns,
                                         context_length=1024)
-        self.task = config.task or emb.task or "guess"
+        self.task = config.task
         self.correction = {"method": plan.trainer.loss, "temperature": float(self.sampling.temperature),
                            "top_p_replay": self.top_p_replay, "loss_agg": config.loss_agg}
-        self.eval_every = config.eval_every if config.eval_every is not None else emb.eval_every
-        self.pass_k = config.pass_k or emb.pass_k
+        self.eval_every, self.pass_k = config.eval_every, config.pass_k
         # the parts
         self.weights = WeightPublisher(ctx, policies["weight_sync"], config.init_checkpoint,
                                        distributed=self.spec.mode != "attach")
@@ -167,9 +168,7 @@ class Orchestrator:
         from mixfleet.runner.orchestration.actors import init_ray, remote_trainer
 
         ctx, cfg = self.ctx, self.config
-        emb = self.plan.embedded
-        check_task(self.task, cfg.task_options, where=f"plan '{self.plan.name}' [embedded] task"
-                   if not cfg.task and emb is not None and emb.task else "RunConfig.task")
+        check_task(self.task, cfg.task_options, where=self._task_where)
         # one writer per run folder, for the whole run (released by _stop); then what a kill left is put right
         self._out_lock = lock_output_dir(self.out, where="mixfleet run")
         state_dir = self.out / STATE_DIR

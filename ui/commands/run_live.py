@@ -18,8 +18,6 @@ from typing import Any
 
 import typer
 
-CPU_KINDS = ("cpu",)
-
 
 def _fmt(x: float, spec: str = ".3f") -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
@@ -129,7 +127,7 @@ def _check_task(plan: Any, task: str | None) -> None:
 
     emb = plan.embedded
     name = task or (emb.task if emb and emb.task else "guess")
-    options = ((emb.extra or {}) if emb is not None else {}).get("task_options")
+    options = emb.task_options if emb is not None else None
     check_task(name, options, where="--task" if task else f"plan '{plan.name}' [embedded] task")
 
 
@@ -146,15 +144,16 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
                 init: str | None, mode: str, attach: list[str], kill_at: list[str], eval_every: int | None,
                 task: str | None, quiet: bool, trainer_threads: int | None = None, force: bool = False,
                 allow_group_loss: bool = False, tracker: list[str] | None = None) -> None:
-    """Body of `mixfleet run` (see its help). Exit codes: 0 done, 1 the run failed or stopped on an error
+    """Body of `mixfleet run` (see its help): the run's lifecycle is the launcher's
+    (runner/orchestration/launcher.py). Exit codes: 0 done or stopped, 1 the run failed or stopped on an error
     (run log kept), 2 bad input, 3 done without a sampler group that could not start (--allow-group-loss)."""
     import torch
-    from mixfleet.costmodel.catalog import load_catalog
     from mixfleet.costmodel.errors import SpecError
-    from mixfleet.costmodel.outdir import lock_output_dir, prepare_output_dir
+    from mixfleet.costmodel.outdir import prepare_output_dir
     from mixfleet.costmodel.trackers import LiveTracker
     from mixfleet.policies.plan import load_plan
-    from mixfleet.runner.orchestration.orchestrator import RunConfig, prepare_resume
+    from mixfleet.runner.orchestration import launcher
+    from mixfleet.runner.orchestration.orchestrator import RunConfig
     from mixfleet.twin.replan import solver_for
 
     torch.set_num_threads(1)
@@ -167,23 +166,7 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
         live = LiveTracker.from_options(tracker or [], out, resume=resume, force=force)   # --tracker (export's metrics)
         prepare_output_dir(out, "run", where="mixfleet run", resume=resume, force=force, clear=False)
         attach_map = _parse_attach(attach)
-        cat = load_catalog(plan.price_table or None)
-        kinds = set()
-        for g in plan.groups:
-            try:
-                kinds.add(cat.accelerator(g.accelerator).kind)
-            except SpecError:
-                kinds.add("unknown")
-        if attach_map:
-            fleet_mode = "attach"
-        elif embedded or kinds <= set(CPU_KINDS):
-            fleet_mode = "embedded"
-        elif address is None:
-            raise SpecError(f"plan '{plan.name}'", "accelerators", sorted(g.accelerator for g in plan.groups),
-                            "CPUs for a local run; pass --embedded to rehearse this plan locally, --address of a "
-                            "Ray cluster whose nodes carry these accelerators, or --attach GROUP=URL")
-        else:
-            fleet_mode = "sglang"
+        fleet_mode = launcher.fleet_mode(plan, embedded=embedded, address=address, attach=attach_map)
         if fleet_mode == "embedded":      # the plan's own fleet scaled to this machine (orchestration/rehearsal.py)
             from mixfleet.runner.orchestration.rehearsal import rehearsal_of
 
@@ -192,37 +175,34 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
             typer.echo("\n".join(rehearsal.lines()))
         # one writer per run folder, held until this command ends (the run takes it again, re-entrantly); the
         # folder is checked again under the lock, and a resume checked before the base policy and Ray start
-        lock = lock_output_dir(out, where="mixfleet run")
-        prepare_output_dir(out, "run", where="mixfleet run", resume=resume, force=force)
-        if resume:
-            prepare_resume(out, plan, apply=False)
+        lock = launcher.prepare(out, plan, resume=resume, force=force)
         init_path = init or default_base_policy(progress=not quiet, model=plan.model)
-        emb = plan.embedded
-        cfg = RunConfig.for_plan(plan, out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
-                                 fleet_mode=fleet_mode, attach=attach_map, address=address, resume=resume,
-                                 task=task or (emb.task if emb and emb.task else "guess"), eval_every=eval_every,
-                                 trainer_threads=trainer_threads, allow_group_loss=allow_group_loss,
-                                 replan_solver=solver_for(plan))
+        cfg = RunConfig(out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
+                        fleet_mode=fleet_mode, attach=attach_map, address=address, resume=resume,
+                        task=task, eval_every=eval_every, trainer_threads=trainer_threads,  # None: the plan's
+                        allow_group_loss=allow_group_loss, replan_solver=solver_for(plan))
     except (SpecError, ValueError) as e:
         if lock is not None:
             lock.release()
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     try:
-        _run_locked(plan, cfg, out, quiet, kills, fleet_mode, attach_map, live)
+        _run_locked(plan, cfg, out, quiet, kills, live)
     finally:
         lock.release()
 
 
-def _run_locked(plan: Any, cfg: Any, out: Path, quiet: bool, kills: dict[int, list[str]], fleet_mode: str,
-                attach_map: dict[str, list[str]], live: Any = None) -> None:
-    """The run itself, with the live view and SIGTERM handling (the run folder is locked by the caller)."""
+def _run_locked(plan: Any, cfg: Any, out: Path, quiet: bool, kills: dict[int, list[str]], live: Any = None) -> None:
+    """The run itself through the launcher (SIGTERM: stop after the current update), with the live view and
+    the --kill-at drill (the run folder is locked by the caller)."""
     from mixfleet.costmodel.errors import SpecError
+    from mixfleet.costmodel.runlog import EventRecord
     from mixfleet.runner.checkpoint.hf_checkpoint import NonFiniteWeightsError
+    from mixfleet.runner.orchestration import launcher
     from mixfleet.runner.orchestration.fleet import fleet_from_plan
-    from mixfleet.runner.orchestration.orchestrator import RunFailed, run_plan
+    from mixfleet.runner.orchestration.orchestrator import RunFailed
 
-    groups = list(fleet_from_plan(plan, mode=fleet_mode, attach=attach_map).group_names)
+    groups = list(fleet_from_plan(plan, mode=cfg.fleet_mode, attach=cfg.attach).group_names)
     view = LiveView(plan.name, groups, cfg.updates, quiet=quiet)
 
     def on_update(v: Any, orch: Any) -> None:
@@ -231,42 +211,13 @@ def _run_locked(plan: Any, cfg: Any, out: Path, quiet: bool, kills: dict[int, li
             live.on_update(v.version)
         for g in kills.pop(v.version, []):
             idx = orch.kill_replica(g)
-            view.on_event(type("E", (), {"kind": "note", "time_s": v.elapsed_s, "group": g, "replica": idx,
-                                         "detail": "killed by --kill-at"})())
+            view.on_event(EventRecord(time_s=v.elapsed_s, kind="note", group=g, replica=idx, version=v.version,
+                                      detail="killed by --kill-at", duration_s=math.nan))
 
-    # SIGTERM (the app's Stop, a scheduler's stop): finish the update under way, checkpoint, close the run log
-    # as "stopped" (resumable with --resume). The flag is read at each update; the orchestrator does the rest.
-    import signal
-    import threading
-
-    stop = {"asked": False, "orch": None}
-
-    def on_sigterm(_sig: int, _frame: Any) -> None:
-        stop["asked"] = True
-        if stop["orch"] is not None:
-            stop["orch"].stop_requested = True
-        print("SIGTERM: stopping after the current update (checkpointed, resumable)", flush=True)
-
-    def ours() -> None:
-        # ray.init installs its own SIGTERM handler (exit at once, log "failed"): take it back after it did
-        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is not on_sigterm:
-            signal.signal(signal.SIGTERM, on_sigterm)
-
-    def on_update_checked(v: Any, orch: Any) -> None:
-        ours()
-        stop["orch"] = orch
-        if stop["asked"]:
-            orch.stop_requested = True
-        on_update(v, orch)
-
-    def on_event_checked(rec: Any) -> None:
-        ours()
-        view.on_event(rec)
-
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
     with view:
         try:
-            res = run_plan(plan, cfg, on_update=on_update_checked, on_event=on_event_checked)
+            outcome = launcher.launch(plan, cfg, on_update=on_update, on_event=view.on_event,
+                                      say=lambda line: print(line, flush=True))
         except RunFailed as e:
             typer.secho(f"error: the run failed: {e}; run log: {out}", fg=typer.colors.RED, err=True)
             raise typer.Exit(1) from None
@@ -279,12 +230,11 @@ def _run_locked(plan: Any, cfg: Any, out: Path, quiet: bool, kills: dict[int, li
             typer.secho(f"error: {cause}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from None
         finally:
-            signal.signal(signal.SIGTERM, previous)
             if live is not None:
                 live.close()
-    word = "stopped" if stop["asked"] and res["version"] < cfg.updates else "done"
-    typer.echo(f"{word}: version {res['version']} in {res['elapsed_s']:.0f} s, trainer idle "
-               f"{res['trainer_idle_share']:.0%}, restarts {res['restarts']}; run log: {res['out']}")
+    res = outcome.result
+    typer.echo(f"{'stopped' if outcome.stopped else 'done'}: version {res['version']} in {res['elapsed_s']:.0f} s, "
+               f"trainer idle {res['trainer_idle_share']:.0%}, restarts {res['restarts']}; run log: {res['out']}")
     if res.get("lost_groups"):
         for g, why in res["lost_groups"].items():
             typer.secho(f"warning: sampler group {g!r} never started and was left out: {why}",
