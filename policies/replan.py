@@ -1,29 +1,31 @@
 """The re-planning autoscaler (`replan`): the twin in the loop, re-planning a running fleet from its own log.
 
-A plan is made once, from priors; a group that turns out slower or more mismatched than its prior keeps its
-replicas to the end. `replan` closes the loop. It reads the run's records as they are written (the run log's
-writer hands it each one: `RunLogWriter.observe`) and, after each update:
+A plan is made once, from priors; a group that turns out slower or more mismatched than its prior keeps its replicas
+to the end. `replan` closes the loop. It reads the run's records as they are written (the run log's writer hands it
+each one: `RunLogWriter.observe`) and, after each update:
 
-1. every `check_every_updates` updates (once `warmup_updates + window_updates` have passed) it fits the groups
-   on the last `window_updates` updates with the calibration code (`costmodel.calibration.calibrate` on a
-   `FrameLog` of the window): speed (`decode_scale` against the prior replica model), weight-sync seconds,
-   KL and extreme-ratio share, the trainer's step; each value with its standard error;
-2. it re-solves when `every_updates` have passed since the last re-solve, or sooner when a fitted value has left
-   the interval of the values the fleet was last sized on (the prior at first: |fit - ref| > drift_sigma x stderr
-   and > drift_rel x |ref|). The solver (the world hands one in, `attach`: the twin's is the planner's own
-   analytic model, `twin.replan`) returns the replica counts within the plan's pool (each group's
-   [min_replicas, max_replicas], only the groups in `groups`), the budget, staleness and time limits, and the
-   objective, with its predictions for the current counts and the new ones;
-3. it adopts the new counts only when they differ, meet the limits, and the predicted gain
-   1 - objective(new) / objective(now) is at least `min_gain`; after a change it holds for `hold_updates`
-   updates (the window must see the new mix before it is judged again). With a staleness bound, it never
-   adopts counts the model predicts above it, and when the window's measured staleness is over the bound it
-   only adopts counts predicted to lower it.
+1. every `check_every_updates` updates (once `warmup_updates + window_updates` + a prompt-group's life have passed,
+   and as long again after a change) it fits the groups on the last `window_updates` updates with the calibration
+   code (`costmodel.calibration.calibrate` on a `FrameLog` of the window): speed (`decode_scale` against the prior
+   replica model), weight-sync seconds, KL and extreme-ratio share, the trainer's step; each value with its standard
+   error;
+2. it re-solves when `every_updates` have passed since the last re-solve, or sooner when a fitted value has left the
+   interval of the values the fleet was last sized on (the prior at first: |fit - ref| > drift_sigma x stderr and >
+   drift_rel x |ref|). The solver (the world hands one in, `attach`: the twin's is the planner's own analytic model,
+   `twin.replan`) returns the replica counts within the plan's pool (each group's [min_replicas, max_replicas], only
+   the groups in `groups`), the budget, staleness and time limits, and the objective, with its predictions for the
+   current counts and the new ones;
+3. it adopts the new counts only when they differ, meet the limits, and the predicted gain 1 - objective(new) /
+   objective(now) is at least `min_gain` (a move costs updates' worth of re-prefilled sessions, and the fit reads
+   the groups it sees a little slow; docs/twin.md); after a change it holds for `hold_updates` updates, and
+   scale-downs wait until the groups it scales up are up (make-before-break). With a staleness bound, it never adopts
+   counts the model predicts above it, and when the window's measured staleness is over the bound it only adopts
+   counts predicted to lower it.
 
-Each decision (adopted or not) is one `replan` event in the run log: before and after counts, the fitted values
-with their stderr, the predicted objective, time per update and staleness now and after, and the gain. The
-world scales toward the counts through `target` (a scale-up pays the group's cold start); `stops_busy` lets the
-twin stop a busy replica (its requests resume elsewhere) where the fixed autoscalers wait for an idle one.
+Each decision (adopted or not) is one `replan` event in the run log: before and after counts, the fitted values with
+their stderr, the predicted objective, time per update and staleness now and after, and the gain. The world scales
+toward the counts through `target` (a scale-up pays the group's cold start); `stops_busy` lets the twin stop a busy
+replica (its requests resume elsewhere) where the fixed autoscalers wait for an idle one.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ class Replan(Autoscaler):
         check_every_updates: int = 4         # fit (and test for drift) this often (updates)
         warmup_updates: int = 2              # updates left out at the start (pipeline fill)
         hold_updates: int = 8                # after a change, no other for this many updates
-        min_gain: float = 0.03               # adopt only a predicted relative saving at least this
+        min_gain: float = 0.10               # adopt only a predicted relative saving at least this (see the doc)
         drift_sigma: float = 3.0             # a fit this many stderr away from its reference is drift ...
         drift_rel: float = 0.10              # ... when also this far in relative terms
         groups: tuple[str, ...] = ()         # the groups it may change (() = every group)
@@ -177,6 +179,7 @@ class Replan(Autoscaler):
         self._last_check = self._last_solve = self._last_change = -10**9
         self._reference: Calibration | None = None   # what the current counts were sized on (None: the priors)
         self._last_fit: dict[str, GroupCalibration] = {}  # per group, its latest fitted values
+        self._up: dict[str, tuple[int, int, int]] = {}  # per group when last seen: replicas up, min, max
 
     # ---- wiring: the world hands in its log writer and a solver ------------------------------------------
     def attach(self, writer: Any, solver: Solver) -> None:
@@ -197,6 +200,15 @@ class Replan(Autoscaler):
 
     def wish(self, group: GroupView, now_s: float) -> int:
         return self.targets.get(group.name, group.configured_replicas)
+
+    def target(self, group: GroupView, now_s: float) -> int:
+        """The base's target, make-before-break: a group scales down only once every group it scales up has its
+        replicas up (its sessions move to replicas that are serving, not to a queue behind their cold starts)."""
+        self._up[group.name] = (group.up_replicas, group.min_replicas, group.max_replicas)
+        want = super().target(group, now_s)
+        rising = any(up < min(max(self.targets.get(g, up), lo), hi)
+                     for g, (up, lo, hi) in self._up.items() if g != group.name)
+        return max(want, group.live_replicas) if want < group.live_replicas and rising else want
 
     # ---- the run as it is written --------------------------------------------------------------------
     def observe(self, record: Record) -> Iterable[Record]:
@@ -222,6 +234,8 @@ class Replan(Autoscaler):
             return None
         if n - self._last_check < cfg.check_every_updates:
             return None
+        if n - self._last_change < cfg.window_updates + self.span_updates():
+            return None   # the window still holds sessions that ran through the last change (moved, re-prefilled)
         self._last_check = n
         frame = self.window()
         try:
