@@ -544,7 +544,8 @@ def session_limited_throughput(types: list[GroupType], n: np.ndarray, active: np
     x = S (c - tool) / c,  c = reply / (speed(x) (1 - S prefill / c)) + prefill + tool
     (a fixed point, damped); a replica gives min(S reply / c, its busy tokens/s). Under light load the
     batch is small and each session decodes faster than at the busy batch (the speed the screen used to
-    assume for every session, which made it 2x pessimistic at K = B on small batches)."""
+    assume for every session, which made it 2x pessimistic at K = B on small batches). A spot type's
+    contribution is discounted by the share of its time preemptions cost (`GroupType.loss_share`)."""
     n = np.atleast_2d(np.asarray(n, dtype=np.float64))
     tps = np.array([t.tokens_per_s for t in types])
     cap = np.maximum(n @ tps, 1e-12)
