@@ -92,9 +92,28 @@ def _serving(argv: list[str], port: int, runs: str, env: dict[str, str], log_pat
     assert "Traceback" not in out, out[-4000:]
 
 
+PAGE_HEIGHT_JS = """() => Math.max(document.body.scrollHeight, ...[...document.querySelectorAll(
+    '[data-testid="stMain"], [data-testid="stMainBlockContainer"], section.main')].map(e => e.scrollHeight))"""
+MAX_SHOT_HEIGHT_PX = 6000
+CHARTS_DRAWN_JS = """() => !document.querySelector('[data-testid="stSkeleton"], [data-testid="stSkeletonElement"]')
+    && [...document.querySelectorAll('[data-testid="stPlotlyChart"]')].every(c => c.querySelector('.main-svg'))"""
+
+
 def _shot(page, name: str, folder: Path) -> None:
+    """A screenshot once the page has settled and every chart is drawn: Streamlit shows a grey skeleton while a
+    chart's code loads, which docs/img/run-live.png showed (issue 26)."""
+    _settled(page)
+    page.wait_for_function(CHARTS_DRAWN_JS, timeout=PAGE_TIMEOUT_MS)
+    # the whole page: Streamlit scrolls inside its main section, so the window is made as tall as its content
+    tall = int(page.evaluate(PAGE_HEIGHT_JS))
+    if tall > VIEWPORT["height"]:
+        page.set_viewport_size({"width": VIEWPORT["width"], "height": min(tall + 40, MAX_SHOT_HEIGHT_PX)})
+        _settled(page)
+        page.wait_for_function(CHARTS_DRAWN_JS, timeout=PAGE_TIMEOUT_MS)
+    page.wait_for_timeout(800)                   # plotly's own transitions
     folder.mkdir(parents=True, exist_ok=True)
     page.screenshot(path=str(folder / name))
+    page.set_viewport_size(VIEWPORT)
     extra = os.environ.get("MIXFLEET_SCREENSHOTS")
     if extra:
         Path(extra).mkdir(parents=True, exist_ok=True)
