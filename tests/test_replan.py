@@ -170,3 +170,16 @@ def test_the_cli_runs_the_world_on_a_truth_file(tmp_path: Path) -> None:
     assert "truth: the world ran on" in res.stdout
     header = RunLog.open(tmp_path / "log").header
     assert header["truth"]["groups"][0]["decode_scale"]["value"] == pytest.approx(1 / SLOW)
+
+
+def test_the_runner_is_handed_the_same_solver() -> None:
+    from mixfleet.runner.orchestration.config import RunConfig
+    from mixfleet.twin.replan import solver_for
+
+    assert solver_for(load_plan("tiny-cpu")) is None            # a fixed fleet needs none
+    plan = tiny_pool()
+    solve = solver_for(plan)
+    assert solve is not None
+    cfg = RunConfig(out_dir=Path("unused"), init_checkpoint="ckpt", replan_solver=solve).resolved(plan)
+    p = cfg.replan_solver(None, {g.name: g.replicas for g in plan.groups}, ("cpu-fp8",), {})
+    assert set(p.counts) == {"cpu-bf16", "cpu-fp8", "cpu-nvfp4"} and p.counts["cpu-bf16"] == 2
