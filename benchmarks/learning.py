@@ -204,8 +204,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def markdown_table(summary: dict[str, Any], runs: list[dict[str, Any]]) -> str:
     """The per-rung table of docs/learning.md: held-out start -> end per seed and as mean (min..max)."""
-    lines = ["| rung | what | seeds | held-out reward at T = 1, start -> end, per seed | mean start -> end "
-             "(end min..max) | no-tool-call share, last update |", "|---|---|---|---|---|---|"]
+    lines = ["| rung | what | seeds | updates | held-out reward at T = 1, start -> end, per seed | mean start -> end "
+             "(end min..max) | no-tool-call share, last update |", "|---|---|---|---|---|---|---|"]
     for key in RUNGS:
         s = summary.get(key)
         if not isinstance(s, dict):
@@ -216,7 +216,9 @@ def markdown_table(summary: dict[str, Any], runs: list[dict[str, Any]]) -> str:
                         for r in rs if r["evals"])
         ntc = ", ".join(f"{r['no_tool_call_share'][-1]:.0%}" for r in rs if r["no_tool_call_share"])
         a, b = s["heldout_start"], s["heldout_end"]
-        lines.append(f"| {key} | {s['label']} | {', '.join(str(r['seed']) for r in rs)} | {per} | "
+        ends = sorted({int(r["evals"][-1]["version"]) for r in rs if r["evals"]})
+        lines.append(f"| {key} | {s['label']} | {', '.join(str(r['seed']) for r in rs)} | "
+                     f"{', '.join(map(str, ends))} | {per} | "
                      f"{a['mean']:.3f} -> {b['mean']:.3f} ({b['min']:.3f}..{b['max']:.3f}) | {ntc} |")
     return "\n".join(lines)
 
