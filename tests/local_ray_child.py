@@ -18,9 +18,11 @@ from mixfleet.runner.orchestration.actors import init_ray, remote_sampler, remot
 def main() -> None:
     init_ray(num_cpus=1, resources={"cpu": 2.0})
     import ray
+    from mixfleet.runner.sampler.replica import ReplicaLaunch
 
-    actor = remote_sampler(accelerator="cpu").remote(group="cpu-bf16", index=0, model_path=sys.argv[1],
-                                                     precision="bf16", kv_dtype="bf16", max_running_requests=4)
+    actor = remote_sampler(accelerator="cpu").remote(ReplicaLaunch(group="cpu-bf16", index=0, mode="embedded",
+                                                                   precision="bf16", kv_dtype="bf16",
+                                                                   model_path=sys.argv[1]))
     trainer = remote_trainer().remote(init_from=sys.argv[1], state_dir=None,
                                       correction={"method": "sc_mis", "temperature": 1.0, "top_p_replay": False})
     info = ray.get(actor.info.remote(), timeout=300)
