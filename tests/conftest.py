@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -13,3 +15,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
+
+
+@pytest.fixture(autouse=True)
+def _main_module_restored():
+    """Streamlit's AppTest replaces sys.modules["__main__"] with its script's module and leaves it there; a later
+    test that spawns processes (torch.multiprocessing.spawn re-imports __main__ from its file) then runs that
+    script in the child and fails. Every test leaves __main__ as it found it."""
+    main = sys.modules.get("__main__")
+    yield
+    if main is not None and sys.modules.get("__main__") is not main:
+        sys.modules["__main__"] = main
