@@ -27,7 +27,7 @@ from mixfleet.runner.orchestration.ray_map import ray_map
 from mixfleet.twin.planner import (
     PlannerConfig,
     _candidate,
-    _feasible,
+    feasible,
     group_types,
     screen,
     sequential_map,
@@ -41,7 +41,7 @@ def top_candidates(cfg: PlannerConfig, k: int) -> tuple[list, list]:
     """The screen's best k feasible candidates by the objective (plan_mix's order) and the group types."""
     types = group_types(cfg)
     n, kk, m = screen(types, cfg)
-    idx = np.flatnonzero(_feasible(m, cfg))
+    idx = np.flatnonzero(feasible(m, cfg))
     order = idx[np.lexsort((m["time_per_update_s"][idx], m[cfg.objective][idx]))]
     return [_candidate(types, n[i], kk[i], m, i) for i in order[:k]], types
 

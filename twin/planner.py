@@ -585,7 +585,9 @@ def evaluate_plan(plan: Plan, cfg: PlannerConfig | None = None) -> Candidate:
                       metrics(types, n[None, :], np.array([b.inflight_prompts]), cfg, shape), 0)
 
 
-def _feasible(m: dict[str, np.ndarray], cfg: PlannerConfig) -> np.ndarray:
+def feasible(m: dict[str, np.ndarray], cfg: PlannerConfig) -> np.ndarray:
+    """Which rows of `metrics` output meet the config's staleness, time and budget limits (the planner's and
+    the re-planner's one rule)."""
     ok = np.ones(len(m["cost_per_update"]), dtype=bool)
     if cfg.max_staleness is not None:
         ok &= m["staleness"] <= cfg.max_staleness
@@ -617,7 +619,7 @@ def binding_constraints(m: dict[str, np.ndarray], cfg: PlannerConfig) -> str:
         if best > limit + 1e-9:
             parts.append(f"{flag} {limit:g} binds: the best {what} of any candidate is {fmt(best, unit)}")
             continue
-        within = m[metric][_feasible(m, replace(cfg, **{field_name: None}))]
+        within = m[metric][feasible(m, replace(cfg, **{field_name: None}))]
         parts.append(f"{flag} {limit:g} holds alone (best {fmt(best, unit)}) but not with the others: the best "
                      f"{what} within them is {fmt(float(within.min()) if len(within) else math.inf, unit)}")
     caps = ", ".join(f"{a}={c}" for a, c in cfg.max_gpus.items())
@@ -684,7 +686,7 @@ def plan_mix(cfg: PlannerConfig, progress: Callable[[str], None] | None = None, 
                           note="no (accelerator, precision) in the pool fits the model")
     say(f"screening ({len(types)} group types)")
     n, k, m = screen(types, cfg)
-    ok = _feasible(m, cfg)
+    ok = feasible(m, cfg)
     idx = np.flatnonzero(ok)
     if not len(idx):
         return PlanResult(best=None, plan=None, pareto=[], screened=len(n), feasible=0, types=types,
@@ -772,7 +774,7 @@ def _verified(c: Candidate, runs: list[dict[str, Any]], cfg: PlannerConfig) -> C
     v.update(cost_per_effective_update_usd=v["cost_per_update_usd"] / kept, updates=runs[0]["updates"],
              warmup_updates=max(r["warmup_updates"] for r in runs),
              steady_updates=min(r["steady_updates"] for r in runs))
-    v["feasible"] = bool(_feasible({"cost_per_update": np.array([v["cost_per_update_usd"]]),
+    v["feasible"] = bool(feasible({"cost_per_update": np.array([v["cost_per_update_usd"]]),
                                     "staleness": np.array([v["staleness"]]),
                                     "time_per_update_s": np.array([v["time_per_update_s"]]),
                                     "usd_per_hour": np.array([c.usd_per_hour])}, cfg)[0])

@@ -29,7 +29,7 @@ from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import Plan
 from mixfleet.policies.registry import make_config
 from mixfleet.policies.replan import Proposal, Replan, Solver
-from mixfleet.twin.planner import PlannerConfig, group_types, metrics
+from mixfleet.twin.planner import PlannerConfig, feasible, group_types, metrics
 
 SEARCH_STEPS = (1, 2, 4, 8)          # replicas per move of one group
 MAX_SEARCH_ROUNDS = 200
@@ -111,14 +111,7 @@ def planner_solver(plan: Plan, config: Replan.Config, calibration: Calibration |
 
         def score(rows: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
             m = metrics(types, rows, np.full(len(rows), k), cfg, shape)
-            ok = np.ones(len(rows), dtype=bool)
-            if cfg.max_staleness is not None:
-                ok &= m["staleness"] <= cfg.max_staleness
-            if cfg.max_time_per_update_s is not None:
-                ok &= m["time_per_update_s"] <= cfg.max_time_per_update_s
-            if cfg.max_usd_per_hour is not None:
-                ok &= m["usd_per_hour"] <= cfg.max_usd_per_hour + 1e-9
-            ok &= rows.sum(1) > 0
+            ok = feasible(m, cfg) & (rows.sum(1) > 0)
             return np.where(ok, m[cfg.objective], np.inf), m
 
         x = x0.copy()
