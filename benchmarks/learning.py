@@ -125,15 +125,10 @@ def study_runs(rungs: list[str], seeds: list[int], args: argparse.Namespace, out
 
 
 def _eval_curve(events: Any) -> list[dict[str, float]]:
-    from mixfleet.costmodel.trackers import eval_detail  # the one reader of the runner's eval events
+    from mixfleet.costmodel.trackers import eval_frame  # the one reader of the runner's eval events
 
-    out = []
-    for d in events[events["kind"] == "note"]["detail"]:
-        rec = eval_detail(d)
-        if rec is not None:
-            out.append({"version": int(rec["version"]), "reward": float(rec["reward"]),
-                        "pass_at_k": float(rec["pass_at_k"]), "k": int(rec["k"]), "problems": int(rec["problems"])})
-    return sorted(out, key=lambda e: e["version"])
+    return [{"version": int(r.version), "reward": float(r.reward), "pass_at_k": float(r.pass_at_k), "k": int(r.k),
+             "problems": int(r.problems)} for r in eval_frame(events).itertuples()]
 
 
 def read_run(folder: Path, rung: str, seed: int) -> dict[str, Any] | None:

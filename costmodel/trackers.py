@@ -126,6 +126,23 @@ def eval_detail(detail: Any) -> dict[str, Any] | None:
     return d if isinstance(d, dict) and d.get("eval") == "pass_at_k" else None
 
 
+EVAL_SETTINGS = ("task", "temperature", "max_new_tokens", "max_turns", "precision")   # recorded since 2026-12-01
+EVAL_COLUMNS = ("version", "reward", "pass_at_k", "k", "problems", *EVAL_SETTINGS)
+
+
+def eval_frame(events: pd.DataFrame | None) -> pd.DataFrame:
+    """A run log's held-out evaluations (its `note` events read by `eval_detail`), one row per version (the last,
+    if a resume evaluated a version twice), sorted by version: EVAL_COLUMNS, None where an older log lacks one."""
+    rows = []
+    if events is not None and len(events) and "kind" in events:
+        for d in events[events["kind"] == "note"]["detail"]:
+            rec = eval_detail(d)
+            if rec is not None and isinstance(rec.get("version"), int):
+                rows.append({c: rec.get(c) for c in EVAL_COLUMNS})
+    df = pd.DataFrame(rows, columns=list(EVAL_COLUMNS))
+    return df.drop_duplicates("version", keep="last").sort_values("version").reset_index(drop=True)
+
+
 def step_metrics(updates: pd.DataFrame, groups: pd.DataFrame, events: pd.DataFrame,
                  trajectories: pd.DataFrame | None = None) -> list[StepMetrics]:
     """The one mapping from run-log rows to tracker metrics (module doc), sorted by step. An update logged twice

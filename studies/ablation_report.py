@@ -23,6 +23,7 @@ from typing import Any
 
 import pandas as pd
 from mixfleet.costmodel.runlog import RunLog, extreme_shares
+from mixfleet.costmodel.trackers import eval_frame
 
 RUN_FILE = "ablation_run.json"          # the sidecar studies/ablation.py writes (kept in sync by name)
 ABLATION_FILE = "ablation.json"
@@ -112,24 +113,7 @@ def load_run(path: str | Path) -> RunData:
     variant = meta.get("variant") or path.parent.name
     seed = int(meta.get("seed", log.header.get("seed", 0)))
     return RunData(fleet=fleet, variant=variant, seed=seed, path=path, status=str(log.header.get("status", "")),
-                   series=s, groups=log.groups, on_policy=on_policy, evals=heldout(log.events))
-
-
-def heldout(events: pd.DataFrame) -> pd.DataFrame:
-    """The run's held-out evaluations (the runner's `note` events read by `trackers.eval_detail`), one row per
-    version (the last, if a resume evaluated a version twice), sorted by version."""
-    from mixfleet.costmodel.trackers import eval_detail
-
-    rows = []
-    if len(events):
-        for d in events[events["kind"] == "note"]["detail"]:
-            rec = eval_detail(d)
-            if rec is not None:
-                rows.append({"version": int(rec["version"]), "reward": float(rec.get("reward", math.nan)),
-                             "pass_at_k": float(rec.get("pass_at_k", math.nan)), "k": int(rec.get("k", 0)),
-                             "problems": int(rec.get("problems", 0))})
-    df = pd.DataFrame(rows, columns=["version", "reward", "pass_at_k", "k", "problems"])
-    return df.drop_duplicates("version", keep="last").sort_values("version").reset_index(drop=True)
+                   series=s, groups=log.groups, on_policy=on_policy, evals=eval_frame(log.events))
 
 
 def heldout_change(r: RunData) -> tuple[float, float]:

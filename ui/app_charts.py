@@ -52,24 +52,11 @@ def update_series(updates: pd.DataFrame, columns: Mapping[str, str], *, title: s
     return _integer_versions(fig, updates["version"])
 
 
-HELDOUT_SETTINGS = ("task", "temperature", "max_new_tokens", "max_turns", "precision")   # recorded since 2026-12-01
-
-
 def heldout_frame(events: pd.DataFrame | None) -> pd.DataFrame:
-    """The run's held-out evaluations, one row per version (the last, if a resume evaluated one twice): reward,
-    pass@k, k, problems and the sampling settings the event records (NaN / "" where an older log does not).
-    Read through `costmodel.trackers.eval_detail`, the one reader of the runner's eval events."""
-    from mixfleet.costmodel.trackers import eval_detail
+    """The run's held-out evaluations with their sampling settings (`costmodel.trackers.eval_frame`)."""
+    from mixfleet.costmodel.trackers import eval_frame
 
-    cols = ["version", "reward", "pass_at_k", "k", "problems", *HELDOUT_SETTINGS]
-    rows = []
-    if events is not None and len(events) and "kind" in events:
-        for d in events[events["kind"] == "note"]["detail"]:
-            rec = eval_detail(d)
-            if rec is not None and isinstance(rec.get("version"), int):
-                rows.append({c: rec.get(c) for c in cols})
-    df = pd.DataFrame(rows, columns=cols)
-    return df.drop_duplicates("version", keep="last").sort_values("version").reset_index(drop=True)
+    return eval_frame(events)
 
 
 def heldout_settings(frame: pd.DataFrame) -> str:
