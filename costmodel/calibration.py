@@ -749,14 +749,24 @@ def _measured_workload(trs: list[pd.DataFrame], base: WorkloadSpec, turn_latency
 
 # ---- the fit ---------------------------------------------------------------------------------------
 
-def calibrate(runlogs: Iterable[str | os.PathLike[str] | FrameLog], *,
-              min_trajectories: int = MIN_TRAJECTORIES_PER_GROUP, min_updates: int = MIN_UPDATES) -> Calibration:
-    """Fit a Calibration to one or more run logs of the same model and trainer (see the module doc): folders, or
-    `FrameLog`s held in memory (a window of a running run).
+GroupKey = tuple[str, str, str, str]   # (accelerator, precision, kv dtype, kernel): what a group is calibrated per
 
-    Raises CalibrationError naming everything that is missing when the logs hold too little data.
-    """
-    logs = list(runlogs)
+
+@dataclass(frozen=True, kw_only=True)
+class _Logs:
+    """The run logs a fit reads, checked: their groups by key, the windows in which each log knows every session."""
+    runs: list[_Run]
+    paths: list[str]
+    keyed: dict[GroupKey, list[tuple[_Run, GroupPlan]]]   # named by the first run's group name
+    windows: dict[int, list[tuple[float, float]]]           # id(run) -> `complete_windows`
+    counts: dict[GroupKey, int]                             # the trajectories each group's fit can use
+    n_updates: int
+    skipped: list[str]
+
+
+def _read_logs(logs: list[str | os.PathLike[str] | FrameLog], min_trajectories: int, min_updates: int) -> _Logs:
+    """Read and check the run logs: one model, one trainer, enough updates and trajectories per group; raises
+    CalibrationError naming everything that is missing."""
     paths = [p.directory if isinstance(p, FrameLog) else str(p) for p in logs]
     missing: list[str] = []
     skipped: list[str] = []
@@ -777,7 +787,7 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str] | FrameLog], *,
         missing.append(f"at least {min_updates} trainer updates in all (got {n_updates}): the trainer and weight-sync "
                        "fits need them")
     # group identity: calibrated per (accelerator, precision, kv dtype, kernel); named by the first run's name
-    keyed: dict[tuple[str, str, str, str], list[tuple[_Run, GroupPlan]]] = {}
+    keyed: dict[GroupKey, list[tuple[_Run, GroupPlan]]] = {}
     for r in runs:
         for g in r.groups.values():
             keyed.setdefault((g.accelerator, g.precision, g.kv_dtype, g.kernel), []).append((r, g))
@@ -786,7 +796,7 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str] | FrameLog], *,
     windows = {id(r): list(r.log.known) if getattr(r.log, "known", None) is not None
                else complete_windows(r.log, inflight_limit(r.log.header), skipped) for r in runs}
     known = {id(r): in_windows(r.log.trajectories, windows[id(r)]) for r in runs}
-    counts: dict[tuple[str, str, str, str], int] = {}
+    counts: dict[GroupKey, int] = {}
     for key, members in keyed.items():
         n = 0
         for r, g in members:
@@ -800,22 +810,40 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str] | FrameLog], *,
                            f"every session on its replica (got {n}; run more updates)")
     if missing:
         raise CalibrationError(missing + [f"(left out of the fit: {s})" for s in skipped])
+    return _Logs(runs=runs, paths=paths, keyed=keyed, windows=windows, counts=counts, n_updates=n_updates,
+                 skipped=skipped)
 
-    # ---- sessions: one time scale per group (decode + prefill), turn latency shared --------------
-    keys = list(keyed)
+
+@dataclass(frozen=True, kw_only=True)
+class _SessionFit:
+    """The duration model's fit: a time scale per group (decode + prefill), the turn latency shared."""
+    decode_scale: dict[GroupKey, Fitted]
+    prefill_overhead_s: dict[GroupKey, Fitted]
+    turn_latency_s: Fitted
+    rel_rms: float                              # over every trajectory
+    group_rel_rms: dict[GroupKey, float]
+    priors: dict[GroupKey, ReplicaModel]        # each group's prior replica model (its first run's)
+    trajectories: list[pd.DataFrame]            # the finished trajectories with tokens, per (run, group)
+    m: int                                      # trajectories in the fit
+
+
+def _fit_sessions(data: _Logs) -> _SessionFit:
+    """Fit the duration model (module doc) by bounded least squares, refitted SESSION_ITERATIONS times since the
+    concurrency it sees depends on the turn latency."""
+    keys = list(data.keyed)
     G = len(keys)
-    rms: dict[tuple[str, str, str, str], ReplicaModel] = {}
-    parts: list[tuple[int, pd.DataFrame, ReplicaModel]] = []
+    rms: dict[GroupKey, ReplicaModel] = {}
+    parts: list[tuple[int, pd.DataFrame, ReplicaModel, np.ndarray]] = []
     trs_all = []
     for gi, key in enumerate(keys):
-        for r, g in keyed[key]:
+        for r, g in data.keyed[key]:
             rm = _prior_replica(r, g)
             rms.setdefault(key, rm)
             tr = r.log.trajectories
             tr = tr[(tr["group"] == g.name) & (tr["generated_tokens"] > 0) & (tr["end_s"] > tr["start_s"])]
             trs_all.append(tr)
             for _, rep in tr.groupby("replica", sort=True):
-                parts.append((gi, rep, rm, in_windows(rep, windows[id(r)])))   # once: the rows the fit uses
+                parts.append((gi, rep, rm, in_windows(rep, data.windows[id(r)])))   # once: the rows the fit uses
     gi_arr = np.concatenate([np.full(int(keep.sum()), gi) for gi, _, _, keep in parts])
     m = len(gi_arr)
     x = np.concatenate([np.ones(G), [0.0]])
@@ -841,8 +869,26 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str] | FrameLog], *,
         x[cols], err[cols] = xf, ef
         if not free_tau:
             x[G], err[G] = 0.0, math.nan
+    group_rms = {}
+    for gi, key in enumerate(keys):
+        rel = resid[gi_arr == gi]
+        group_rms[key] = float(np.sqrt(np.mean(rel ** 2))) if len(rel) else math.nan
+    return _SessionFit(
+        decode_scale={key: Fitted(value=float(x[gi]), stderr=float(err[gi]), prior=1.0, unit="x")
+                      for gi, key in enumerate(keys)},
+        prefill_overhead_s={key: Fitted(value=float(x[gi]) * rms[key].prefill_overhead_s,
+                                        stderr=float(err[gi]) * rms[key].prefill_overhead_s,
+                                        prior=rms[key].prefill_overhead_s, unit="s", fitted=False,
+                                        note="scaled with decode_scale (steady-state logs do not separate prefill "
+                                        "from decode time)") for gi, key in enumerate(keys)},
+        turn_latency_s=Fitted(value=float(x[G]), stderr=float(err[G]), prior=0.0, unit="s", fitted=free_tau,
+                              note=note_tau),
+        rel_rms=sess_rms, group_rel_rms=group_rms, priors=rms, trajectories=trs_all, m=m)
 
-    # ---- trainer: scale on the prior compute time + fixed overhead; per-update gap --------------
+
+def _fit_trainer(runs: list[_Run]) -> tuple[Fitted, Fitted, float]:
+    """The trainer's scale on its prior roofline compute time and its fixed overhead per update (the overhead kept
+    at the catalog's prior when the tokens per update do not separate the two), and the fit's RMS in seconds."""
     up = pd.concat([r.log.updates.assign(_run=i) for i, r in enumerate(runs)], ignore_index=True)
     r0 = runs[0]
     tacc = r0.catalog.accelerator(r0.trainer_accelerator)
@@ -866,6 +912,11 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str] | FrameLog], *,
         t_scale = Fitted(value=float(xt[0]), stderr=float(et[0]), prior=1.0, unit="x")
         t_over = Fitted(value=tacc.trainer_overhead_s, prior=tacc.trainer_overhead_s, unit="s", fitted=False,
                         note=why)
+    return t_scale, t_over, train_rms
+
+
+def _fit_update_overhead(runs: list[_Run]) -> Fitted:
+    """Seconds between an update's end and the next start that no missing batch explains (mean over updates)."""
     gaps = []
     for r in runs:
         u = r.log.updates.sort_values("version")
@@ -877,13 +928,15 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str] | FrameLog], *,
                 gaps.append(max(0.0, float(start) - max(float(pe), float(ready[v]))))
     gaps_a = np.asarray(gaps, dtype=np.float64)
     if len(gaps_a):
-        upd_over = Fitted(value=float(gaps_a.mean()), stderr=float(gaps_a.std(ddof=1) / math.sqrt(len(gaps_a)))
-                          if len(gaps_a) > 1 else math.nan, prior=0.0, unit="s")
-    else:
-        upd_over = Fitted(value=0.0, prior=0.0, unit="s", fitted=False, note="needs two updates in one run: prior kept")
+        return Fitted(value=float(gaps_a.mean()), stderr=float(gaps_a.std(ddof=1) / math.sqrt(len(gaps_a)))
+                      if len(gaps_a) > 1 else math.nan, prior=0.0, unit="s")
+    return Fitted(value=0.0, prior=0.0, unit="s", fitted=False, note="needs two updates in one run: prior kept")
 
-    # ---- weight sync: per-group push durations + export (update sync - slowest push) -------------
-    push_by_key: dict[tuple[str, str, str, str], list[float]] = {k: [] for k in keys}
+
+def _fit_weight_sync(runs: list[_Run], priors: dict[GroupKey, ReplicaModel]) -> tuple[dict[GroupKey, Fitted], int]:
+    """Per group: its mean push duration + the export shared by all groups (update sync - slowest push), or the
+    prior where the logs have no push of the group; and the number of pushes read."""
+    push_by_key: dict[GroupKey, list[float]] = {k: [] for k in priors}
     export = []
     for r in runs:
         ev = r.log.events
@@ -897,60 +950,75 @@ def calibrate(runlogs: Iterable[str | os.PathLike[str] | FrameLog], *,
             if v in slowest.index and math.isfinite(sync):
                 export.append(max(0.0, float(sync) - float(slowest[v])))
     export_s = float(np.mean(export)) if export else 0.0
+    r0 = runs[0]
+    tacc = r0.catalog.accelerator(r0.trainer_accelerator)
+    out = {}
+    for key, rm in priors.items():
+        pushes = np.asarray(push_by_key[key], dtype=np.float64)
+        sync_prior = prior_sync(rm, tacc)
+        if len(pushes):
+            out[key] = Fitted(value=float(pushes.mean()) + export_s, prior=sync_prior, unit="s",
+                              stderr=float(pushes.std(ddof=1) / math.sqrt(len(pushes))) if len(pushes) > 1
+                              else math.nan, note=f"push {pushes.mean():.4g} s + export {export_s:.4g} s")
+        else:
+            out[key] = Fitted(value=sync_prior, prior=sync_prior, unit="s", fitted=False,
+                              note="no weight_push events for this group: prior kept")
+    return out, sum(len(v) for v in push_by_key.values())
 
-    # ---- mismatch per group ------------------------------------------------------------------------
+
+def _fit_mismatch(key: GroupKey, members: list[tuple[_Run, GroupPlan]]) -> tuple[Fitted, Fitted, Fitted, Fitted]:
+    """A group's KL and extreme-ratio share at staleness 0 and their growth per version of staleness: from the
+    on-policy / stale split of its rows where they have one (`_mismatch_split`), else from the per-update means."""
+    prior = mismatch_prior(key[0], key[1], key[2])
+    gr = pd.concat([r.log.groups[r.log.groups["group"] == g.name] for r, g in members], ignore_index=True)
+    wts = gr["tokens_trained"].to_numpy(dtype=np.float64)
+    if not (wts > 0).any():
+        wts = gr["samples"].to_numpy(dtype=np.float64)
+    stale = gr["staleness_mean"].to_numpy(dtype=np.float64)
+    split = _mismatch_split(gr, prior)
+    if split is not None:   # the run's own staleness range: its on-policy tokens against its stale ones
+        return split
+    kl0, klg = _growth_fit(stale, gr["kl_k3"].to_numpy(dtype=np.float64), wts, prior.kl_k3,
+                           prior.growth_per_staleness, "nats/token")
+    ex0, exg = _growth_fit(stale, gr["extreme_share"].to_numpy(dtype=np.float64), wts, prior.extreme_share,
+                           prior.growth_per_staleness, "share")
+    return kl0, klg, ex0, exg
+
+
+def calibrate(runlogs: Iterable[str | os.PathLike[str] | FrameLog], *,
+              min_trajectories: int = MIN_TRAJECTORIES_PER_GROUP, min_updates: int = MIN_UPDATES) -> Calibration:
+    """Fit a Calibration to one or more run logs of the same model and trainer (see the module doc): folders, or
+    `FrameLog`s held in memory (a window of a running run). The fits: sessions (`_fit_sessions`), trainer
+    (`_fit_trainer`, `_fit_update_overhead`), weight sync (`_fit_weight_sync`), mismatch (`_fit_mismatch`).
+
+    Raises CalibrationError naming everything that is missing when the logs hold too little data.
+    """
+    data = _read_logs(list(runlogs), min_trajectories, min_updates)
+    runs, r0 = data.runs, data.runs[0]
+    sess = _fit_sessions(data)
+    t_scale, t_over, train_rms = _fit_trainer(runs)
+    upd_over = _fit_update_overhead(runs)
+    sync, pushes = _fit_weight_sync(runs, sess.priors)
     groups_out = []
     resid_by_group = {}
-    for gi, key in enumerate(keys):
-        members = keyed[key]
+    for key, members in data.keyed.items():
         name = members[0][1].name
-        rm = rms[key]
-        prior = mismatch_prior(key[0], key[1], key[2])
-        gr = pd.concat([r.log.groups[r.log.groups["group"] == g.name] for r, g in members], ignore_index=True)
-        wts = gr["tokens_trained"].to_numpy(dtype=np.float64)
-        if not (wts > 0).any():
-            wts = gr["samples"].to_numpy(dtype=np.float64)
-        stale = gr["staleness_mean"].to_numpy(dtype=np.float64)
-        split = _mismatch_split(gr, prior)
-        if split is not None:   # the run's own staleness range: its on-policy tokens against its stale ones
-            kl0, klg, ex0, exg = split
-        else:
-            kl0, klg = _growth_fit(stale, gr["kl_k3"].to_numpy(dtype=np.float64), wts, prior.kl_k3,
-                                   prior.growth_per_staleness, "nats/token")
-            ex0, exg = _growth_fit(stale, gr["extreme_share"].to_numpy(dtype=np.float64), wts, prior.extreme_share,
-                                   prior.growth_per_staleness, "share")
-        pushes = np.asarray(push_by_key[key], dtype=np.float64)
-        sync_prior = prior_sync(rm, r0.catalog.accelerator(r0.trainer_accelerator))
-        if len(pushes):
-            sync = Fitted(value=float(pushes.mean()) + export_s, prior=sync_prior, unit="s",
-                          stderr=float(pushes.std(ddof=1) / math.sqrt(len(pushes))) if len(pushes) > 1 else math.nan,
-                          note=f"push {pushes.mean():.4g} s + export {export_s:.4g} s")
-        else:
-            sync = Fitted(value=sync_prior, prior=sync_prior, unit="s", fitted=False,
-                          note="no weight_push events for this group: prior kept")
-        sel = gi_arr == gi
-        rel = resid[sel]
-        resid_by_group[name] = float(np.sqrt(np.mean(rel ** 2))) if len(rel) else math.nan
+        kl0, klg, ex0, exg = _fit_mismatch(key, members)
+        resid_by_group[name] = sess.group_rel_rms[key]
         groups_out.append(GroupCalibration(
             name=name, accelerator=key[0], precision=key[1], kv_dtype=key[2], kernel=key[3],
-            decode_scale=Fitted(value=float(x[gi]), stderr=float(err[gi]), prior=1.0, unit="x"),
-            prefill_overhead_s=Fitted(value=float(x[gi]) * rm.prefill_overhead_s,
-                                      stderr=float(err[gi]) * rm.prefill_overhead_s, prior=rm.prefill_overhead_s,
-                                      unit="s", fitted=False, note="scaled with decode_scale (steady-state logs do "
-                                      "not separate prefill from decode time)"),
-            weight_sync_s=sync, kl_k3=kl0, kl_growth_per_staleness=klg, extreme_share=ex0,
-            extreme_growth_per_staleness=exg, trajectories=counts[key], residual_rel_rms=resid_by_group[name]))
-    turn_lat = Fitted(value=float(x[G]), stderr=float(err[G]), prior=0.0, unit="s", fitted=free_tau, note=note_tau)
-    workload = _measured_workload(trs_all, r0.workload, turn_lat.value)
+            decode_scale=sess.decode_scale[key], prefill_overhead_s=sess.prefill_overhead_s[key],
+            weight_sync_s=sync[key], kl_k3=kl0, kl_growth_per_staleness=klg, extreme_share=ex0,
+            extreme_growth_per_staleness=exg, trajectories=data.counts[key], residual_rel_rms=resid_by_group[name]))
+    workload = _measured_workload(sess.trajectories, r0.workload, sess.turn_latency_s.value)
     return Calibration(
         groups=tuple(groups_out), trainer_accelerator=r0.trainer_accelerator, trainer_gpus=r0.trainer_gpus,
-        trainer_scale=t_scale, trainer_overhead_s=t_over, update_overhead_s=upd_over, turn_latency_s=turn_lat,
-        model=r0.model.name, runs=tuple(paths), workload=workload,
-        residuals={"duration_rel_rms": sess_rms, "train_step_rms_s": train_rms,
+        trainer_scale=t_scale, trainer_overhead_s=t_over, update_overhead_s=upd_over,
+        turn_latency_s=sess.turn_latency_s, model=r0.model.name, runs=tuple(data.paths), workload=workload,
+        residuals={"duration_rel_rms": sess.rel_rms, "train_step_rms_s": train_rms,
                    **{f"duration_rel_rms[{k}]": v for k, v in resid_by_group.items()}},
-        counts={"runs": len(runs), "updates": n_updates, "trajectories": int(m), "weight_pushes":
-                sum(len(v) for v in push_by_key.values())},
-        created_utc=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), skipped=tuple(skipped))
+        counts={"runs": len(runs), "updates": data.n_updates, "trajectories": int(sess.m), "weight_pushes": pushes},
+        created_utc=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), skipped=tuple(data.skipped))
 
 
 def calibration_dict(cal: Calibration) -> dict[str, Any]:
