@@ -59,6 +59,30 @@ def test_constraints_bind_and_infeasible_requests_say_what_to_relax() -> None:
         PlannerConfig(objective="cheapest")
 
 
+def test_what_binds_names_the_limit_whose_relaxing_buys_a_cheaper_mix() -> None:
+    wide = {**TINY, "max_gpus": {}, "default_max_gpus": 64}     # caps far from the cheapest mix
+    free = plan_mix(PlannerConfig(**wide, verify=0))
+    assert not [b for b in free.binds if b.flag != "--max-gpus"]     # no limit set: none binds but a cap
+    bound = plan_mix(PlannerConfig(**wide, verify=0, max_staleness=1.2))
+    b = next(b for b in bound.binds if b.flag == "--max-staleness")
+    # relaxed alone, the screen's cheapest is the unconstrained plan's, at its staleness
+    assert b.relaxed_objective == pytest.approx(free.best.cost_per_update_usd)
+    assert b.relaxed_value == pytest.approx(free.best.staleness) and b.relaxed_value > 1.2
+    assert b.gain == pytest.approx(1 - free.best.cost_per_update_usd / bound.best.cost_per_update_usd)
+    assert b.gain > 0 and "--max-staleness 1.2 binds" in b.text()
+    loose = plan_mix(PlannerConfig(**wide, verify=0, max_time_per_update_s=1e6))
+    assert not [b for b in loose.binds if b.flag != "--max-gpus"]     # a limit the cheapest meets does not bind
+    if not np.isfinite(free.best.staleness):   # the cheapest is trainer-bound: any staleness limit binds on it
+        assert "unbounded" in b.text()
+    capped = plan_mix(PlannerConfig(**TINY, verify=0))       # H100 <= 4, A100 <= 2
+    used: dict[str, int] = {}
+    for g, c in capped.best.replicas.items():
+        t = next(t for t in capped.types if t.name == g)
+        used[t.accelerator] = used.get(t.accelerator, 0) + c * t.tp
+    caps = {"H100": 4, "A100-80GB": 2}
+    assert {b.what for b in capped.binds if b.flag == "--max-gpus"} == {a for a, u in used.items() if u >= caps[a]}
+
+
 def test_pareto_set_is_sorted_and_non_dominated() -> None:
     r = plan_mix(PlannerConfig(**TINY, verify=0))
     costs = [c.cost_per_update_usd for c in r.pareto]

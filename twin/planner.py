@@ -295,6 +295,39 @@ class Candidate:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Binding:
+    """One constraint that keeps a feasible plan from a better objective: relaxed alone, the screen's best
+    objective would be `relaxed_objective` (vs `objective`), at `relaxed_value` of the limited metric. A GPU cap
+    the chosen mix uses up is reported with `relaxed_objective` None: the screen cannot say what more GPUs buy
+    without building the candidates again."""
+    flag: str                          # the CLI flag (e.g. '--max-staleness'); '--max-gpus' for a cap
+    what: str                          # the limited metric in words, or the accelerator for a cap
+    limit: float
+    unit: str
+    objective: float                   # the chosen screen objective (cost per (effective) update)
+    relaxed_objective: float | None
+    relaxed_value: float | None
+    per: str = "update"                # the objective's unit: 'update' or 'effective update'
+
+    @property
+    def gain(self) -> float | None:
+        """The objective's relative saving if this constraint alone were relaxed (0.12 = 12% cheaper)."""
+        if self.relaxed_objective is None or not self.objective > 0:
+            return None
+        return 1.0 - self.relaxed_objective / self.objective
+
+    def text(self) -> str:
+        if self.relaxed_objective is None:
+            return (f"{self.flag} {self.what}={self.limit:g}: the chosen mix uses all {self.limit:g} GPUs allowed; "
+                    "more may buy a cheaper mix")
+        value = (f"{self.what} {self.relaxed_value:,.3g} {self.unit}" if math.isfinite(self.relaxed_value or 0.0)
+                 else f"{self.what} unbounded (a trainer-bound mix)")
+        return (f"{self.flag} {self.limit:g} binds: without it the cheapest mix screened costs "
+                f"${self.relaxed_objective:,.2f} per {self.per} ({self.gain:.0%} less than ${self.objective:,.2f}) at "
+                + value)
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanResult:
     best: Candidate | None
     plan: Plan | None
@@ -306,6 +339,7 @@ class PlanResult:
     verified: list[Candidate] = field(default_factory=list)  # the twin-verified candidates, in the twin's order
     on_demand: Candidate | None = None   # with cfg.spot: the best mix without spot groups (verified alike)
     checks: dict[str, Any] = field(default_factory=dict)  # the twin checks: mode, tasks, workers, nodes, wall_s
+    binds: list[Binding] = field(default_factory=list)  # what keeps the chosen mix from a cheaper one (`what_binds`)
 
 
 def calibrated_group(cal: Any, accelerator: str, precision: str, kv_dtype: str, name: str = "") -> Any:
@@ -628,6 +662,43 @@ def binding_constraints(m: dict[str, np.ndarray], cfg: PlannerConfig) -> str:
             "(--max-gpus, --default-max-gpus); relax a limit that binds.")
 
 
+def what_binds(m: dict[str, np.ndarray], cfg: PlannerConfig, chosen: int, gpus: dict[str, int] | None = None,
+               *, min_gain: float = 1e-3) -> list[Binding]:
+    """The constraints that bind on a feasible plan, in order of what relaxing each alone would save: a limit
+    binds when the screen's best objective without it (the other limits kept) is lower than the chosen one's by
+    more than `min_gain`; a GPU cap binds (may bind) when the chosen mix uses all of it (`gpus`: per accelerator).
+    `chosen`: the screen row of the best feasible candidate. None binding: the mix is the cheapest screened."""
+    best = float(m[cfg.objective][chosen])
+    per = "effective update" if cfg.objective == "cost_per_effective_update" else "update"
+    out: list[Binding] = []
+    for field_name, metric, flag, what, unit in _LIMITS:
+        limit = getattr(cfg, field_name)
+        if limit is None:
+            continue
+        idx = np.flatnonzero(feasible(m, replace(cfg, **{field_name: None})))
+        if not len(idx):
+            continue
+        i = int(idx[np.argmin(m[cfg.objective][idx])])
+        relaxed = float(m[cfg.objective][i])
+        if relaxed < best * (1.0 - min_gain):
+            out.append(Binding(flag=flag, what=what, limit=float(limit), unit=unit, objective=best,
+                               relaxed_objective=relaxed, relaxed_value=float(m[metric][i]), per=per))
+    out.sort(key=lambda b: -(b.gain or 0.0))
+    for acc, used in sorted((gpus or {}).items()):
+        cap = cfg.max_gpus.get(acc, cfg.default_max_gpus)
+        if used >= cap:
+            out.append(Binding(flag="--max-gpus", what=acc, limit=float(cap), unit="GPUs", objective=best,
+                               relaxed_objective=None, relaxed_value=None, per=per))
+    return out
+
+
+def binds_text(binds: list[Binding]) -> str:
+    """What binds, in one sentence; 'no limit binds' when the chosen mix is the cheapest screened."""
+    if not binds:
+        return "no limit binds: the chosen mix is the cheapest screened"
+    return "; ".join(b.text() for b in binds)
+
+
 def pareto_mask(points: np.ndarray) -> np.ndarray:
     """Rows not dominated by another (all objectives minimized; inf allowed)."""
     keep = np.ones(len(points), dtype=bool)
@@ -721,8 +792,12 @@ def plan_mix(cfg: PlannerConfig, progress: Callable[[str], None] | None = None, 
         best = replace(best, lost_work=expected_lost_work(best, types, cfg))
         if on_demand is not None:
             on_demand = replace(on_demand, lost_work=expected_lost_work(on_demand, types, cfg))
+    by_name, gpus = {t.name: t for t in types}, {}
+    for g, c in best.replicas.items():   # the chosen mix's GPUs per accelerator (its caps may bind)
+        gpus[by_name[g].accelerator] = gpus.get(by_name[g].accelerator, 0) + c * by_name[g].tp
     return PlanResult(best=best, plan=candidate_plan(best, types, cfg), pareto=pareto, screened=len(n),
-                      feasible=int(ok.sum()), types=types, verified=verified, on_demand=on_demand, checks=checks)
+                      feasible=int(ok.sum()), types=types, verified=verified, on_demand=on_demand, checks=checks,
+                      binds=what_binds(m, cfg, int(order[0]), gpus))
 
 
 def verify_updates(c: Candidate, cfg: PlannerConfig, prompts_per_update: int) -> int:

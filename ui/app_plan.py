@@ -360,7 +360,7 @@ def _show(view: planner.PlannerView) -> None:
     st.table(view.mix_table)
     from mixfleet.ui.app_plan_result import show_versus_seed
 
-    show_versus_seed(p, view.references, view.points)
+    show_versus_seed(p, view.references, view.points, view.binds)
     if view.notes:
         st.caption(view.notes)
     st.plotly_chart(charts.pareto(view.points, chosen=p, references=view.references, twin_points=view.twin_points),

@@ -94,8 +94,10 @@ def versus_seed(point: dict[str, Any], references: list[dict[str, Any]]) -> list
 
 
 def show_versus_seed(point: dict[str, Any], references: list[dict[str, Any]],
-                     points: pd.DataFrame | None = None) -> None:
-    """The chosen mix against the seed's fleets, and the runners-up (`points`: the Pareto set)."""
+                     points: pd.DataFrame | None = None, binds: str = "") -> None:
+    """The chosen mix against the seed's fleets, what binds it, and the runners-up (`points`: the Pareto set)."""
+    if binds:
+        st.markdown(f"**What binds:** {binds}.")
     if points is not None:
         show_runners_up(points, point)
     lines = versus_seed(point, references)

@@ -59,6 +59,7 @@ class PlannerView:
     references: list[dict[str, Any]] = field(default_factory=list)  # the seed fleets, planner's analytic model
     twin_points: list[dict[str, Any]] = field(default_factory=list)  # twin dry runs (chosen + seed fleets)
     notes: str = ""
+    binds: str = ""                              # what keeps the chosen mix from a cheaper one (planner.binds_text)
 
 
 def available() -> bool:
@@ -152,7 +153,7 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
     `pool`: columns use, accelerator, max_gpus and optionally usd_per_gpu_hour and precisions (edited prices
     and precision lists become the planner's per-accelerator overrides; `emulated` allows emulated ones)."""
     from mixfleet.policies.plan import with_overrides
-    from mixfleet.twin.planner import PlannerConfig, plan_mix, verify_updates
+    from mixfleet.twin.planner import PlannerConfig, binds_text, plan_mix, verify_updates
 
     say = progress or (lambda _f, _m: None)
     used = pool[pool["use"].astype(bool)]
@@ -242,4 +243,4 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
         notes += " The chosen mix is trainer-bound: samplers outpace the trainer and staleness grows without bound."
     say(1.0, "done")
     return PlannerView(plan=pt, mix_table=table, chosen_point=chosen, points=points, references=analytic,
-                       twin_points=twin_points, notes=notes)
+                       twin_points=twin_points, notes=notes, binds=binds_text(result.binds))

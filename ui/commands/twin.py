@@ -219,7 +219,7 @@ def register(app: typer.Typer) -> None:
         from mixfleet.costmodel.errors import SpecError
         from mixfleet.costmodel.jsonsafe import json_safe
         from mixfleet.policies.plan import save_plan
-        from mixfleet.twin.planner import PlannerConfig, plan_mix
+        from mixfleet.twin.planner import PlannerConfig, binds_text, plan_mix
         from rich.console import Console
         from rich.table import Table
 
@@ -274,6 +274,8 @@ def register(app: typer.Typer) -> None:
                 "verified": [c.to_dict() for c in result.verified], "screened": result.screened,
                 "feasible": result.feasible, "plan_file": str(out) if out else None, "wall_s": wall_s,
                 "checks": result.checks, "on_demand": result.on_demand.to_dict() if result.on_demand else None,
+                "binds": [{"flag": x.flag, "what": x.what, "limit": x.limit, "relaxed_objective": x.relaxed_objective,
+                           "relaxed_value": x.relaxed_value, "gain": x.gain, "text": x.text()} for x in result.binds],
                 "spot_source": _spot_source(cfg) if cfg.spot else None,
                 "groups": {x.name: {"tp": x.tp, "dp_attention": x.dp_attention, "ep": x.ep, "backend": x.backend}
                            for x in result.types if x.name in result.best.replicas}}), indent=2))
@@ -313,6 +315,7 @@ def register(app: typer.Typer) -> None:
                      f"staleness {_num(b.staleness, '.2f')}; USD/h {_num(b.usd_per_hour)}; cost/update "
                      f"{_num(b.cost_per_update_usd)}; cost/effective update {_num(b.cost_per_effective_update_usd)}"
                      + ("; trainer-bound" if b.trainer_bound else ""))
+        lines.append(f"what binds: {binds_text(result.binds)}")
         if cfg.prices:
             lines.append("prices over the table (USD per GPU-hour): "
                          + ", ".join(f"{a} {usd:.2f}" for a, usd in cfg.prices.items()))
