@@ -70,6 +70,7 @@ class Proposal:
     staleness_new: float
     feasible: bool                   # the new counts meet the limits (budget, staleness, time per update)
     anchor: float = 1.0              # the factor on every fitted decode_scale that matched the measured time
+    trainer_anchor: float = 1.0      # the factor on the fitted train step that matched the measured one
     note: str = ""
 
     @property
@@ -80,7 +81,7 @@ class Proposal:
 
 
 # solver(fit, current counts, groups it may change, measured figures of the window) -> Proposal; the measured
-# figures: "time_per_update_s" (mean over the window) and "staleness" (token-weighted mean)
+# figures: "time_per_update_s" (mean over the window), "staleness" (token-weighted mean) and "train_step_s" (mean)
 Solver = Callable[[Calibration, dict[str, int], tuple[str, ...], dict[str, float]], Proposal]
 
 
@@ -267,7 +268,8 @@ class Replan(Autoscaler):
                     "time_per_update_new_s": p.time_per_update_new_s,
                     "staleness_now": p.staleness_now, "staleness_new": p.staleness_new,
                     "staleness_measured": self.measured_staleness(),
-                    "time_per_update_measured_s": self.measured()["time_per_update_s"], "speed_anchor": p.anchor}
+                    "time_per_update_measured_s": self.measured()["time_per_update_s"], "speed_anchor": p.anchor,
+                    "trainer_anchor": p.trainer_anchor}
             adopted, reason = self._judge(p, before, after)
             if adopted:
                 self.targets.update({g: after[g] for g in self.touch if g in after})
@@ -301,10 +303,14 @@ class Replan(Autoscaler):
 
     # ---- the window and its fit --------------------------------------------------------------------
     def measured(self) -> dict[str, float]:
-        """The window's measured time per update (mean interval between update ends) and staleness."""
+        """The window's measured time per update (mean interval between update ends), staleness and train step
+        (mean seconds of the trainer's step, weight sync not included)."""
         ends = np.array([u.end_s for u in self._updates[-self.config.window_updates - 1:]], dtype=np.float64)
         tpu = float(np.diff(ends).mean()) if len(ends) > 1 else math.nan
-        return {"time_per_update_s": tpu, "staleness": self.measured_staleness()}
+        steps = np.array([u.train_step_s for u in self._updates[-self.config.window_updates:]], dtype=np.float64)
+        steps = steps[np.isfinite(steps)]
+        return {"time_per_update_s": tpu, "staleness": self.measured_staleness(),
+                "train_step_s": float(steps.mean()) if len(steps) else math.nan}
 
     def measured_staleness(self) -> float:
         """Token-weighted mean staleness over the window's updates."""
@@ -404,6 +410,16 @@ class Replan(Autoscaler):
         return out
 
 
+def replan_decisions(events: Any) -> list[dict[str, Any]]:
+    """The `replan` events of a run log's events frame (`RunLog.events`), one dict per decision in time order:
+    `version`, `time_s` and the event's detail (`Decision.detail`: adopted, reason, trigger, before, after, gain,
+    predicted, fitted, window). The one reader of the event's format (the Runs page, the benchmarks)."""
+    if events is None or not len(events) or "kind" not in events:
+        return []
+    rp = events[events["kind"] == "replan"].sort_values("time_s", kind="stable")
+    return [{"version": int(r.version), "time_s": float(r.time_s), **json.loads(r.detail)} for r in rp.itertuples()]
+
+
 def fitted_summary(fit: Calibration | None) -> dict[str, Any]:
     """The fit's values as [value, stderr] per group and for the trainer (what a `replan` event records)."""
     if fit is None:
@@ -417,4 +433,4 @@ def fitted_summary(fit: Calibration | None) -> dict[str, Any]:
     return out
 
 
-__all__ = ["Decision", "Proposal", "Replan", "Solver", "fitted_summary"]
+__all__ = ["Decision", "Proposal", "Replan", "Solver", "fitted_summary", "replan_decisions"]

@@ -24,11 +24,12 @@ import numpy as np
 from mixfleet.costmodel.calibration import Calibration, Fitted, GroupCalibration
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.planspec import plan_catalog, resolve_groups
+from mixfleet.costmodel.planspec import plan_catalog, resolve_groups, resolve_trainer
 from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import Plan
 from mixfleet.policies.registry import make_config
 from mixfleet.policies.replan import Proposal, Replan, Solver
+from mixfleet.twin.episodes import workload_shape
 from mixfleet.twin.planner import PlannerConfig, feasible, group_types, metrics
 
 SEARCH_STEPS = (1, 2, 4, 8)          # replicas per move of one group
@@ -69,6 +70,27 @@ def planner_solver(plan: Plan, config: Replan.Config, calibration: Calibration |
                    for g in fit.groups)
         return replace(fit, groups=gs)
 
+    def trainer_anchored(fit: Calibration, measured_s: float) -> tuple[Calibration, float]:
+        """The fit with its trainer step (scale and overhead) times the factor that makes the model's step at the
+        plan's batch the window's measured mean step (unchanged when not measured). The model prices a batch at
+        the plan's workload's tokens, the real run's batches are what they are: on replan-cpu the prior workload's
+        tokens put the model's step at 79 s against 44 s measured, which made the model trainer-bound (staleness
+        unbounded) on a run that was not."""
+        if not (math.isfinite(measured_s) and measured_s > 0):
+            return fit, 1.0
+        cfg, _ = model(fit)
+        tr = resolve_trainer(cfg.trainer_accelerator, cfg.trainer_gpus, model=load_model_spec(cfg.model),
+                             catalog=plan_catalog(plan), calibration=fit)
+        if tr.calibration is None:       # a fit made on another trainer accelerator: the prior step, not anchored
+            return fit, 1.0
+        step = float(tr.step_s(shape[0] * shape[1] * workload_shape(wl, shape[1]).generated_per_episode))
+        own = step - fit.update_overhead_s.value
+        if not (own > 0 and math.isfinite(own)):
+            return fit, 1.0
+        r = measured_s / own
+        return replace(fit, trainer_scale=replace(fit.trainer_scale, value=fit.trainer_scale.value * r),
+                       trainer_overhead_s=replace(fit.trainer_overhead_s, value=fit.trainer_overhead_s.value * r)), r
+
     def model(cal: Calibration | None) -> tuple[PlannerConfig, list]:
         cfg = replace(base, calibration=cal)
         return cfg, group_types(cfg, only=list(plan.groups))
@@ -100,10 +122,12 @@ def planner_solver(plan: Plan, config: Replan.Config, calibration: Calibration |
     def solve(fit: Calibration | None, current: dict[str, int], touch: tuple[str, ...],
               measured: dict[str, float]) -> Proposal:
         x0 = np.array([int(current.get(n, g.replicas)) for n, g in zip(names, plan.groups, strict=True)])
+        ta = 1.0
         if fit is None:   # no measurements: the values the plan was sized on, as they are
             a = 1.0
             cfg, types = model(calibration)
         else:
+            fit, ta = trainer_anchored(fit, float(measured.get("train_step_s", math.nan)))
             a = anchor(fit, x0, float(measured.get("time_per_update_s", math.nan)))
             cfg, types = model(scaled(fit, a))
         free = np.array([n in touch for n in names])
@@ -137,7 +161,7 @@ def planner_solver(plan: Plan, config: Replan.Config, calibration: Calibration |
                         objective_new=float(raw[1]), time_per_update_now_s=float(m["time_per_update_s"][0]),
                         time_per_update_new_s=float(m["time_per_update_s"][1]), staleness_now=float(m["staleness"][0]),
                         staleness_new=float(m["staleness"][1]), feasible=bool(math.isfinite(obj[1])), anchor=a,
-                        note=note)
+                        trainer_anchor=ta, note=note)
 
     return solve
 

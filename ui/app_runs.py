@@ -174,8 +174,32 @@ def _view(path: str, twin_path: str | None) -> None:
                                            if h.get("status") == "running" else "."))
         return
     _charts(run, twin)
+    _mix(run)
     if twin is not None:
         _prediction_table(run, twin)
+
+
+def _mix(run: RunData) -> None:
+    """The fleet's mix over time (replicas up per group, the scale and `replan` events marked: the timeline the
+    Dry-run page draws) and, when the autoscaler re-planned, its decisions (issue 27)."""
+    from mixfleet.policies.replan import replan_decisions
+
+    if not charts.has_values(run.groups, "replicas_up"):
+        st.caption(f"Fleet mix over time: {NOT_RECORDED}.")
+        return
+    st.plotly_chart(charts.timeline(run.updates, run.groups, run.events, run.summary.get("clock", "wall")),
+                    width="stretch", key="runs_timeline")
+    rows = [{"update": d["version"], "time (s)": d["time_s"], "adopted": d.get("adopted"),
+             "before": ", ".join(f"{g} {n}" for g, n in (d.get("before") or {}).items()),
+             "after": ", ".join(f"{g} {n}" for g, n in (d.get("after") or {}).items()),
+             "predicted gain": d.get("gain"), "reason": d.get("reason", ""), "trigger": d.get("trigger", "")}
+            for d in replan_decisions(run.events)]
+    if rows:
+        st.subheader("Re-planning decisions")
+        st.dataframe(pd.DataFrame(rows).style.format({"time (s)": "{:.0f}", "predicted gain": "{:+.1%}"},
+                                                     na_rep="—"), hide_index=True, width="stretch")
+        st.caption("Each is a `replan` event of the run log (its detail also holds the fitted values with their "
+                   "stderr and the predicted objective, time per update and staleness: docs/twin.md).")
 
 
 def _demo_button(root: Path) -> None:
