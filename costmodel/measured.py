@@ -62,8 +62,10 @@ QUANT = {"bf16": (("bfloat16",), ("bfloat16",)),
 QUANT_EMULATED = {"mxfp4": (("bfloat16",), ("w4a16_mxfp4",))}
 KV_QUANT = {"bf16": "bfloat16", "fp8_e4m3": "fp8"}
 
-# the tabulation grid: replica batch x context for decode, new tokens x cached context for prefill
-DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+# the tabulation grid: replica batch x context for decode, new tokens x cached context for prefill; the replica
+# batches reach 2048 per rank on 8 attention-DP ranks (the offline cap of the published-figures comparison)
+DECODE_BATCHES = (1, 2, 4, 8, 16, 32, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096, 6144,
+                  8192, 12288, 16384)
 CONTEXTS = (1, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 PREFILL_TOKENS = (1, 64, 256, 1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072, 262144)
 PREFILL_CONTEXTS = (0, 1024, 4096, 16384, 65536)
@@ -299,13 +301,23 @@ def _compile(cov: Coverage) -> tuple[Any, str]:
                      f"a configuration the database has measured ({type(last).__name__}: {str(last)[:160]})")
 
 
+def decode_batches(max_batch: int) -> np.ndarray:
+    """The decode table's replica-batch axis: `DECODE_BATCHES` up to `max_batch`, `max_batch` appended where the
+    grid stops short of it, at least two points. A step past the last point would be a linear extrapolation, so
+    the grid reaches every batch the replica is asked for (until issue 25 it stopped at 2048 whatever the cap: a
+    DEP8 replica at 2048 per rank was extrapolated from 256 per rank on)."""
+    cap = max(int(max_batch), 2)
+    bs = [b for b in DECODE_BATCHES if b <= cap]
+    if bs[-1] < cap:
+        bs.append(cap)
+    return np.array(bs, dtype=np.float64)
+
+
 @lru_cache(maxsize=256)
 def _table(cov: Coverage, max_batch: int, max_context: int) -> StepTable:
     h, source = _compile(cov)
     dp = cov.layout.dp_attention
-    bs = np.array([b for b in DECODE_BATCHES if b <= max(max_batch, 2)] or [1, 2], dtype=np.float64)
-    if len(bs) < 2:
-        bs = np.array([1.0, 2.0])
+    bs = decode_batches(max_batch)
     ctx = np.array([c for c in CONTEXTS if c <= max(max_context, 256)], dtype=np.float64)
     if ctx[-1] < max_context:
         ctx = np.append(ctx, float(max_context))

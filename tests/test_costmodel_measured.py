@@ -105,3 +105,24 @@ def test_a_short_context_limit_still_gives_a_finite_prefill_table() -> None:
     rm = replica_model("qwen3-30b-a3b", "H100", "fp8", "fp8_e4m3", kv_budget_tokens=1024, backend="aiconfigurator")
     p = np.asarray(rm.prefill_s(np.array([1.0, 100.0, 1000.0]), np.array([0.0, 0.0, 24.0])))
     assert np.isfinite(p).all() and (p > 0).all() and p[0] < p[1] < p[2]
+
+
+def test_the_decode_table_reaches_an_attention_dp_replicas_own_cap() -> None:
+    # main: the table's replica batches stopped at 2048 whatever the cap, so a DEP2 replica at the offline
+    # comparison's 2048 per rank (4096 in all) was extrapolated linearly from 768 and 1024 per rank
+    from aiconfigurator_core.sdk.engine import EngineHandle
+
+    rm = replica_model("qwen3-30b-a3b", "H200", "bf16", "bf16", layout=Layout.parse("DEP2"), kv_budget_tokens=2048,
+                       backend="aiconfigurator", max_batch=2048)
+    assert rm.measured is not None and rm.measured.batches[-1] == 4096
+    h = EngineHandle.compile("Qwen/Qwen3-30B-A3B", "h200_sxm", "sglang", tp_size=1, attention_dp_size=2,
+                             moe_tp_size=1, moe_ep_size=2, gemm_quant_mode="bfloat16", moe_quant_mode="bfloat16",
+                             kvcache_quant_mode="bfloat16", fmha_quant_mode="bfloat16")
+    for per_rank in (1536, 2048):     # replica batches 3072 and 4096: aiconfigurator's own per-rank latency
+        assert rm.decode_step_s(2 * per_rank, 1024) == pytest.approx(
+            h.predict_decode_latency(per_rank, 1024, 2) / 1e3, rel=1e-9)
+    # the grid: up to any cap, the cap itself on it
+    from mixfleet.costmodel.measured import decode_batches
+
+    assert decode_batches(16384)[-1] == 16384 and decode_batches(300)[-2:].tolist() == [256.0, 300.0]
+    assert decode_batches(1).tolist() == [1.0, 2.0]
