@@ -3,12 +3,15 @@
 data/plans/replan-cpu.toml: two embedded CPU sampler groups with one prior (BF16 weights and KV, the same
 accelerator and price), cpu-fast computing in FP32 and cpu-slow in BF16 (slower on this CPU than the prior, which
 does not know the kernel), started fast x1, slow x2, each free in [0, 2]; `[policies.autoscaler] name = "replan"`.
-The same plan static (data/plans/replan-cpu-static.toml: the fixed autoscaler). Both run for real, one after the
+The same plan static (data/plans/replan-cpu-static.toml: the fixed autoscaler). Three real runs, one after the
 other (`mixfleet run PLAN --out DIR --updates N --quiet`: the embedded engine, a local Ray, the Megatron-core
-trainer). For each: the `replan` events (before / after counts, fitted values with stderr, predicted gain), the mix
-over time (replicas up per group per update), cost per update and per effective update (cost / (1 - extreme
-share)) over the whole run and over the updates after the re-planned run's first adopted re-plan (the same
-updates for both), time per update, staleness.
+trainer): re-planned, static, re-planned again (the shared machine's pace drifts, so the static run sits between
+two re-planned ones, and each run's trainer pace, trained tokens per second of its step, is reported: the same
+work in every run). For each: the `replan` events (before / after counts, fitted values with stderr, predicted
+gain) and the decisions the current solver makes on the same log (`replay`), the mix over time (replicas up per
+group per update), cost per update and per effective update (cost / (1 - extreme share)) over the whole run and
+over the updates after the first adopted re-plan (the static run: after the first re-planned run's), time per
+update, staleness.
 
 Resumable: a run folder whose run log already has N updates is measured as it is; one that stopped short is
 continued (`--resume`); the results are written after each run.
@@ -43,8 +46,11 @@ from mixfleet.twin.replan import solver_for
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "replan_real.json"
+# the runs in the order they are made: the static run between two re-planned ones, since the shared machine's
+# pace drifts (the trainer's tokens/s of each run is reported beside it)
 PLANS = {"replanned": ROOT / "data" / "plans" / "replan-cpu.toml",
-         "static": ROOT / "data" / "plans" / "replan-cpu-static.toml"}
+         "static": ROOT / "data" / "plans" / "replan-cpu-static.toml",
+         "replanned2": ROOT / "data" / "plans" / "replan-cpu.toml"}
 
 
 def updates_done(d: Path) -> int:
@@ -177,9 +183,9 @@ def _decision(d: dict[str, Any]) -> dict[str, Any]:
 def table(res: dict[str, Any]) -> str:
     """The Markdown table docs/runner.md shows."""
     rows = ["| run | counts (start -> end) | updates | USD / update (whole run) | USD / effective update (whole "
-            "run) | USD / effective update (after 1st re-plan) | time / update (s) | staleness |",
-            "|---|---|---|---|---|---|---|---|"]
-    for kind in ("static", "replanned"):
+            "run) | USD / effective update (after 1st re-plan) | time / update (s) | staleness | trainer tokens/s "
+            "| USD / eff. update after, at the static run's pace |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for kind in PLANS:
         m = res["runs"].get(kind)
         if not m:
             continue
@@ -189,10 +195,12 @@ def table(res: dict[str, Any]) -> str:
         rows.append(f"| {kind} | {counts} | {m['updates']} | {w['cost_per_update_usd']:.3g} | "
                     f"{w['cost_per_effective_update_usd']:.3g} | {a.get('cost_per_effective_update_usd', math.nan):.3g}"
                     f" | {w['time_per_update_s']:.1f} / {a.get('time_per_update_s', math.nan):.1f} after | "
-                    f"{w['staleness_mean']:.2f} |")
+                    f"{w['staleness_mean']:.2f} | {m.get('trainer_tokens_per_s', math.nan):.0f} | "
+                    f"{a.get('cost_per_effective_update_at_static_pace_usd', math.nan):.3g} |")
     out = ["\n".join(rows)]
-    re = res["runs"].get("replanned")
-    if re:
+    for kind in (k for k in PLANS if PLANS[k] == PLANS["replanned"] and k in res["runs"]):
+        re = res["runs"][kind]
+        out.append(f"\n{kind}:")
         out.append("\n| update | adopted | before | after | fitted decode_scale (+- stderr) | predicted gain | "
                    "reason |")
         out.append("|---|---|---|---|---|---|---|")
@@ -235,16 +243,34 @@ def main() -> None:
     print(table(res))
 
 
+def first_adopted(d: Path) -> int | None:
+    adopted = [x for x in replan_decisions(RunLog.open(d).events) if x["adopted"]] if updates_done(d) else []
+    return adopted[0]["version"] if adopted else None
+
+
 def _measure_all(res: dict[str, Any], work: Path) -> None:
-    """Every finished run measured over the updates after the re-planned run's first adopted re-plan."""
-    first_v = None
-    if updates_done(work / "replanned"):
-        adopted = [d for d in replan_decisions(RunLog.open(work / "replanned").events) if d["adopted"]]
-        first_v = adopted[0]["version"] if adopted else None
-    res["first_adopted_replan_version"] = first_v
+    """Every run measured over the updates after its first adopted re-plan (the static run: after the first
+    re-planned run's), with the trainer's pace (trained tokens per second of its step: the same work in every run,
+    so how fast the shared machine was) and the cost at the static run's pace (a diagnostic)."""
+    first = {k: first_adopted(work / k) for k in PLANS if PLANS[k] == PLANS["replanned"]}
+    res["first_adopted_replan_version"] = first
     for kind in PLANS:
         if updates_done(work / kind):
-            res["runs"][kind] = measure(work / kind, first_v)
+            res["runs"][kind] = measure(work / kind, first.get(kind, first.get("replanned")))
+            res["runs"][kind]["trainer_tokens_per_s"] = trainer_pace(work / kind)
+    ref = res["runs"].get("static", {}).get("trainer_tokens_per_s")
+    for m in res["runs"].values():
+        a = m["after_first_replan"]
+        if ref and a.get("updates"):
+            # a run on a machine running at pace p took ref / p as long per unit of work as it would have at ref
+            a["cost_per_effective_update_at_static_pace_usd"] = (a["cost_per_effective_update_usd"]
+                                                                 * m["trainer_tokens_per_s"] / ref)
+
+
+def trainer_pace(d: Path) -> float:
+    """Trained tokens per second of the trainer's step over the run (updates after the first two)."""
+    up = RunLog.open(d).updates.sort_values("version").iloc[2:]
+    return float(up["tokens"].sum() / up["train_step_s"].sum())
 
 
 if __name__ == "__main__":

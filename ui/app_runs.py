@@ -1,7 +1,8 @@
 """The Runs page: pick a run log (twin or real) under the runs folder and chart it.
 
 Reward, KL by group, share of tokens outside [0.2, 5], grad norm, entropy, staleness and tokens/s per
-update; refreshes itself while the run is going (a Streamlit fragment with run_every); overlays the
+update, the fleet's mix over time (replicas up per group, scale and `replan` events marked) and the re-planner's
+decisions; refreshes itself while the run is going (a Streamlit fragment with run_every); overlays the
 twin's prediction for the same plan when a twin run log of that plan is in the folder, with the
 predicted-vs-measured table from `mixfleet.costmodel.runsummary.compare`; for a real run, the twin
 fidelity check (`mixfleet.twin.calibrated.fidelity`, priors or a calibration file).
