@@ -405,8 +405,22 @@ def user_path(rows: Iterable[Measurement], backends: Sequence[str] = ("roofline"
                       "user_same_rows_as_fixed": summarize([e[b]["ratio"] for e in both]),
                       "fixed_same_rows": summarize([e[b]["fixed_ratio"] for e in both]),
                       "fell_back": sum(1 for e in table if e[b]["ratio"] is not None and e[b]["priced_by"] != b),
-                      "not_priced": sum(1 for e in table if e[b]["ratio"] is None)}
+                      "not_priced": sum(1 for e in table if e[b]["ratio"] is None),
+                      "worst_row": _worst_row(ok, b)}
     return {"rows": table, "summary": summary, "n_rows": len(table), "n_setups": len(best)}
+
+
+def _worst_row(entries: list[dict[str, Any]], b: str) -> dict[str, Any] | None:
+    """The row farthest off for backend b, with what bounds it: `setup_spread` = the best published figure of its
+    setup / its own. A row of a layout sweep that is `setup_spread` x slower than its setup's best layout cannot be
+    within a factor f of one user figure unless that figure is at least `setup_spread / f` x below the best."""
+    if not entries:
+        return None
+    e = max(entries, key=lambda x: factor(x[b]["ratio"], 1.0))
+    return {"row": e["row"], "published_layout": e["published_layout"], "published": e["value"],
+            "layout": e[b]["layout"], "value": e[b]["value"], "factor": factor(e[b]["ratio"], 1.0),
+            "setup_best_published": e["setup_best_published"],
+            "setup_spread": e["setup_best_published"] / e["value"]}
 
 
 def _setup(m: Measurement) -> tuple[str, str, str, str, int, int]:

@@ -56,6 +56,10 @@ def test_user_path_reports_beside_the_fixed_layout_and_per_setup() -> None:
     s = rep["summary"]["aiconfigurator"]
     assert s["user"]["n"] == 4 and s["user_vs_best_published"]["n"] == 2 and s["fell_back"] == 0
     assert s["user_vs_best_published"]["worst_factor"] < 1.2
+    # the worst row is the sweep's slowest layout, named with how far its setup's best layout is above it
+    w = s["worst_row"]
+    assert (w["row"], w["published_layout"], w["layout"]) == ("trtllm-perf-overview#74", "DEP8", "TP1")
+    assert w["factor"] == pytest.approx(s["user"]["worst_factor"]) and w["setup_spread"] == pytest.approx(9938 / 3985)
 
 
 def test_validate_costmodel_json_has_the_user_path() -> None:

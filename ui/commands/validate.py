@@ -98,6 +98,12 @@ def _print(rep: dict[str, Any], names: list[str], show_rows: bool) -> None:
                           _f(v["median_ratio"]), style="bold" if key == "user_vs_best_published" else None)
             u.add_row("", f"fell back to the roofline: {s['fell_back']}, not priced: {s['not_priced']}", "", "", "",
                       "")
+            w = s.get("worst_row")
+            if w is not None:
+                u.add_row("", f"worst row {w['row']}: published {w['published_layout']} {w['published']:,.0f}, user "
+                              f"{w['layout']} {w['value']:,.0f}; its setup's best published layout "
+                              f"{w['setup_best_published']:,.0f} ({w['setup_spread']:.2f}x this row)",
+                          "", "", _f(w["factor"]), "")
         con.print(u)
     if show_rows:
         r = Table(title="Rows (published vs each backend)")
