@@ -672,15 +672,24 @@ def _mismatch_split(gr: pd.DataFrame, prior: Any) -> tuple[Fitted, Fitted, Fitte
     design = np.stack([np.ones_like(xs), xs], axis=1)
     w = np.sqrt(ws / ws.mean())
     scale = max(float(np.abs(ys).max()), 1e-12)
-    (a, b), (ea, eb), _, _ = _lsq(design, ys / scale, np.array([0.0, 0.0]), np.array([np.inf, np.inf]),
-                                  np.array([max(float(ys.min()), 0.0) / scale, 0.0]), w)
+    (a, b), (ea, eb), _, resid = _lsq(design, ys / scale, np.array([0.0, 0.0]), np.array([np.inf, np.inf]),
+                                      np.array([max(float(ys.min()), 0.0) / scale, 0.0]), w)
     a, b, ea, eb = a * scale, b * scale, ea * scale, eb * scale
     s_run = float((st[ok] * n[ok]).sum() / n[ok].sum())
     at_run = a + b * s_run
+    # the line's value at the run's own staleness is what a plan at that staleness inherits: its stderr from the
+    # covariance of (a, b), which the intercept and slope alone overstate (they trade against each other)
+    J = w[:, None] * design
+    try:
+        cov = float(resid @ resid) / max(len(ys) - 2, 1) * np.linalg.inv(J.T @ J) * scale ** 2
+        e_run = float(math.sqrt(max(np.array([1.0, s_run]) @ cov @ np.array([1.0, s_run]), 0.0)))
+    except np.linalg.LinAlgError:
+        e_run = math.nan
     level = max(a, MIN_LEVEL_SHARE * at_run)
     g = (at_run / level - 1.0) / s_run if level > 0 and s_run > 0 else 0.0
     eg = float(eb / level) if level > 0 else math.nan
-    note = f"kl(s) = {a:.3g} (+- {ea:.2g}) + {b:.3g} (+- {eb:.2g}) x s, fitted on the run's staleness 0..{xs.max():.2f}"
+    note = (f"kl(s) = {a:.3g} (+- {ea:.2g}) + {b:.3g} (+- {eb:.2g}) x s, fitted on the run's staleness "
+            f"0..{xs.max():.2f}; kl at its mean staleness {s_run:.2f}: {at_run:.3g} +- {e_run:.2g}")
     if level > a:
         note += f"; kl0 kept at {MIN_LEVEL_SHARE:.0%} of kl at the run's staleness {s_run:.2f}"
     ext = gr["extreme_share"].to_numpy(dtype=np.float64)
