@@ -7,12 +7,17 @@ Pure pandas / numpy, so the simulated and the real world are summarized by the v
 
 Definitions (the run clock starts at 0; seconds are simulated for the twin, wall for the runner):
 - elapsed_s: end of the last update (0 without updates).
-- time per update: the intervals between consecutive update ends, the first measured from 0
-  (so it includes filling the pipeline); mean, p50, p95 (numpy linear percentiles).
+- time per update: the intervals between consecutive update ends on the update loop (`loop_clock`), the
+  first measured from the loop's start (so it includes filling the pipeline); mean, p50, p95 (numpy linear
+  percentiles). For a twin log the loop starts at 0; for a real run it starts after the run's start-up (Ray,
+  samplers), and a stopped-and-resumed run counts each segment's loop only: the stop, the wait and the restart
+  are in elapsed_s and outside_loop_s, never in a time per update (issue 26: the card and `fidelity` say one
+  figure).
 - cost per update: the last update's cumulative cost / updates (sampler, trainer, total).
 - staleness_mean: token-weighted mean of the updates' per-token mean staleness (versions);
   staleness_p95: mean over updates of each update's p95; staleness_max: max over updates.
-- trainer_idle_share: 1 - sum(train_step_s + weight_sync_s) / elapsed_s.
+- trainer_idle_share: 1 - sum(train_step_s + weight_sync_s) / the loop's seconds (loop_s: elapsed_s less
+  outside_loop_s).
 - tokens_per_s: generated tokens (groups table; trajectories if it is empty) / elapsed_s.
 - utilization: replicas_up-weighted mean of the groups' utilization.
 - kl_k1, kl_k3, masked_share, extreme_share (outside [0.2, 5]): token-weighted means over
@@ -59,6 +64,8 @@ class RunSummary:
     updates: int
     trajectories: int
     elapsed_s: float
+    outside_loop_s: float                    # elapsed_s not on the update loop: start-ups, a stop and its restart
+    segments: int                            # the run's segments (1 + resumes with an update after them)
     wall_s: float                            # header's wall_s if given (twin: how long the simulation took), else
                                              # elapsed_s for the runner, NaN for the twin
     time_per_update_mean_s: float
@@ -273,7 +280,9 @@ def summarize(runlog: RunLog | str | os.PathLike[str]) -> RunSummary:
         elapsed = float(tr["end_s"].max())
     else:
         elapsed = 0.0
-    intervals = np.diff(ends, prepend=0.0) if n_up else np.array([])
+    clock = loop_clock(log)
+    intervals = clock.intervals
+    loop_s = clock.span_s if n_up else elapsed
 
     cost_s = float(up["cost_sampler_usd"].iloc[-1]) if n_up else 0.0
     cost_t = float(up["cost_trainer_usd"].iloc[-1]) if n_up else 0.0
@@ -281,7 +290,7 @@ def summarize(runlog: RunLog | str | os.PathLike[str]) -> RunSummary:
 
     tokens_w = up["tokens"].to_numpy(dtype=float)
     busy = float((up["train_step_s"] + up["weight_sync_s"]).sum())
-    idle = 1.0 - busy / elapsed if elapsed > 0 else _NAN
+    idle = 1.0 - busy / loop_s if loop_s > 0 else _NAN
 
     if len(gr):
         tokens_gen = int(gr["tokens_generated"].sum())
@@ -344,6 +353,7 @@ def summarize(runlog: RunLog | str | os.PathLike[str]) -> RunSummary:
         steady_tokens_per_s=ss.tokens_per_s,
         run_id=log.run_id, source=source, clock="simulated" if source == "twin" else "wall",
         updates=n_up, trajectories=len(tr), elapsed_s=elapsed, wall_s=wall_s,
+        outside_loop_s=max(0.0, elapsed - loop_s), segments=clock.segments,
         time_per_update_mean_s=float(intervals.mean()) if n_up else _NAN,
         time_per_update_p50_s=_pct(intervals, 50), time_per_update_p95_s=_pct(intervals, 95),
         first_update_s=float(intervals[0]) if n_up else _NAN,

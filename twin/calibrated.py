@@ -26,7 +26,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from mixfleet.costmodel.calibration import Calibration
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.runlog import RunLog
@@ -122,15 +121,13 @@ def run_metrics(path: str | Path) -> dict[str, Any]:
     """The fidelity metrics of one run log (the same definitions for the twin and the runner)."""
     log = RunLog.open(path)
     s = summarize(log)
-    up = log.updates.sort_values("version")
-    clock = loop_clock(log)          # per run segment: a resumed run's start-ups are not the plan's behaviour
-    iv, span = clock.intervals, clock.span_s
-    busy = float((up["train_step_s"] + up["weight_sync_s"]).sum())
+    span = s.elapsed_s - s.outside_loop_s      # the update loop's seconds
+    # the summary's loop clock: per run segment, a resumed run's start-ups are not the plan's behaviour
     out: dict[str, Any] = {
-        "time_per_update_mean_s": float(iv.mean()) if len(iv) else math.nan,
-        "time_per_update_p95_s": float(np.percentile(iv, 95)) if len(iv) else math.nan,
+        "time_per_update_mean_s": s.time_per_update_mean_s,
+        "time_per_update_p95_s": s.time_per_update_p95_s,
         "staleness_mean": s.staleness_mean,
-        "trainer_idle_share": 1.0 - busy / span if span > 0 else math.nan,
+        "trainer_idle_share": s.trainer_idle_share,
         "cost_per_update_usd": s.cost_per_update_usd,
         "cost_sampler_per_update_usd": s.cost_sampler_per_update_usd,
         "kl_k3": s.kl_k3, "extreme_share": s.extreme_share,

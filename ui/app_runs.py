@@ -67,12 +67,19 @@ def _metrics(run: RunData) -> None:
     s = run.summary
     clock = s.get("clock", "wall")
     c = st.columns(6)
-    c[1].metric("time/update", fmt_s(s.get("time_per_update_mean_s")), help=f"mean, {clock} seconds")
+    c[1].metric("time/update", fmt_s(s.get("time_per_update_mean_s")),
+                help=f"mean, {clock} seconds, on the update loop (start-ups and stops left out)")
     c[0].metric("updates", fmt_num(s.get("updates")))
     c[2].metric("cost/update", fmt_usd(s.get("cost_per_update_usd")))
     c[3].metric("staleness (versions)", fmt_versions(s.get("staleness_mean")))
     c[4].metric("tokens/s", fmt_compact(s.get("tokens_per_s")))
     c[5].metric("trainer idle", fmt_pct(s.get("trainer_idle_share")))
+    out = s.get("outside_loop_s")
+    if isinstance(out, int | float) and out > 0:
+        seg = int(s.get("segments") or 1)
+        st.caption(f"{fmt_s(out)} of the run's {fmt_s(s.get('elapsed_s'))} were outside the update loop (start-up"
+                   + (f"s of its {seg} segments, the stop and the restart" if seg > 1 else "") + "): time per update "
+                   "and trainer idle are measured on the loop.")
 
 
 def _chart(fig_ok: bool, fig_fn, what: str) -> None:  # type: ignore[no-untyped-def]
