@@ -56,7 +56,7 @@ def main() -> None:
         t0 = time.perf_counter()
         load_before = os.getloadavg()[0]
         res = run_plan(plan, cfg)
-        from mixfleet.costmodel.runlog import RunLog
+        from mixfleet.costmodel.records.runlog import RunLog
 
         log = RunLog.open(out)
         up = log.updates.sort_values("version")

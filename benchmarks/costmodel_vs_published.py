@@ -38,8 +38,8 @@ def _timings() -> dict[str, float]:
     import aiconfigurator_core.sdk.engine  # noqa: F401
 
     c1 = time.process_time()
-    from mixfleet.costmodel.measured import Layout, step_table
-    from mixfleet.costmodel.roofline import replica_model
+    from mixfleet.costmodel.steptime.measured import Layout, step_table
+    from mixfleet.costmodel.steptime.roofline import replica_model
 
     rm = replica_model("llama-3.1-8b", "H100", "bf16", "bf16", kv_budget_tokens=8192)
     c2 = time.process_time()
@@ -55,11 +55,11 @@ def _timings() -> dict[str, float]:
 
 
 def _grid() -> dict:
-    from mixfleet.costmodel.catalog import load_catalog
     from mixfleet.costmodel.errors import SpecError
-    from mixfleet.costmodel.measured import Layout
-    from mixfleet.costmodel.measurements import summarize
-    from mixfleet.costmodel.roofline import replica_model
+    from mixfleet.costmodel.specs.catalog import load_catalog
+    from mixfleet.costmodel.steptime.measured import Layout
+    from mixfleet.costmodel.steptime.measurements import summarize
+    from mixfleet.costmodel.steptime.roofline import replica_model
 
     cat = load_catalog()
     cells = []
@@ -100,9 +100,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    from mixfleet.costmodel.measured import installed_version
-    from mixfleet.costmodel.measurement_fit import fit_measurements
-    from mixfleet.costmodel.measurements import compare, load_measurements
+    from mixfleet.costmodel.steptime.measured import installed_version
+    from mixfleet.costmodel.steptime.measurement_fit import fit_measurements
+    from mixfleet.costmodel.steptime.measurements import compare, load_measurements
 
     w0, c0 = time.perf_counter(), time.process_time()
     timings = _timings()

@@ -61,7 +61,7 @@ def real_run(plan: Path, out: Path, updates: int, timeout_s: float, retries: int
 def _trainer_pace(runlog: Path) -> dict[str, float]:
     """The trainer's measured pace in a run (same model, same step on both plans): how fast the shared machine
     was during it, independent of the twin. A different pace between runs a and b is machine load."""
-    from mixfleet.costmodel.runlog import RunLog
+    from mixfleet.costmodel.records.runlog import RunLog
 
     up = RunLog.open(runlog).updates
     tok, step = float(up["tokens"].sum()), float(up["train_step_s"].sum())
@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=RESULTS / "fidelity.json")
     args = ap.parse_args()
 
-    from mixfleet.costmodel.calibration import calibrate
+    from mixfleet.costmodel.calibration.fit import calibrate
     from mixfleet.twin.calibrated import fidelity
 
     RESULTS.mkdir(parents=True, exist_ok=True)

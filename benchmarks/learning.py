@@ -125,7 +125,7 @@ def study_runs(rungs: list[str], seeds: list[int], args: argparse.Namespace, out
 
 
 def _eval_curve(events: Any) -> list[dict[str, float]]:
-    from mixfleet.costmodel.trackers import eval_frame  # the one reader of the runner's eval events
+    from mixfleet.costmodel.records.trackers import eval_frame  # the one reader of the runner's eval events
 
     return [{"version": int(r.version), "reward": float(r.reward), "pass_at_k": float(r.pass_at_k), "k": int(r.k),
              "problems": int(r.problems)} for r in eval_frame(events).itertuples()]
@@ -145,7 +145,7 @@ def read_run(folder: Path, rung: str, seed: int) -> dict[str, Any] | None:
                 "evals": res["evals"], "wall_s": res["wall_s"], "config": res["config"]}
     if not (folder / "run.json").exists():
         return None
-    from mixfleet.costmodel.runlog import RunLog
+    from mixfleet.costmodel.records.runlog import RunLog
 
     log = RunLog.open(folder)
     u = log.updates.sort_values("version")

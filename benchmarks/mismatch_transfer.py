@@ -33,9 +33,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from mixfleet.costmodel.calibration import Calibration, FrameLog, calibrate
+from mixfleet.costmodel.calibration.fit import calibrate
+from mixfleet.costmodel.calibration.logs import FrameLog
+from mixfleet.costmodel.calibration.record import Calibration
 from mixfleet.costmodel.jsonsafe import json_safe
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.twin.calibrated import fidelity
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -2,7 +2,7 @@
 
     python benchmarks/moe_run_summary.py RUN_DIR [RUN_DIR ...] [--out benchmarks/results/tiny_moe_cpu_run.json]
 
-Reads each run log (costmodel/runlog.py) and writes one JSON with, per run: the plan, the trainer's routing
+Reads each run log (costmodel/records/runlog.py) and writes one JSON with, per run: the plan, the trainer's routing
 mode, updates, wall time per update, the mean reward per update and by sampling version, KL k3 per update,
 and per group (from the `groups` table) the routing disagreement per update and its token-weighted mean:
 `routing_token_share` (share of the group's trained tokens whose top-k expert set in the sampler differs
@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 from mixfleet.costmodel.jsonsafe import json_safe
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 
 
 def _wmean(values: Any, weights: Any) -> float:

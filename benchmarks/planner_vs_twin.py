@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 from mixfleet.costmodel.jsonsafe import json_safe
-from mixfleet.costmodel.workload import load_workload
+from mixfleet.costmodel.specs.workload import load_workload
 from mixfleet.policies.plan import load_plan
 from mixfleet.twin.planner import (
     K_FACTORS,

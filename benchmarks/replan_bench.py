@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.policies.plan import Plan, load_plan, with_overrides
 from mixfleet.policies.registry import make_config
 from mixfleet.twin.replan import perturbed_truth, planner_solver

@@ -36,8 +36,8 @@ from typing import Any
 
 import numpy as np
 from mixfleet.costmodel.jsonsafe import json_safe
-from mixfleet.costmodel.runlog import EventRecord, GroupRecord, RunLog, TrajectoryRecord, UpdateRecord
-from mixfleet.costmodel.runsummary import summarize
+from mixfleet.costmodel.records.runlog import EventRecord, GroupRecord, RunLog, TrajectoryRecord, UpdateRecord
+from mixfleet.costmodel.records.runsummary import summarize
 from mixfleet.policies.plan import plan_from_dict
 from mixfleet.policies.registry import make
 from mixfleet.policies.replan import replan_decisions

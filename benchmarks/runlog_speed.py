@@ -12,8 +12,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from mixfleet.costmodel.runlog import GroupRecord, RunLog, RunLogWriter, TrajectoryRecord, UpdateRecord
-from mixfleet.costmodel.runsummary import summarize
+from mixfleet.costmodel.records.runlog import GroupRecord, RunLog, RunLogWriter, TrajectoryRecord, UpdateRecord
+from mixfleet.costmodel.records.runsummary import summarize
 
 
 def main() -> None:

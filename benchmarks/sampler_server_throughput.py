@@ -38,7 +38,7 @@ def main() -> None:
     a = ap.parse_args()
 
     import torch
-    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.specs.model import load_model_spec
     from mixfleet.runner.checkpoint.init_model import init_model
     from mixfleet.runner.sampler.client import SamplerClient
     from mixfleet.runner.sampler.engine import Engine

@@ -41,7 +41,7 @@ def _status_kib(field: str) -> int:
 def child(model: str, path: str, batch_size: int, seq: int) -> dict:
     warnings.filterwarnings("ignore")
     import torch
-    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.specs.model import load_model_spec
     from mixfleet.runner.corrections import CorrectionBatch, CorrectionConfig
     from mixfleet.runner.trainer.megatron_model import BuildOptions
     from mixfleet.runner.trainer.trainer import Trainer, TrainerConfig, policy_loss_fn

@@ -28,7 +28,7 @@ def nll_loss(logits: torch.Tensor, batch: dict) -> tuple[torch.Tensor, dict]:
 
 
 def main() -> None:
-    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.specs.model import load_model_spec
     from mixfleet.runner.trainer.megatron_model import BuildOptions
     from mixfleet.runner.trainer.trainer import Trainer, TrainerConfig
 

@@ -3,7 +3,7 @@ policies with which settings, on which model and workload. One TOML file; the tw
 runner runs it, the planner writes it.
 
 The plain data (groups, trainer, faults, embedded settings, model, workload, prices; the file format with
-its `base` variants and `merge()`) lives in costmodel/planspec.py, which documents the schema and checks
+its `base` variants and `merge()`) lives in costmodel/plan/planspec.py, which documents the schema and checks
 every field at load; this module adds what needs the policies: `[policies.<kind>]` checked against the
 registry, `Plan.build_policies`, `with_overrides(plan, {"groups.H100-FP8.replicas": 4})`, and it
 re-exports the plain-data names, so `from mixfleet.policies.plan import GroupPlan, load_plan` keeps working.
@@ -19,7 +19,7 @@ from typing import Any
 import tomli_w
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.paths import confined_spec
-from mixfleet.costmodel.planspec import (  # noqa: F401 - re-exported: the plan's plain data
+from mixfleet.costmodel.plan.planspec import (  # noqa: F401 - re-exported: the plan's plain data
     COST_BACKENDS,
     LOSSES,
     ON_LOSS,
@@ -35,7 +35,7 @@ from mixfleet.costmodel.planspec import (  # noqa: F401 - re-exported: the plan'
     merge,
     plan_data_fields,
 )
-from mixfleet.costmodel.workload import load_workload
+from mixfleet.costmodel.specs.workload import load_workload
 from mixfleet.policies import registry
 
 SPEC_FOLDERS = {"model": "models", "workload": "workloads"}   # plan fields naming a spec -> shipped data folder
@@ -68,7 +68,7 @@ class PoliciesPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class Plan(PlanData):
-    """The plan: its plain data (costmodel/planspec.py) and its policies."""
+    """The plan: its plain data (costmodel/plan/planspec.py) and its policies."""
     policies: PoliciesPlan = field(default_factory=PoliciesPlan)
 
     def build_policies(self, workload: Any = None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ each one: `RunLogWriter.observe`) and, after each update:
 
 1. every `check_every_updates` updates (once `warmup_updates + window_updates` + a prompt-group's life have passed,
    and as long again after a change) it fits the groups on the last `window_updates` updates with the calibration
-   code (`costmodel.calibration.calibrate` on a `FrameLog` of the window): speed (`decode_scale` against the prior
+   code (`costmodel.calibration.fit.calibrate` on a `FrameLog` of the window): speed (`decode_scale` against the prior
    replica model), weight-sync seconds, KL and extreme-ratio share, the trainer's step; each value with its standard
    error;
 2. it re-solves when `every_updates` have passed since the last re-solve, or sooner when a fitted value has left the
@@ -37,16 +37,18 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
-from mixfleet.costmodel.calibration import (
-    Calibration,
-    CalibrationError,
-    FrameLog,
-    GroupCalibration,
-    calibrate,
-    inflight_limit,
-)
+from mixfleet.costmodel.calibration.fit import calibrate
+from mixfleet.costmodel.calibration.logs import FrameLog, inflight_limit
+from mixfleet.costmodel.calibration.record import Calibration, CalibrationError, GroupCalibration
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.runlog import EventRecord, GroupRecord, Record, TrajectoryRecord, UpdateRecord, records_frame
+from mixfleet.costmodel.records.runlog import (
+    EventRecord,
+    GroupRecord,
+    Record,
+    TrajectoryRecord,
+    UpdateRecord,
+    records_frame,
+)
 from mixfleet.policies.autoscaler import Autoscaler, _check_base
 from mixfleet.policies.registry import register
 from mixfleet.policies.views import GroupView

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from mixfleet.costmodel.runlog import RunLog, extreme_shares
-from mixfleet.costmodel.trackers import eval_frame
+from mixfleet.costmodel.records.runlog import RunLog, extreme_shares
+from mixfleet.costmodel.records.trackers import eval_frame
 
 RUN_FILE = "ablation_run.json"          # the sidecar studies/ablation.py writes (kept in sync by name)
 ABLATION_FILE = "ablation.json"

@@ -82,7 +82,7 @@ def run_state(out_dir: Path, updates: int) -> str:
     if not (out_dir / "run.json").exists():
         return "new"
     try:
-        from mixfleet.costmodel.runlog import RunLog
+        from mixfleet.costmodel.records.runlog import RunLog
 
         log = RunLog.open(out_dir)
         done = int(log.updates["version"].max()) if len(log.updates) else 0

@@ -35,7 +35,7 @@ def run_plan_toml(name: str, groups: list[dict[str, Any]], *, batcher: dict[str,
 
 def run_files(root: Path, plan_toml: str, model: str = "tiny") -> tuple[Path, Path]:
     """A test run's inputs under `root`: the base checkpoint (`init_model` of `model`, seed 0) and the plan file."""
-    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.specs.model import load_model_spec
     from mixfleet.runner.checkpoint.init_model import init_model
 
     init = init_model(load_model_spec(model), root / "init", seed=0)

@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
-from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.specs.model import load_model_spec
 
 
 def make_checkpoint(directory: Path, *, seed: int, weight_version: str) -> Path:

@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
+from mixfleet.costmodel.specs.model import load_model_spec
 from mixfleet.runner.checkpoint.init_model import init_model
 from mixfleet.studies.ablation import ABLATION_FILE, RUN_FILE, AblationConfig, run_ablation
 from mixfleet.studies.ablation_report import build_report

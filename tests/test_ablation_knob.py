@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import typer
-from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.specs.model import load_model_spec
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.checkpoint.init_model import init_model
 from mixfleet.runner.orchestration.fleet import fleet_from_plan

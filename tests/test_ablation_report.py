@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import typer
-from mixfleet.costmodel.runlog import EventRecord, GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
+from mixfleet.costmodel.records.runlog import EventRecord, GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
 from mixfleet.studies.ablation_report import (
     RUN_FILE,
     VERDICT_RULE,

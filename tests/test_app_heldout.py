@@ -1,5 +1,5 @@
 """The Runs page plots the held-out evaluation (issue 23 / 26: held-out curves where RL people look): reward and
-pass@k per evaluated version from the runner's eval events (read by `costmodel.trackers.eval_detail`), with the
+pass@k per evaluated version from the runner's eval events (read by `costmodel.records.trackers.eval_detail`), with the
 sampling settings the event records stated under it; an older log that did not record them says so."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("streamlit.testing.v1")
-from mixfleet.costmodel.runlog import EventRecord, RunLogWriter, UpdateRecord  # noqa: E402
+from mixfleet.costmodel.records.runlog import EventRecord, RunLogWriter, UpdateRecord  # noqa: E402
 from mixfleet.policies.plan import load_plan  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
@@ -36,7 +36,7 @@ def _log(folder: Path, with_settings: bool) -> None:
 
 
 def test_heldout_frame_one_row_per_version_with_its_settings(tmp_path: Path) -> None:
-    from mixfleet.costmodel.runlog import RunLog
+    from mixfleet.costmodel.records.runlog import RunLog
     from mixfleet.ui.app_charts import heldout_frame, heldout_settings
 
     _log(tmp_path / "r", with_settings=True)

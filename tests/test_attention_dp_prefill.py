@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mixfleet.costmodel.measured import Layout
-from mixfleet.costmodel.roofline import replica_model
+from mixfleet.costmodel.steptime.measured import Layout
+from mixfleet.costmodel.steptime.roofline import replica_model
 from mixfleet.policies.plan import plan_from_dict
 from mixfleet.twin.planner import PlannerConfig, group_types
 from mixfleet.twin.rates import build_setup
@@ -60,7 +60,7 @@ def test_the_twin_and_the_planner_charge_a_request_per_rank() -> None:
     assert s.groups[0].rates.prefill_s(1024.0) == pytest.approx(float(dep.prefill_s(1024.0)) / 4, rel=1e-12)
     assert s.groups[1].rates.prefill_s(1024.0) == pytest.approx(float(s.models["H100-FP8"].prefill_s(1024.0)),
                                                                 rel=1e-12)
-    from mixfleet.costmodel.workload import load_workload
+    from mixfleet.costmodel.specs.workload import load_workload
     from mixfleet.twin.episodes import workload_shape
 
     wl = load_workload(plan.workload)
@@ -74,7 +74,7 @@ def test_the_calibrations_duration_model_charges_prefill_as_the_twin_does() -> N
     import dataclasses
 
     import pandas as pd
-    from mixfleet.costmodel.calibration import _replica_features
+    from mixfleet.costmodel.calibration.sessions import _replica_features
 
     rm = build_setup(plan_from_dict(DP_PLAN)).models["H200-DEP4"]
     tr = pd.DataFrame({"start_s": [0.0], "end_s": [10.0], "generated_tokens": [100.0], "turns": [1.0],

@@ -9,17 +9,10 @@ from pathlib import Path
 
 import pytest
 import typer
-from mixfleet.costmodel.calibration import (
-    Calibration,
-    CalibrationError,
-    Fitted,
-    GroupCalibration,
-    calibrate,
-    complete_until_s,
-    complete_windows,
-    in_windows,
-)
-from mixfleet.costmodel.workload import load_workload
+from mixfleet.costmodel.calibration.fit import calibrate
+from mixfleet.costmodel.calibration.logs import complete_until_s, complete_windows, in_windows
+from mixfleet.costmodel.calibration.record import Calibration, CalibrationError, Fitted, GroupCalibration
+from mixfleet.costmodel.specs.workload import load_workload
 from mixfleet.policies.plan import Plan, plan_from_dict
 from mixfleet.twin.calibrated import fidelity, plan_as_run
 from mixfleet.twin.rates import build_setup
@@ -136,7 +129,7 @@ def test_refuses_too_little_data(tmp_path: Path) -> None:
 
 
 def test_complete_until_skips_unlogged_prompts(synthetic: tuple[Path, Calibration]) -> None:
-    from mixfleet.costmodel.runlog import RunLog
+    from mixfleet.costmodel.records.runlog import RunLog
 
     tr = RunLog.open(synthetic[0]).trajectories
     t_c = complete_until_s(tr)
@@ -156,7 +149,7 @@ def test_a_resumed_segment_is_known_again_after_its_first_prompt(synthetic: tupl
     from types import SimpleNamespace
 
     import pandas as pd
-    from mixfleet.costmodel.runlog import RunLog
+    from mixfleet.costmodel.records.runlog import RunLog
 
     log = RunLog.open(synthetic[0])
     tr = log.trajectories
@@ -214,7 +207,7 @@ def test_calibrated_setup_uses_fitted_values(synthetic: tuple[Path, Calibration]
 
 
 def load_cpu_trainer_overhead() -> float:
-    from mixfleet.costmodel.catalog import load_catalog
+    from mixfleet.costmodel.specs.catalog import load_catalog
 
     return load_catalog().accelerator("CPU-2core").trainer_overhead_s
 
@@ -234,7 +227,7 @@ def test_fidelity_of_the_twin_against_its_own_log_is_exact(synthetic: tuple[Path
 
 
 def test_plan_as_run_uses_the_runner_replica_counts(synthetic: tuple[Path, Calibration]) -> None:
-    from mixfleet.costmodel.runlog import RunLog
+    from mixfleet.costmodel.records.runlog import RunLog
 
     log = RunLog.open(synthetic[0])
     plan = _plan()

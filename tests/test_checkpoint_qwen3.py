@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.model import load_model_spec, model_spec_from_dict
+from mixfleet.costmodel.specs.model import load_model_spec, model_spec_from_dict
 from mixfleet.runner.checkpoint.hf_checkpoint import HFConfig, expected_shapes, load_checkpoint
 from mixfleet.runner.checkpoint.init_model import init_model
 

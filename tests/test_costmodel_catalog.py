@@ -5,12 +5,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.model import load_model_spec
 from mixfleet.costmodel.paths import data_path
-from mixfleet.costmodel.report import catalog_report
-from mixfleet.costmodel.roofline import replica_model, weight_bytes
+from mixfleet.costmodel.specs.catalog import load_catalog
+from mixfleet.costmodel.specs.model import load_model_spec
+from mixfleet.costmodel.steptime.report import catalog_report
+from mixfleet.costmodel.steptime.roofline import replica_model, weight_bytes
 
 ACC_TEXT = data_path("accelerators.toml").read_text()
 PREC_TEXT = data_path("precisions.toml").read_text()

@@ -1,4 +1,5 @@
-"""The measured backend (aiconfigurator-core's profiled tables behind costmodel/measured.py) and replica layouts.
+"""The measured backend (aiconfigurator-core's profiled tables behind costmodel/steptime/measured.py) and replica
+layouts.
 
 Kept to a few seconds: one model is compiled (Qwen3-30B-A3B BF16 on H200, SGLang), the rest are the static
 support checks and the roofline's layout arithmetic.
@@ -8,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.measured import Layout, NotCovered, coverage, installed_version
-from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.roofline import FitError, replica_model, weight_bytes
+from mixfleet.costmodel.specs.catalog import load_catalog
+from mixfleet.costmodel.specs.model import load_model_spec
+from mixfleet.costmodel.steptime.measured import Layout, NotCovered, coverage, installed_version
+from mixfleet.costmodel.steptime.roofline import FitError, replica_model, weight_bytes
 
 pytestmark = pytest.mark.skipif(installed_version() is None, reason="aiconfigurator-core not installed")
 
@@ -122,7 +123,7 @@ def test_the_decode_table_reaches_an_attention_dp_replicas_own_cap() -> None:
         assert rm.decode_step_s(2 * per_rank, 1024) == pytest.approx(
             h.predict_decode_latency(per_rank, 1024, 2) / 1e3, rel=1e-9)
     # the grid: up to any cap, the cap itself on it
-    from mixfleet.costmodel.measured import decode_batches
+    from mixfleet.costmodel.steptime.measured import decode_batches
 
     assert decode_batches(16384)[-1] == 16384 and decode_batches(300)[-2:].tolist() == [256.0, 300.0]
     assert decode_batches(1).tolist() == [1.0, 2.0]

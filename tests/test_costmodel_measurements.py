@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.measurements import load_measurements, predict, predict_with, row_replica, summarize
+from mixfleet.costmodel.steptime.measurements import load_measurements, predict, predict_with, row_replica, summarize
 from mixfleet.ui.cli import app
 from typer.testing import CliRunner
 

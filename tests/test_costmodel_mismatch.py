@@ -5,10 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.mismatch import load_mismatch_priors, mismatch_prior
 from mixfleet.costmodel.paths import data_path
+from mixfleet.costmodel.specs.catalog import load_catalog
+from mixfleet.costmodel.specs.mismatch import load_mismatch_priors, mismatch_prior
 
 TEXT = data_path("mismatch.toml").read_text()
 

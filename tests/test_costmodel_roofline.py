@@ -10,10 +10,10 @@ import math
 
 import numpy as np
 import pytest
-from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.roofline import (
+from mixfleet.costmodel.specs.catalog import load_catalog
+from mixfleet.costmodel.specs.model import load_model_spec
+from mixfleet.costmodel.steptime.roofline import (
     Efficiency,
     FitError,
     expert_coverage,

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mixfleet.costmodel.dist import Dist, dist_from_dict
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.paths import data_path
-from mixfleet.costmodel.workload import known_workloads, load_workload, workload_from_dict
+from mixfleet.costmodel.specs.dist import Dist, dist_from_dict
+from mixfleet.costmodel.specs.workload import known_workloads, load_workload, workload_from_dict
 
 SEED_TEXT = data_path("workloads", "seed-agentic-coding.toml").read_text()
 

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.specs.model import load_model_spec
 from mixfleet.runner.checkpoint.hf_checkpoint import load_checkpoint
 from mixfleet.runner.checkpoint.init_model import init_model
 from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer

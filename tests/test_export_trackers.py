@@ -1,5 +1,5 @@
 """Issue 26: run-log metrics where RL people look. `mixfleet export RUNLOG --to tensorboard|wandb` (twin and real
-logs) and `mixfleet run --tracker`, one mapping (`mixfleet.costmodel.trackers.step_metrics`) behind both.
+logs) and `mixfleet run --tracker`, one mapping (`mixfleet.costmodel.records.trackers.step_metrics`) behind both.
 
 Read back with the libraries' own formats: TensorBoard event files with tensorboard's `EventAccumulator`; the
 wandb offline run's `run-<id>.wandb` file (a LevelDB-style record log of wandb's own protobuf `Record`s, read
@@ -26,8 +26,15 @@ from typing import Any
 
 import pandas as pd
 import pytest
-from mixfleet.costmodel.runlog import EventRecord, GroupRecord, RunLog, RunLogWriter, TrajectoryRecord, UpdateRecord
-from mixfleet.costmodel.trackers import PIP_EXTRA, log_step_metrics, start_epoch, step_metrics
+from mixfleet.costmodel.records.runlog import (
+    EventRecord,
+    GroupRecord,
+    RunLog,
+    RunLogWriter,
+    TrajectoryRecord,
+    UpdateRecord,
+)
+from mixfleet.costmodel.records.trackers import PIP_EXTRA, log_step_metrics, start_epoch, step_metrics
 from mixfleet.ui.cli import app
 from typer.testing import CliRunner
 
@@ -272,7 +279,7 @@ def test_export_to_wandb_offline_read_back_and_no_network(tmp_path: Path) -> Non
 # ---- live: what `mixfleet run --tracker` does after each update ---------------------------------------------
 @needs_tb
 def test_live_tracker_writes_each_update_as_it_is_logged_and_a_resume_replaces_replayed_steps(tmp_path: Path) -> None:
-    from mixfleet.costmodel.trackers import LiveTracker
+    from mixfleet.costmodel.records.trackers import LiveTracker
 
     run, tb = tmp_path / "run", tmp_path / "tb"
     w = RunLogWriter(run, {"source": "runner", "plan": {"name": "p"}}, flush_every_s=None)

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.runlog import (
+from mixfleet.costmodel.records.runlog import (
     EventRecord,
     GroupRecord,
     RunLog,
@@ -22,7 +22,7 @@ from mixfleet.costmodel.runlog import (
     TrajectoryRecord,
     UpdateRecord,
 )
-from mixfleet.costmodel.runsummary import loop_clock, summarize
+from mixfleet.costmodel.records.runsummary import loop_clock, summarize
 from mixfleet.policies.plan import load_plan
 from mixfleet.twin.calibrated import fidelity, run_metrics
 

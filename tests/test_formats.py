@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from mixfleet.costmodel.catalog import load_catalog
-from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.specs.catalog import load_catalog
+from mixfleet.costmodel.specs.formats import formats
 
 
 # ---- the registry ---------------------------------------------------------------------------------------
 def test_every_accepting_list_is_the_registry() -> None:
-    from mixfleet.costmodel import report
+    from mixfleet.costmodel.steptime import report
     from mixfleet.runner.orchestration import fleet
     from mixfleet.runner.sampler import engine_api, server, sglang_launch
     from mixfleet.runner.sampler.engine import kvcache, model, quant

@@ -14,7 +14,7 @@ import dataclasses
 
 import httpx
 import pytest
-from mixfleet.costmodel.planspec import resolve_groups
+from mixfleet.costmodel.plan.planspec import resolve_groups
 from mixfleet.policies.plan import plan_from_dict
 from mixfleet.runner.orchestration.actors import SamplerWorker
 from mixfleet.runner.orchestration.fleet import fleet_from_plan

@@ -1,4 +1,4 @@
-"""One function builds a plan group's replica cost model (costmodel/planspec.py group_replica_model): the
+"""One function builds a plan group's replica cost model (costmodel/plan/planspec.py group_replica_model): the
 twin, the planner, the runner's fleet and the calibration get the same numbers for the same group, and a
 group the cost model refuses is refused in every world (issue 12 item 1)."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.roofline import FitError
+from mixfleet.costmodel.steptime.roofline import FitError
 from mixfleet.policies.plan import load_plan, plan_from_dict
 from mixfleet.runner.orchestration.fleet import fleet_from_plan
 from mixfleet.twin.planner import PlannerConfig, group_types

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.orchestration import launcher
 from mixfleet.studies.runs import StudyRun, StudySettings, run_study

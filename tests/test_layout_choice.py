@@ -9,17 +9,17 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.roofline import (
+from mixfleet.costmodel.specs.catalog import load_catalog
+from mixfleet.costmodel.specs.model import load_model_spec
+from mixfleet.costmodel.specs.workload import load_workload
+from mixfleet.costmodel.steptime.roofline import (
     ServingLoad,
     candidate_layouts,
     cheapest,
     kv_capacity_tokens,
     replica_model,
 )
-from mixfleet.costmodel.workload import load_workload
 from mixfleet.twin.episodes import workload_shape
 from mixfleet.twin.planner import PlannerConfig, group_types, planner_load
 

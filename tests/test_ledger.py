@@ -1,4 +1,4 @@
-"""The update ledger (costmodel/ledger.py): one meaning per `updates` / `groups` column in both worlds."""
+"""The update ledger (costmodel/records/ledger.py): one meaning per `updates` / `groups` column in both worlds."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.ledger import GroupBatch, GroupTotals, Ledger, weight_push_detail
-from mixfleet.costmodel.runlog import RunLog, extreme_shares
+from mixfleet.costmodel.records.ledger import GroupBatch, GroupTotals, Ledger, weight_push_detail
+from mixfleet.costmodel.records.runlog import RunLog, extreme_shares
 from mixfleet.twin.sim import simulate
 
 STALENESS = {"staleness_mean": 0.5, "staleness_p50": 0.0, "staleness_p95": 1.0, "staleness_max": 1.0}

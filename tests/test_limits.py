@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from mixfleet.costmodel import limits
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.report import capacity_report, catalog_report
-from mixfleet.costmodel.workload import load_workload, workload_from_dict
+from mixfleet.costmodel.specs.workload import load_workload, workload_from_dict
+from mixfleet.costmodel.steptime.report import capacity_report, catalog_report
 from mixfleet.policies.plan import load_plan, plan_from_dict
 from mixfleet.ui.cli import app
 from typer.testing import CliRunner

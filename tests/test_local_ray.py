@@ -37,7 +37,7 @@ def _alive(procs: list[psutil.Process]) -> list[psutil.Process]:
 @pytest.mark.slow
 def test_local_ray_binds_loopback_only_and_cleanup_stops_its_leftovers(tmp_path: Path,
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.specs.model import load_model_spec
     from mixfleet.runner.checkpoint.init_model import init_model
 
     ckpt = init_model(load_model_spec("tiny"), tmp_path / "ckpt", seed=0)

@@ -19,7 +19,7 @@ import torch
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
-from mixfleet.costmodel.model import load_model_spec  # noqa: E402
+from mixfleet.costmodel.specs.model import load_model_spec  # noqa: E402
 from mixfleet.runner.orchestration.batching import BatchItem, build_batch  # noqa: E402
 from mixfleet.runner.orchestration.rollouts import result_from_response, routed_shape  # noqa: E402
 from mixfleet.runner.rollout.agent import AgentConfig, run_episode  # noqa: E402

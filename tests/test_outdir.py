@@ -1,4 +1,5 @@
-"""Existing output is never silently destroyed or mixed (costmodel/outdir.py, used by every command writing a folder).
+"""Existing output is never silently destroyed or mixed (costmodel/records/outdir.py, used by every command writing a
+folder).
 
 A non-empty destination that is not the same kind is refused with a message naming --resume / --force; --force
 replaces only what mixfleet wrote; a user's folder survives every command, --force or not.
@@ -10,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.outdir import classify, prepare_output_dir
-from mixfleet.costmodel.runlog import RunLog, RunLogWriter, UpdateRecord
+from mixfleet.costmodel.records.outdir import classify, prepare_output_dir
+from mixfleet.costmodel.records.runlog import RunLog, RunLogWriter, UpdateRecord
 from mixfleet.ui.cli import app
 from typer.testing import CliRunner
 

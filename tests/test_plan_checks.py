@@ -96,7 +96,7 @@ def test_a_missing_model_or_workload_is_refused_unless_a_base_gives_it(tmp_path)
 
 
 def test_calibration_reads_a_plan_with_the_same_schema() -> None:
-    from mixfleet.costmodel.planspec import plan_data_from_dict
+    from mixfleet.costmodel.plan.planspec import plan_data_from_dict
 
     raw = load_plan("tiny-cpu").to_dict()
     data = plan_data_from_dict(raw)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.workload import load_workload
+from mixfleet.costmodel.specs.workload import load_workload
 from mixfleet.twin.episodes import workload_shape
 from mixfleet.twin.planner import PlannerConfig, group_types, pareto_mask, plan_mix, screen
 from mixfleet.twin.sim import simulate

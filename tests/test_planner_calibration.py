@@ -7,7 +7,7 @@ times, mismatch, trainer scale on the CPU-2core machine) and a pool of CPU-2core
 from __future__ import annotations
 
 import pytest
-from mixfleet.costmodel.calibration import Calibration
+from mixfleet.costmodel.calibration.record import Calibration
 from mixfleet.twin.planner import PlannerConfig, calibrated_group, group_types, metrics
 from test_calibration import TRUTH, truth_calibration
 from typer.testing import CliRunner

@@ -8,8 +8,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.specs.catalog import load_catalog
 from mixfleet.policies.plan import Plan, load_plan, plan_from_dict, save_plan
 from mixfleet.twin.planner import PlannerConfig, evaluate_plan, group_types, plan_mix
 from mixfleet.twin.sim import simulate

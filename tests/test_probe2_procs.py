@@ -141,7 +141,7 @@ def test_a_copied_run_folder_is_not_a_managed_run_and_the_page_settles(tmp_path:
     """`runs/backup/<run>` (a copy of a managed run folder whose run log exists): the copy's record names the
     original folder, so it is refused; the Runs page on the backup folder renders once (it reran itself forever)."""
     pytest.importorskip("streamlit.testing.v1")
-    from mixfleet.costmodel.runlog import RunLogWriter
+    from mixfleet.costmodel.records.runlog import RunLogWriter
     from streamlit.testing.v1 import AppTest
 
     runs = tmp_path / "runs"
@@ -175,7 +175,7 @@ def test_the_runs_page_never_offers_controls_or_foreign_logs_for_a_crafted_recor
     time, `folder` outside the runs folder). No Stop / Kill / Resume, no tail of the outside driver.log, the page
     says the record is not the app's, and the `sleep` lives."""
     pytest.importorskip("streamlit.testing.v1")
-    from mixfleet.costmodel.runlog import RunLogWriter
+    from mixfleet.costmodel.records.runlog import RunLogWriter
     from streamlit.testing.v1 import AppTest
 
     runs = tmp_path / "runs"
@@ -210,7 +210,7 @@ def test_the_runs_page_never_offers_controls_or_foreign_logs_for_a_crafted_recor
 def test_our_own_run_is_still_stopped_and_then_reaped(tmp_path: Path, state: Path) -> None:
     """A real `mixfleet run` the app started: its record is ours, Stop signals it, and once it has exited it is
     reaped (it stayed a `<defunct>` child of the app)."""
-    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.specs.model import load_model_spec
     from mixfleet.runner.checkpoint.init_model import init_model
 
     init = init_model(load_model_spec("tiny"), tmp_path / "init", seed=0)

@@ -31,7 +31,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.policies.plan import load_plan
 from runplans import CPU_BF16, run_plan_toml
 from test_run_resume import PLAN, PPU, RUN_TIMEOUT_S, _check_log, _run

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from mixfleet.costmodel.calibration import calibrate
-from mixfleet.costmodel.runlog import EventRecord, RunLog, RunLogWriter
+from mixfleet.costmodel.calibration.fit import calibrate
+from mixfleet.costmodel.records.runlog import EventRecord, RunLog, RunLogWriter
 from mixfleet.policies.plan import plan_from_dict
 from mixfleet.twin.sim import simulate
 
@@ -44,7 +44,7 @@ def _copy(src: Path, tmp_path: Path) -> Path:
 
 
 def test_an_unreadable_part_is_named_with_why_it_was_skipped(twin_log: Path, tmp_path: Path) -> None:
-    from mixfleet.costmodel.calibration import CalibrationWarning  # new in this fix
+    from mixfleet.costmodel.calibration.record import CalibrationWarning  # new in this fix
 
     log = _copy(twin_log, tmp_path)
     part = log / "trajectories" / "part-000000.parquet"
@@ -65,7 +65,7 @@ def test_an_unreadable_part_is_named_with_why_it_was_skipped(twin_log: Path, tmp
 
 
 def test_a_resumed_segment_left_out_is_named_with_why(twin_log: Path, tmp_path: Path) -> None:
-    from mixfleet.costmodel.calibration import CalibrationWarning
+    from mixfleet.costmodel.calibration.record import CalibrationWarning
 
     log = _copy(twin_log, tmp_path)
     end = float(RunLog.open(log).trajectories["end_s"].max())

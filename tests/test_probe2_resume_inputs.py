@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.outdir import classify, prepare_output_dir
-from mixfleet.costmodel.runlog import RunLog, RunLogWriter, UpdateRecord
+from mixfleet.costmodel.records.outdir import classify, prepare_output_dir
+from mixfleet.costmodel.records.runlog import RunLog, RunLogWriter, UpdateRecord
 from mixfleet.ui.cli import app
 from runplans import CPU_BF16, run_files, run_plan_toml
 from typer.testing import CliRunner
@@ -102,7 +102,7 @@ def test_our_own_temp_names_do_not_block_resume_or_force_but_lookalikes_do(tmp_p
     assert prepare_output_dir(run, "run", where="t", resume=True) == "resume"
     assert prepare_output_dir(run, "run", where="t", force=True, clear=False) == "replace"
     # new in this fix (imported here, so that on the old code the test fails, not the module's collection)
-    from mixfleet.costmodel.outdir import LOCK_FILE, lock_output_dir
+    from mixfleet.costmodel.records.outdir import LOCK_FILE, lock_output_dir
 
     mine = run / ".trainer_state.mybackup"
     mine.mkdir()
@@ -120,7 +120,7 @@ def test_our_own_temp_names_do_not_block_resume_or_force_but_lookalikes_do(tmp_p
 
 _HOLDER = """
 import sys, time
-from mixfleet.costmodel.outdir import lock_output_dir
+from mixfleet.costmodel.records.outdir import lock_output_dir
 lock = lock_output_dir(sys.argv[1], where="holder")
 print("held", flush=True)
 time.sleep(600)
@@ -128,7 +128,7 @@ time.sleep(600)
 _TRY = """
 import sys
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.outdir import lock_output_dir
+from mixfleet.costmodel.records.outdir import lock_output_dir
 try:
     lock_output_dir(sys.argv[1], where="try")
     print("taken")
@@ -144,7 +144,7 @@ def _other_process_can_lock(folder: Path) -> bool:
 
 
 def test_a_second_writer_is_refused_naming_the_pid_that_holds_the_folder(tmp_path: Path) -> None:
-    from mixfleet.costmodel.outdir import lock_output_dir
+    from mixfleet.costmodel.records.outdir import lock_output_dir
 
     out = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", _HOLDER, str(out)], stdout=subprocess.PIPE, text=True,

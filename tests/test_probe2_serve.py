@@ -18,9 +18,9 @@ from pathlib import Path
 import httpx
 import pytest
 from mixfleet.costmodel import limits
-from mixfleet.costmodel.dist import Dist
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.workload import load_workload, workload_from_dict
+from mixfleet.costmodel.specs.dist import Dist
+from mixfleet.costmodel.specs.workload import load_workload, workload_from_dict
 from sampler_helpers import make_checkpoint, served_engine
 
 GEN = {"input_ids": [1, 5, 6], "sampling_params": {"max_new_tokens": 2}}

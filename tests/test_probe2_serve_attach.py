@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.orchestration.orchestrator import RunConfig, RunFailed, run_plan
 from mixfleet.runner.orchestration.sampler_fleet import MAX_START_FAILURES

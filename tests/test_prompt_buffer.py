@@ -45,7 +45,7 @@ def test_the_batcher_is_asked_once_an_update_is_complete_and_takes_the_oldest() 
 
 
 def test_a_plan_without_batch_sizes_gets_the_workloads_in_both_worlds(tmp_path: Path) -> None:
-    from mixfleet.costmodel.workload import load_workload
+    from mixfleet.costmodel.specs.workload import load_workload
     from mixfleet.runner.orchestration.orchestrator import Orchestrator, RunConfig
 
     plan = plan_from_dict({"name": "p", "model": "tiny", "workload": "tiny-cpu",

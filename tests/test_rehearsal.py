@@ -77,8 +77,8 @@ def test_seed_mixed_rehearsed_with_embedded_for_two_updates(tmp_path: Path) -> N
     """A real run (Ray, the Megatron-core trainer on the tiny Qwen3-MoE, 8 embedded samplers in the seed's
     precisions): seed-mixed with a test-sized batch, `--embedded`, 2 updates, held-out evaluations at 0 and 2
     (about 80 s alone on 2 cores)."""
-    from mixfleet.costmodel.model import load_model_spec
-    from mixfleet.costmodel.runlog import RunLog
+    from mixfleet.costmodel.records.runlog import RunLog
+    from mixfleet.costmodel.specs.model import load_model_spec
     from mixfleet.runner.checkpoint.init_model import init_model
     from mixfleet.ui.cli import app
     from typer.testing import CliRunner

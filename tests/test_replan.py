@@ -12,9 +12,10 @@ import math
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.calibration import FrameLog, calibrate
+from mixfleet.costmodel.calibration.fit import calibrate
+from mixfleet.costmodel.calibration.logs import FrameLog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.runlog import EventRecord, RunLog, RunLogWriter
+from mixfleet.costmodel.records.runlog import EventRecord, RunLog, RunLogWriter
 from mixfleet.policies.plan import Plan, load_plan, with_overrides
 from mixfleet.policies.registry import make, make_config
 from mixfleet.policies.replan import Proposal

@@ -11,8 +11,9 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-from mixfleet.costmodel import calibration as cal
-from mixfleet.costmodel.mismatch import mismatch_prior
+from mixfleet.costmodel.calibration.mismatch_fit import MAX_GROWTH_PER_VERSION, _growth_fit, _mismatch_split
+from mixfleet.costmodel.calibration.record import Fitted
+from mixfleet.costmodel.specs.mismatch import mismatch_prior
 
 PRIOR = mismatch_prior("CPU-2core", "bf16", "bf16")
 
@@ -28,13 +29,13 @@ def rows(level: float, slope: float, ext_ratio: float, seed: int = 0) -> pd.Data
                          "kl_k3_on_policy": np.where(st == 0, kl, np.nan), "extreme_share": ext_ratio * kl})
 
 
-def kl_at(v0: cal.Fitted, g: cal.Fitted, s: float) -> float:
+def kl_at(v0: Fitted, g: Fitted, s: float) -> float:
     return v0.value * (1 + g.value * s)
 
 
 def test_staleness_dominated_mismatch_is_fitted_from_one_run() -> None:
     gr = rows(level=3e-7, slope=0.005, ext_ratio=0.13)
-    kl0, klg, ex0, exg = cal._mismatch_split(gr, PRIOR)
+    kl0, klg, ex0, exg = _mismatch_split(gr, PRIOR)
     measured = float((gr["kl_k3"] * gr["tokens_trained"])[gr["staleness_mean"] == 2].sum()
                      / gr["tokens_trained"][gr["staleness_mean"] == 2].sum())
     assert kl_at(kl0, klg, 2.0) == pytest.approx(measured, rel=0.10)
@@ -43,9 +44,9 @@ def test_staleness_dominated_mismatch_is_fitted_from_one_run() -> None:
     assert kl_at(ex0, exg, 2.0) == pytest.approx(0.13 * measured, rel=0.10)    # extreme share follows the KL
     # the per-update form it replaces puts the level at staleness 0 where its growth cap (10 per version) lets it:
     # ~5% of the KL at staleness 2, 1,500x the measured on-policy KL; the split keeps it at its 1% floor
-    old0, oldg = cal._growth_fit(gr["staleness_mean"].to_numpy(float), gr["kl_k3"].to_numpy(float),
+    old0, oldg = _growth_fit(gr["staleness_mean"].to_numpy(float), gr["kl_k3"].to_numpy(float),
                                  gr["tokens_trained"].to_numpy(float), PRIOR.kl_k3, PRIOR.growth_per_staleness, "")
-    assert oldg.value == pytest.approx(cal.MAX_GROWTH_PER_VERSION) and old0.value > 3 * kl0.value
+    assert oldg.value == pytest.approx(MAX_GROWTH_PER_VERSION) and old0.value > 3 * kl0.value
 
 
 def test_a_format_level_and_its_growth_are_recovered() -> None:
@@ -54,11 +55,11 @@ def test_a_format_level_and_its_growth_are_recovered() -> None:
     gr["kl_k3"] = level * (1 + g * gr["staleness_mean"])
     gr["kl_k3_on_policy"] = np.where(gr["staleness_mean"] == 0, gr["kl_k3"], np.nan)
     gr["extreme_share"] = 0.2 * gr["kl_k3"]
-    kl0, klg, ex0, exg = cal._mismatch_split(gr, PRIOR)
+    kl0, klg, ex0, exg = _mismatch_split(gr, PRIOR)
     assert kl0.value == pytest.approx(level, rel=1e-6) and klg.value == pytest.approx(g, rel=1e-4)
     assert ex0.value == pytest.approx(0.2 * level, rel=1e-6) and exg.value == pytest.approx(g, rel=1e-4)
 
 
 def test_without_staleness_zero_tokens_the_caller_falls_back() -> None:
     gr = rows(level=1e-3, slope=1e-3, ext_ratio=0.1).iloc[2:]   # only staleness-2 rows
-    assert cal._mismatch_split(gr, PRIOR) is None
+    assert _mismatch_split(gr, PRIOR) is None

@@ -38,7 +38,7 @@ def test_the_trainer_is_anchored_on_the_measured_step() -> None:
 
 
 def test_the_window_reports_its_train_step() -> None:
-    from mixfleet.costmodel.runlog import UpdateRecord
+    from mixfleet.costmodel.records.runlog import UpdateRecord
     from mixfleet.policies.registry import make
 
     rp = make("autoscaler", "replan", {"window_updates": 2})

@@ -1,4 +1,4 @@
-"""One record per plan group (costmodel/planspec.py `resolve_groups`, issue 25 item 1): the twin's setup with and
+"""One record per plan group (costmodel/plan/planspec.py `resolve_groups`, issue 25 item 1): the twin's setup with and
 without a calibration is one function (`twin.rates.build_setup`), so a calibration that covers no group changes
 nothing, a calibration changes exactly the groups it covers, by one matching rule, and the planner's candidate
 types take the same record."""
@@ -11,10 +11,10 @@ import tempfile
 
 import numpy as np
 import pytest
-from mixfleet.costmodel.calibration import Calibration, Fitted, GroupCalibration
-from mixfleet.costmodel.planspec import resolve_groups
-from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.calibration.record import Calibration, Fitted, GroupCalibration
+from mixfleet.costmodel.plan.planspec import resolve_groups
+from mixfleet.costmodel.records.runlog import RunLog
+from mixfleet.costmodel.steptime.roofline import DEFAULT_MAX_BATCH
 from mixfleet.policies.plan import Plan, plan_from_dict
 from mixfleet.twin.planner import PlannerConfig, group_types, metrics
 from mixfleet.twin.rates import Setup, build_setup
@@ -89,7 +89,7 @@ def test_a_calibration_that_covers_no_group_gives_the_uncalibrated_setup() -> No
 
 
 def _generated(plan_raw: dict) -> float:
-    from mixfleet.costmodel.workload import load_workload
+    from mixfleet.costmodel.specs.workload import load_workload
     from mixfleet.twin.episodes import workload_shape
 
     wl = load_workload(plan_raw["workload"])
@@ -141,7 +141,7 @@ def test_the_twin_and_the_planner_match_calibrated_groups_by_one_rule() -> None:
 
 
 def test_the_planners_types_are_the_twins_records() -> None:
-    from mixfleet.costmodel.workload import load_workload
+    from mixfleet.costmodel.specs.workload import load_workload
     from mixfleet.twin.episodes import workload_shape
 
     plan = plan_from_dict(DP_PLAN)
@@ -169,7 +169,7 @@ def test_the_calibrations_duration_model_caps_a_dp_replica_as_the_twin_does() ->
     # main: the fit's concurrency was capped at 256 per replica, the twin's at 256 per attention-DP rank: a DEP4
     # replica running 600 sessions was fitted as if it decoded at batch 256
     import pandas as pd
-    from mixfleet.costmodel.calibration import _replica_features
+    from mixfleet.costmodel.calibration.sessions import _replica_features
 
     rm = dataclasses.replace(build_setup(plan_from_dict(DP_PLAN)).models["H200-DEP4"], prefill_overhead_s=0.0)
     n = 600                                   # sessions decoding at once on one DEP4 replica, no prefill

@@ -24,7 +24,7 @@ import threading
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.orchestration import local_ray
 from mixfleet.runner.orchestration.distribution import CACHE_ENV, KEEP_NODE_VERSIONS

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
 from runplans import CPU_BF16, CPU_FP8, FIXED_EVERY_1S, run_files, run_plan_toml

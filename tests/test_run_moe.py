@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 import pytest
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
 from runplans import CPU_BF16, CPU_NVFP4, run_files, run_plan_toml

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 from runplans import CPU_BF16, run_files, run_plan_toml
 
 pytestmark = pytest.mark.slow

@@ -20,7 +20,7 @@ import pandas as pd
 import pyarrow.parquet as pq
 import pytest
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.runlog import (
+from mixfleet.costmodel.records.runlog import (
     EVENT_KINDS,
     FINISH_REASONS,
     SCHEMAS,
@@ -175,7 +175,7 @@ def test_writer_killed_mid_run_reads_up_to_last_complete_part_and_resumes(tmp_pa
     d = tmp_path / "killed"
     child = textwrap.dedent(f"""
         import sys
-        from mixfleet.costmodel.runlog import RunLogWriter, TrajectoryRecord
+        from mixfleet.costmodel.records.runlog import RunLogWriter, TrajectoryRecord
         w = RunLogWriter({str(d)!r}, {{"source": "runner", "run_id": "k"}}, flush_every_rows=50, flush_every_s=None)
         i = 0
         while True:

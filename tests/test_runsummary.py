@@ -8,8 +8,15 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from mixfleet.costmodel.runlog import FINISH_REASONS, GroupRecord, RunLog, RunLogWriter, TrajectoryRecord, UpdateRecord
-from mixfleet.costmodel.runsummary import RunSummary, batch_means, compare, mser_truncation, summarize
+from mixfleet.costmodel.records.runlog import (
+    FINISH_REASONS,
+    GroupRecord,
+    RunLog,
+    RunLogWriter,
+    TrajectoryRecord,
+    UpdateRecord,
+)
+from mixfleet.costmodel.records.runsummary import RunSummary, batch_means, compare, mser_truncation, summarize
 
 NAN = float("nan")
 

@@ -75,7 +75,7 @@ def test_serve_missing_checkpoint_and_print_sglang(tmp_path):
 
 def test_serve_routed_experts_flag(tmp_path):
     """--enable-return-routed-experts: refused on a dense checkpoint with one line; passed on to real SGLang."""
-    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.specs.model import load_model_spec
     from mixfleet.runner.checkpoint.init_model import init_model
 
     dense = init_model(load_model_spec("tiny"), tmp_path / "tiny")

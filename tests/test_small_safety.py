@@ -18,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.runlog import RunLog, RunLogWarning, RunLogWriter, UpdateRecord
+from mixfleet.costmodel.records.runlog import RunLog, RunLogWarning, RunLogWriter, UpdateRecord
 from mixfleet.ui.cli import app
 from typer.testing import CliRunner
 
@@ -125,7 +125,7 @@ def test_trainer_state_loads_tensors_only(tmp_path: Path) -> None:
     import torch
 
     torch.save({"format": STATE_FORMAT, "model": Evil()}, state / STATE_FILE)   # the real file format
-    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.specs.model import load_model_spec
 
     spec = load_model_spec("tiny").to_dict()
     (state / META_FILE).write_text(json.dumps({"format": STATE_FORMAT, "version": 1, "spec": spec, "config": {}}))

@@ -12,8 +12,8 @@ import math
 
 import pandas as pd
 import pytest
-from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.specs.catalog import load_catalog
 from mixfleet.policies.plan import plan_from_dict
 from mixfleet.twin.planner import PlannerConfig, candidate_plan, expected_lost_work, group_types, plan_mix
 from mixfleet.twin.sim import simulate

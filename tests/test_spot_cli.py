@@ -10,7 +10,7 @@ import json
 import tomllib
 from pathlib import Path
 
-from mixfleet.costmodel.catalog import load_catalog
+from mixfleet.costmodel.specs.catalog import load_catalog
 from mixfleet.ui.cli import app
 from typer.testing import CliRunner
 

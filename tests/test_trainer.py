@@ -18,7 +18,7 @@ import torch
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
-from mixfleet.costmodel.model import load_model_spec  # noqa: E402
+from mixfleet.costmodel.specs.model import load_model_spec  # noqa: E402
 from mixfleet.runner.checkpoint.hf_checkpoint import HFConfig, load_checkpoint  # noqa: E402
 from mixfleet.runner.trainer.hf_export import fuse_qkv, hf_to_megatron, megatron_to_hf, split_qkv  # noqa: E402
 from mixfleet.runner.trainer.megatron_model import BuildOptions, ensure_parallel_state  # noqa: E402

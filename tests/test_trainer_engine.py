@@ -20,7 +20,7 @@ import torch
 
 warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
-from mixfleet.costmodel.model import load_model_spec  # noqa: E402
+from mixfleet.costmodel.specs.model import load_model_spec  # noqa: E402
 from mixfleet.runner.sampler.engine import Engine  # noqa: E402
 from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplingParams  # noqa: E402
 from mixfleet.runner.trainer.megatron_model import BuildOptions  # noqa: E402

@@ -10,7 +10,7 @@ import dataclasses
 
 import pytest
 import torch
-from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.specs.model import load_model_spec
 from mixfleet.runner.corrections import CorrectionBatch, CorrectionConfig
 from mixfleet.runner.trainer.megatron_model import BuildOptions, ensure_parallel_state, without_output_layer
 from mixfleet.runner.trainer.trainer import OptimizerConfig, OutputLayerLoss, Trainer, TrainerConfig, policy_loss_fn

@@ -19,7 +19,7 @@ warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex).*")
 
 transformers = pytest.importorskip("transformers")
 
-from mixfleet.costmodel.model import load_model_spec  # noqa: E402
+from mixfleet.costmodel.specs.model import load_model_spec  # noqa: E402
 from mixfleet.runner.checkpoint.hf_checkpoint import load_checkpoint  # noqa: E402
 from mixfleet.runner.trainer.hf_export import hf_to_megatron, megatron_to_hf  # noqa: E402
 from mixfleet.runner.trainer.megatron_model import BuildOptions  # noqa: E402

@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import simpy
-from mixfleet.costmodel.runlog import RunLog, RunLogWriter
-from mixfleet.costmodel.workload import workload_from_dict
+from mixfleet.costmodel.records.runlog import RunLog, RunLogWriter
+from mixfleet.costmodel.specs.workload import workload_from_dict
 from mixfleet.policies.plan import plan_from_dict
 from mixfleet.policies.prompt_buffer import PromptGroup
 from mixfleet.twin.core import Replica, Request

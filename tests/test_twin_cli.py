@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.policies.plan import load_plan, save_plan, with_overrides
 from mixfleet.ui.cli import app
 from typer.testing import CliRunner

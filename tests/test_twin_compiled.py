@@ -18,7 +18,7 @@ import pytest
 RUN = r"""
 import hashlib, json, sys, tempfile
 import mixfleet.twin.core as core
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.policies.plan import load_plan, plan_from_dict
 from mixfleet.twin.sim import simulate
 

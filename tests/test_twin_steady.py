@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from mixfleet.costmodel.workload import workload_from_dict
+from mixfleet.costmodel.specs.workload import workload_from_dict
 from mixfleet.policies.plan import plan_from_dict
 from mixfleet.twin.rates import FixedRates, Setup
 from mixfleet.twin.sim import simulate

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("streamlit.testing.v1")
-from mixfleet.costmodel.runlog import GroupRecord, RunLogWriter, UpdateRecord  # noqa: E402
+from mixfleet.costmodel.records.runlog import GroupRecord, RunLogWriter, UpdateRecord  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 
 APP = str(Path(__file__).resolve().parents[1] / "ui" / "app.py")

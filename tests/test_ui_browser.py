@@ -216,7 +216,7 @@ def loop_app(tmp_path: Path):
     if not Path(CHROMIUM).exists():
         pytest.skip(f"chromium not installed at {CHROMIUM} (apt-get install chromium; .ci/run does)")
     pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install -e '.[test]')")
-    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.specs.model import load_model_spec
     from mixfleet.runner.checkpoint.init_model import init_model
 
     init = tmp_path / "init"
@@ -308,7 +308,7 @@ def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_p
             expect(card).to_be_visible()
             err = float(re.search(r"([+-]\d+(?:\.\d+)?) %", card.inner_text()).group(1))
             expect(page.get_by_text("Managed run loop")).to_be_visible()
-            from mixfleet.costmodel.runsummary import summarize
+            from mixfleet.costmodel.records.runsummary import summarize
             from mixfleet.twin.calibrated import fidelity
 
             rep = fidelity(None, runs / "loop" / "run", None).to_dict()   # the page's check, read as numbers

@@ -13,8 +13,8 @@ import pandas as pd
 import pytest
 
 pytest.importorskip("streamlit.testing.v1")
-from mixfleet.costmodel.catalog import load_catalog  # noqa: E402
 from mixfleet.costmodel.errors import SpecError  # noqa: E402
+from mixfleet.costmodel.specs.catalog import load_catalog  # noqa: E402
 from mixfleet.ui import app_planner  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 

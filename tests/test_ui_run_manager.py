@@ -79,7 +79,7 @@ def test_a_reused_pid_is_not_taken_for_the_run(tmp_path: Path) -> None:
 def test_start_find_refuse_twice_kill(tmp_path: Path) -> None:
     """A real `mixfleet run` in the background: found from its folder alone, a second start there refused,
     killed with its process group, the state read back from disk as 'killed' and resumable."""
-    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.specs.model import load_model_spec
     from mixfleet.runner.checkpoint.init_model import init_model
 
     init = init_model(load_model_spec("tiny"), tmp_path / "init", seed=0)
@@ -117,8 +117,8 @@ def test_the_runs_page_offers_controls_only_for_its_own_runs(tmp_path: Path, mon
     with the app's signed managed.json; a hand-written one gets none: tests/test_probe2_procs.py), and Kill
     ends it while it is still starting."""
     pytest.importorskip("streamlit.testing.v1")
-    from mixfleet.costmodel.model import load_model_spec
-    from mixfleet.costmodel.runlog import RunLogWriter
+    from mixfleet.costmodel.records.runlog import RunLogWriter
+    from mixfleet.costmodel.specs.model import load_model_spec
     from mixfleet.runner.checkpoint.init_model import init_model
     from streamlit.testing.v1 import AppTest
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("streamlit.testing.v1")
-from mixfleet.costmodel.runlog import GroupRecord, RunLogWriter, UpdateRecord  # noqa: E402
+from mixfleet.costmodel.records.runlog import GroupRecord, RunLogWriter, UpdateRecord  # noqa: E402
 from mixfleet.policies.plan import load_plan  # noqa: E402
 from mixfleet.ui import run_manager as rm  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402

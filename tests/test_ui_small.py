@@ -39,7 +39,7 @@ def test_errors_show_the_message_and_the_class_only_in_an_expander() -> None:
 
 
 def test_the_calibration_table_has_no_none_and_a_moved_value_is_not_kept_at_prior() -> None:
-    from mixfleet.costmodel.calibration import Calibration
+    from mixfleet.costmodel.calibration.record import Calibration
     from mixfleet.ui.app_launch import _fitted_rows
 
     rows = _fitted_rows(Calibration.load(CAL))

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.measurements import (
+from mixfleet.costmodel.specs.model import load_model_spec
+from mixfleet.costmodel.steptime.measurements import (
     OFFLINE_MAX_BATCH,
     compare,
     load_measurements,
@@ -17,8 +18,7 @@ from mixfleet.costmodel.measurements import (
     row_load,
     user_path,
 )
-from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.roofline import replica_model
+from mixfleet.costmodel.steptime.roofline import replica_model
 from mixfleet.ui.cli import app
 from typer.testing import CliRunner
 

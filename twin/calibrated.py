@@ -2,7 +2,7 @@
 
 A calibrated dry run is `simulate(plan, calibration=cal)` (or `simulate_calibrated(plan, cal)`): the world's
 setup is `rates.build_setup(plan, calibration=cal)`, the same function as an uncalibrated run's, with the
-fitted values in place of the priors for the groups the calibration covers (costmodel/planspec.py
+fitted values in place of the priors for the groups the calibration covers (costmodel/plan/planspec.py
 `resolve_groups`: each group's replica model through `GroupCalibration.apply`, weight-sync time, mismatch),
 the trainer's step time when the calibration was made on the plan's trainer accelerator, and the measured
 workload. Routing weights stay the prior's, because that is what the real runner routes with
@@ -26,10 +26,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from mixfleet.costmodel.calibration import Calibration
+from mixfleet.costmodel.calibration.record import Calibration
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.runlog import RunLog
-from mixfleet.costmodel.runsummary import loop_clock, summarize
+from mixfleet.costmodel.records.runlog import RunLog
+from mixfleet.costmodel.records.runsummary import loop_clock, summarize
 from mixfleet.policies.plan import Plan, load_plan, plan_from_dict, with_overrides
 from mixfleet.twin.rates import build_setup
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from mixfleet.costmodel.workload import WorkloadSpec
+from mixfleet.costmodel.specs.workload import WorkloadSpec
 from mixfleet.twin.core import Episode
 
 __all__ = ["Episode", "WorkloadShape", "draw_episodes", "workload_shape"]  # Episode: compiled (twin/core.py)

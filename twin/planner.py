@@ -60,13 +60,9 @@ from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
-from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.formats import formats
 from mixfleet.costmodel.limits import MAX_GPUS, check_count
-from mixfleet.costmodel.measured import Layout
-from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.planspec import (
+from mixfleet.costmodel.plan.planspec import (
     ON_LOSS,
     FaultsPlan,
     ResolvedGroup,
@@ -74,14 +70,18 @@ from mixfleet.costmodel.planspec import (
     resolve_group,
     resolve_trainer,
 )
-from mixfleet.costmodel.roofline import (
+from mixfleet.costmodel.specs.catalog import load_catalog
+from mixfleet.costmodel.specs.formats import formats
+from mixfleet.costmodel.specs.model import load_model_spec
+from mixfleet.costmodel.specs.workload import load_workload
+from mixfleet.costmodel.steptime.measured import Layout
+from mixfleet.costmodel.steptime.roofline import (
     DEFAULT_MAX_BATCH,
     ServingLoad,
     candidate_layouts,
     cheapest,
     kv_capacity_tokens,
 )
-from mixfleet.costmodel.workload import load_workload
 from mixfleet.policies.plan import GroupPlan, Plan, PoliciesPlan, PolicyRef, TrainerPlan, plan_from_dict
 from mixfleet.twin.episodes import WorkloadShape, workload_shape
 from mixfleet.twin.planner_defaults import DEFAULTS
@@ -118,7 +118,7 @@ class PlannerConfig:
     prices: dict[str, float] = field(default_factory=dict)  # accelerator -> USD per GPU-hour, over the price table
     precisions: dict[str, tuple[str, ...]] = field(default_factory=dict)  # accelerator -> allowed weight precisions
     emulated: bool = DEFAULTS.emulated  # `precisions` may name formats an accelerator only emulates
-    calibration: Any = None                     # a costmodel.calibration.Calibration: its fitted values replace
+    calibration: Any = None                     # a costmodel.calibration.record.Calibration: its fitted values replace
                                                 # the priors for the groups and trainer it covers (None = priors)
     layouts: str = DEFAULTS.layouts             # "smallest": smallest TP that fits; "cheapest": every layout (TP
                                                 # 1-8, attention DP + EP for MoE), the lowest $/token at the workload

@@ -14,17 +14,17 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from mixfleet.costmodel.catalog import Catalog
-from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.planspec import ResolvedGroup, plan_catalog, resolve_groups, resolve_trainer
-from mixfleet.costmodel.roofline import DEFAULT_MAX_BATCH, ReplicaModel
-from mixfleet.costmodel.workload import WorkloadSpec, load_workload
+from mixfleet.costmodel.plan.planspec import ResolvedGroup, plan_catalog, resolve_groups, resolve_trainer
+from mixfleet.costmodel.specs.catalog import Catalog
+from mixfleet.costmodel.specs.model import load_model_spec
+from mixfleet.costmodel.specs.workload import WorkloadSpec, load_workload
+from mixfleet.costmodel.steptime.roofline import DEFAULT_MAX_BATCH, ReplicaModel
 from mixfleet.policies.plan import Plan
 from mixfleet.twin.core import GridRates
 from mixfleet.twin.world import GroupSetup, TrainerSetup
 
 if TYPE_CHECKING:
-    from mixfleet.costmodel.calibration import Calibration
+    from mixfleet.costmodel.calibration.record import Calibration
 
 
 @dataclass(frozen=True, kw_only=True)

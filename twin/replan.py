@@ -21,11 +21,11 @@ from dataclasses import replace
 from datetime import UTC, datetime
 
 import numpy as np
-from mixfleet.costmodel.calibration import Calibration, Fitted, GroupCalibration
+from mixfleet.costmodel.calibration.record import Calibration, Fitted, GroupCalibration
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.model import load_model_spec
-from mixfleet.costmodel.planspec import plan_catalog, resolve_groups, resolve_trainer
-from mixfleet.costmodel.workload import load_workload
+from mixfleet.costmodel.plan.planspec import plan_catalog, resolve_groups, resolve_trainer
+from mixfleet.costmodel.specs.model import load_model_spec
+from mixfleet.costmodel.specs.workload import load_workload
 from mixfleet.policies.plan import Plan
 from mixfleet.policies.registry import make_config
 from mixfleet.policies.replan import Proposal, Replan, Solver

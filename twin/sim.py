@@ -18,20 +18,20 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixfleet.costmodel.runlog import RunLogWriter
-from mixfleet.costmodel.runsummary import RunSummary, summarize
+from mixfleet.costmodel.records.runlog import RunLogWriter
+from mixfleet.costmodel.records.runsummary import RunSummary, summarize
 from mixfleet.policies.plan import Plan, load_plan
 from mixfleet.twin.rates import Setup, build_setup
 from mixfleet.twin.world import World, run_loop
 
 if TYPE_CHECKING:
-    from mixfleet.costmodel.calibration import Calibration
+    from mixfleet.costmodel.calibration.record import Calibration
 
 
 @dataclass(frozen=True, kw_only=True)
 class TwinResult:
     """A dry run's outcome: the run-log summary plus what only the twin knows."""
-    summary: RunSummary              # costmodel.runsummary over the run log
+    summary: RunSummary              # costmodel.records.runsummary over the run log
     runlog_dir: str                  # "" when the log went to a temporary folder
     updates: int
     simulated_s: float               # simulated seconds

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 import simpy
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.ledger import GroupBatch, GroupTotals, Ledger, weight_push_detail
-from mixfleet.costmodel.runlog import EventRecord, TrajectoryRecord
-from mixfleet.costmodel.workload import WorkloadSpec
+from mixfleet.costmodel.records.ledger import GroupBatch, GroupTotals, Ledger, weight_push_detail
+from mixfleet.costmodel.records.runlog import EventRecord, TrajectoryRecord
+from mixfleet.costmodel.specs.workload import WorkloadSpec
 from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
 from mixfleet.policies.views import FleetView, GroupView, ReplicaView
 from mixfleet.twin.core import Replica, ReplicaRates, Session, Turns
@@ -351,7 +351,7 @@ class World:
 
     def record_update(self, batch: list[PromptGroup[Session]], version: int, start_s: float, train_s: float,
                       sync_s: float) -> None:
-        """The update's row and its groups' rows (costmodel/ledger.py), and its trajectories' rows."""
+        """The update's row and its groups' rows (costmodel/records/ledger.py), and its trajectories' rows."""
         now = self.env.now
         sessions = [s for p in batch for s in p.samples]
         versions, counts, by_group = [], [], {}

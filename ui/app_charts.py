@@ -53,8 +53,8 @@ def update_series(updates: pd.DataFrame, columns: Mapping[str, str], *, title: s
 
 
 def heldout_frame(events: pd.DataFrame | None) -> pd.DataFrame:
-    """The run's held-out evaluations with their sampling settings (`costmodel.trackers.eval_frame`)."""
-    from mixfleet.costmodel.trackers import eval_frame
+    """The run's held-out evaluations with their sampling settings (`costmodel.records.trackers.eval_frame`)."""
+    from mixfleet.costmodel.records.trackers import eval_frame
 
     return eval_frame(events)
 
@@ -75,7 +75,7 @@ def heldout_settings(frame: pd.DataFrame) -> str:
 
 def extreme_share_frame(updates: pd.DataFrame) -> pd.DataFrame:
     """version + extreme_share: the share of tokens with ratio below 0.2 or above 5."""
-    from mixfleet.costmodel.runlog import extreme_shares
+    from mixfleet.costmodel.records.runlog import extreme_shares
 
     return pd.DataFrame({"version": updates["version"], "extreme_share": extreme_shares(updates)})
 

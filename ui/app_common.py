@@ -2,7 +2,7 @@
 policies / twin, run-log loading, number formatting with units, and error display.
 
 The app computes nothing itself: plans are validated by `mixfleet.policies.plan`, dry runs come
-from `mixfleet.twin.sim.simulate`, summaries from `mixfleet.costmodel.runsummary`. What lives here
+from `mixfleet.twin.sim.simulate`, summaries from `mixfleet.costmodel.records.runsummary`. What lives here
 is plumbing: caching, file handling and turning exceptions into messages.
 """
 
@@ -193,7 +193,7 @@ def with_workload(pt: PlanText, workload: str) -> PlanText:
     """The plan on another workload (its batch size follows the workload's prompts per update)."""
     if not workload or plan_object(pt).workload == workload:
         return pt
-    from mixfleet.costmodel.workload import load_workload
+    from mixfleet.costmodel.specs.workload import load_workload
     from mixfleet.policies.plan import with_overrides
 
     w = load_workload(workload)
@@ -205,7 +205,7 @@ def with_workload(pt: PlanText, workload: str) -> PlanText:
 
 
 def known_workloads() -> list[str]:
-    from mixfleet.costmodel.workload import known_workloads as _known
+    from mixfleet.costmodel.specs.workload import known_workloads as _known
 
     return _known()
 
@@ -241,7 +241,7 @@ def dry_run(pt: PlanText, updates: int, seed: int, progress: Callable[[int], Non
     if done is not None:
         return done
     out = twin_run_dir(pt, updates, seed, calibration, warm_start)
-    from mixfleet.costmodel.outdir import prepare_output_dir
+    from mixfleet.costmodel.records.outdir import prepare_output_dir
 
     prepare_output_dir(out, "twin_runlog", where="Dry-run page", force=True)   # an unfinished dry run, never more
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -325,8 +325,8 @@ def _stamp(path: Path) -> tuple[float, int]:
 
 @st.cache_data(show_spinner=False, max_entries=32)
 def _load_run(path: str, stamp: tuple[float, int]) -> RunData:
-    from mixfleet.costmodel.runlog import RunLog
-    from mixfleet.costmodel.runsummary import summarize
+    from mixfleet.costmodel.records.runlog import RunLog
+    from mixfleet.costmodel.records.runsummary import summarize
 
     log = RunLog.open(path)
     return RunData(path=path, header=dict(log.header), updates=log.updates, groups=log.groups, events=log.events,
@@ -343,7 +343,7 @@ def find_runs(root: Path) -> list[tuple[Path, dict[str, Any]]]:
     """Run logs under `root` with their headers, newest first."""
     import json
 
-    from mixfleet.costmodel.runlog import HEADER_FILE, RunLog
+    from mixfleet.costmodel.records.runlog import HEADER_FILE, RunLog
 
     if not root.is_dir():
         return []

@@ -4,7 +4,7 @@ second plan.
 
 The simulation is `mixfleet.twin.sim.simulate`, written as a run log under the runs folder (so the
 Runs page lists it and overlays it on a real run of the same plan); an identical dry run already
-there is reused. Numbers come from `mixfleet.costmodel.runsummary`.
+there is reused. Numbers come from `mixfleet.costmodel.records.runsummary`.
 """
 
 from __future__ import annotations

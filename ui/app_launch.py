@@ -315,7 +315,7 @@ def _fitted_rows(cal: Any) -> list[dict[str, Any]]:
     """One row per fitted value: where, parameter, fitted, 1-sigma, prior, unit, fitted or kept, note."""
     import dataclasses
 
-    from mixfleet.costmodel.calibration import Fitted
+    from mixfleet.costmodel.calibration.record import Fitted
 
     rows = []
 
@@ -345,7 +345,7 @@ def calibrate_and_replan(run_path: Path, header: dict[str, Any], root: Path,
                            if Path(s).name == rm.RUN_SUBDIR else Path(s).name)
     results = st.session_state.setdefault(CAL_RESULT_KEY, {})
     if st.button("Fit a calibration from this run", key="runs_cal_fit", type="primary"):
-        from mixfleet.costmodel.calibration import calibrate
+        from mixfleet.costmodel.calibration.fit import calibrate
 
         out = _calibration_path(root, run_path)
         with st.spinner("fitting..."):

@@ -21,7 +21,7 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 import tomli_w
-from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.specs.formats import formats
 from mixfleet.twin.planner_defaults import DEFAULTS
 from mixfleet.ui import app_charts as charts
 from mixfleet.ui import app_planner as planner
@@ -46,9 +46,9 @@ PRECISIONS = formats().gpu_precisions   # data/precisions.toml: native on some G
 # ---- cached reads (costmodel) ---------------------------------------------------------------------------
 @st.cache_data(show_spinner=False)
 def _known() -> tuple[list[str], list[str], tuple[str, ...]]:
-    from mixfleet.costmodel.catalog import load_catalog
-    from mixfleet.costmodel.model import known_models
-    from mixfleet.costmodel.workload import known_workloads
+    from mixfleet.costmodel.specs.catalog import load_catalog
+    from mixfleet.costmodel.specs.model import known_models
+    from mixfleet.costmodel.specs.workload import known_workloads
 
     return known_models(), known_workloads(), load_catalog().price_tables()
 
@@ -56,8 +56,8 @@ def _known() -> tuple[list[str], list[str], tuple[str, ...]]:
 @st.cache_data(show_spinner=False)
 def _spec_toml(kind: str, name: str) -> str:
     """A shipped model / workload as TOML text (its numbers, for editing)."""
-    from mixfleet.costmodel.model import load_model_spec
-    from mixfleet.costmodel.workload import load_workload
+    from mixfleet.costmodel.specs.model import load_model_spec
+    from mixfleet.costmodel.specs.workload import load_workload
 
     d = load_model_spec(name).to_dict() if kind == "model" else load_workload(name).to_dict()
     return tomli_w.dumps(d)
@@ -66,7 +66,7 @@ def _spec_toml(kind: str, name: str) -> str:
 @st.cache_data(show_spinner=False)
 def _pool(price_table: str) -> pd.DataFrame:
     """The default pool: every GPU of the catalog at this price table, its native precisions allowed."""
-    from mixfleet.costmodel.catalog import load_catalog
+    from mixfleet.costmodel.specs.catalog import load_catalog
 
     cat = load_catalog(price_table)
     rows = []
@@ -82,8 +82,8 @@ def _pool(price_table: str) -> pd.DataFrame:
 def _validated_spec(kind: str, text: str) -> str:
     """Validate edited spec TOML with costmodel and write it under the runs folder; returns its path."""
     from mixfleet.costmodel.errors import SpecError
-    from mixfleet.costmodel.model import model_spec_from_dict
-    from mixfleet.costmodel.workload import workload_from_dict
+    from mixfleet.costmodel.specs.model import model_spec_from_dict
+    from mixfleet.costmodel.specs.workload import workload_from_dict
 
     try:
         raw = tomllib.loads(text)
@@ -201,7 +201,7 @@ def _pool_editor() -> tuple[str, pd.DataFrame | None, tuple[str, ...], bool]:
 
 
 def _trainer() -> dict[str, Any]:
-    from mixfleet.costmodel.catalog import load_catalog
+    from mixfleet.costmodel.specs.catalog import load_catalog
 
     accs = load_catalog().gpus()
     c = st.columns(4)
@@ -243,8 +243,8 @@ def calibration_coverage(path: str, model: str, pool: pd.DataFrame | None, kv: t
     Returns (changes anything, what it covers, what it changes here). A candidate group takes a calibrated group's
     values when it has its (accelerator, precision, KV dtype) (`planspec.group_calibration`: planner candidates
     have no kernel of their own); the trainer's fit applies on the accelerator it was made on."""
-    from mixfleet.costmodel.calibration import Calibration
-    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.calibration.record import Calibration
+    from mixfleet.costmodel.specs.model import load_model_spec
 
     cal = Calibration.load(path)
     groups = ", ".join(f"`{g.name}` ({g.accelerator} {g.precision}, KV {g.kv_dtype})" for g in cal.groups) or "none"
@@ -290,7 +290,7 @@ def _calibration_notice(path: str, model: str, pool: pd.DataFrame | None, kv: tu
         show_error(f"cannot read calibration {path}", e)
         return ""
     (st.info if changes else st.warning)(f"{covers} {what}")
-    from mixfleet.costmodel.calibration import Calibration
+    from mixfleet.costmodel.calibration.record import Calibration
 
     cal_model = Calibration.load(path).model
     models = _known()[0]

@@ -20,7 +20,7 @@ from typing import Any
 
 import pandas as pd
 import tomli_w
-from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.specs.formats import formats
 from mixfleet.twin.planner_defaults import DEFAULTS
 from mixfleet.ui.app_common import (
     REFERENCE_PLANS,
@@ -85,7 +85,7 @@ def precision_list(v: Any) -> list[str]:
 def pool_overrides(pool: pd.DataFrame, price_table: str) -> tuple[dict[str, float], dict[str, tuple[str, ...]]]:
     """What the edited pool changes against the price table and the native precisions: (prices per GPU-hour
     for every row whose price was edited, allowed precisions for ticked rows whose list was edited)."""
-    from mixfleet.costmodel.catalog import load_catalog
+    from mixfleet.costmodel.specs.catalog import load_catalog
 
     cat = load_catalog(price_table)
     prices: dict[str, float] = {}
@@ -137,7 +137,7 @@ def _twin_point(name: str, pt: PlanText, updates: int, seed: int,
 
 
 def _load_calibration(path: str) -> Any:
-    from mixfleet.costmodel.calibration import Calibration
+    from mixfleet.costmodel.calibration.record import Calibration
 
     return Calibration.load(path)
 
@@ -180,7 +180,7 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
     pt = PlanText(plan.name, tomli_w.dumps(plan.to_dict()))
     best = result.best
     if not twin_updates:   # automatic, as the verification: the chosen mix's 10 + prompts in flight / per update
-        from mixfleet.costmodel.workload import load_workload
+        from mixfleet.costmodel.specs.workload import load_workload
 
         twin_updates = verify_updates(best, cfg, load_workload(workload).prompts_per_update)
     jobs: list[tuple[str, PlanText]] = [("chosen mix (twin)", pt)]

@@ -4,7 +4,7 @@ Reward, KL by group, share of tokens outside [0.2, 5], grad norm, entropy, stale
 update, the fleet's mix over time (replicas up per group, scale and `replan` events marked) and the re-planner's
 decisions; refreshes itself while the run is going (a Streamlit fragment with run_every); overlays the
 twin's prediction for the same plan when a twin run log of that plan is in the folder, with the
-predicted-vs-measured table from `mixfleet.costmodel.runsummary.compare`; for a real run, the twin
+predicted-vs-measured table from `mixfleet.costmodel.records.runsummary.compare`; for a real run, the twin
 fidelity check (`mixfleet.twin.calibrated.fidelity`, priors or a calibration file).
 """
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 import streamlit as st
-from mixfleet.costmodel.runlog import FIND_MAX_DEPTH, FIND_MAX_DIRS
+from mixfleet.costmodel.records.runlog import FIND_MAX_DEPTH, FIND_MAX_DIRS
 from mixfleet.ui import app_charts as charts
 from mixfleet.ui import app_launch as launch
 from mixfleet.ui import run_manager as rm
@@ -58,7 +58,7 @@ KEY_METRICS = {
 
 @st.cache_data(show_spinner=False, max_entries=16)
 def _compare(measured: str, predicted: str, _stamp: tuple[str, str]) -> pd.DataFrame:
-    from mixfleet.costmodel.runsummary import compare, summarize
+    from mixfleet.costmodel.records.runsummary import compare, summarize
 
     return compare(summarize(measured), summarize(predicted), labels=("measured", "predicted"))
 
@@ -259,7 +259,7 @@ def _fidelity_section(path: Path, header: dict) -> None:
         keep = fidelity_log_dir(path, tag)
         with st.spinner("simulating this run's plan as it ran..."):
             try:
-                from mixfleet.costmodel.outdir import prepare_output_dir
+                from mixfleet.costmodel.records.outdir import prepare_output_dir
 
                 prepare_output_dir(keep, "twin_runlog", where="Runs page", force=True)   # the previous check's log
                 reports[key] = fidelity(None, path, cal_path, keep_twin_log=keep).to_dict()

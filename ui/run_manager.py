@@ -552,7 +552,7 @@ def progress(m: ManagedRun, predicted_s_per_update: float | None = None, updates
 
     done, elapsed = 0, None
     if updates is None:
-        from mixfleet.costmodel.runlog import RunLog
+        from mixfleet.costmodel.records.runlog import RunLog
 
         with contextlib.suppress(Exception):
             updates = RunLog.open(m.run_dir).updates

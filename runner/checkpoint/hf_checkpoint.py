@@ -60,7 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from mixfleet.costmodel.model import ModelSpec, MoESpec
+from mixfleet.costmodel.specs.model import ModelSpec, MoESpec
 from safetensors.torch import load_file, save_file
 
 CONFIG_FILE = "config.json"

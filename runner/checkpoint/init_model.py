@@ -20,7 +20,7 @@ import math
 from pathlib import Path
 
 import torch
-from mixfleet.costmodel.model import ModelSpec
+from mixfleet.costmodel.specs.model import ModelSpec
 from mixfleet.runner.checkpoint.hf_checkpoint import HFConfig, expected_shapes, save_checkpoint
 from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mixfleet.costmodel.runlog import EventRecord, RunLogWriter
+from mixfleet.costmodel.records.runlog import EventRecord, RunLogWriter
 from mixfleet.policies.plan import EmbeddedPlan, Plan
 
 RUN_MODES = ("async", "sync")
@@ -39,7 +39,7 @@ class RunFailed(RuntimeError):
 class RunConfig:
     """Everything a real run needs beyond the plan (validated on construction).
 
-    The plan's run settings (its [embedded] table, costmodel/planspec.py `EmbeddedPlan`: the episodes, the
+    The plan's run settings (its [embedded] table, costmodel/plan/planspec.py `EmbeddedPlan`: the episodes, the
     evaluation, the trainer's recipe) are owned by the plan. The fields below of the same names (`PLAN_SETTINGS`)
     are this run's overrides: None is the plan's value, anything else (0 and false included) this run's, merged
     once by `resolved(plan)`, which the orchestrator calls before anything reads them."""

@@ -13,7 +13,7 @@ Three ways a group becomes replicas:
 
 Routing weights: capacity-proportional routing needs each group's serving capacity. It comes from the
 cost model for the plan's accelerator / precision / KV dtype / tp / emulated flag at the workload's mean
-decode context, from the record the twin uses (costmodel/planspec.py `resolve_groups`: the prior replica's
+decode context, from the record the twin uses (costmodel/plan/planspec.py `resolve_groups`: the prior replica's
 `nominal_point`); a group the cost model refuses (a format its accelerator lacks without `emulated = true`,
 a tp too small for the model) is an error here as in the twin. When a rehearsal scales a group of R planned
 replicas down to n, each local replica carries R / n replicas' weight, so the groups' routing shares stay
@@ -26,8 +26,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from mixfleet.costmodel.formats import formats
-from mixfleet.costmodel.planspec import ResolvedGroup, resolve_groups
+from mixfleet.costmodel.plan.planspec import ResolvedGroup, resolve_groups
+from mixfleet.costmodel.specs.formats import formats
 from mixfleet.policies.plan import EmbeddedPlan, Plan
 from mixfleet.runner.sampler.replica import ReplicaLaunch
 

@@ -45,7 +45,7 @@ def fleet_mode(plan: Any, *, embedded: bool = False, address: str | None = None,
     """The fleet mode of a run (runner/orchestration/fleet.py MODES): "attach" with attached servers,
     "embedded" when asked or when every group's accelerator is a CPU, "sglang" on a Ray cluster (`address`);
     a plan of GPUs with none of these is refused (SpecError naming what to pass)."""
-    from mixfleet.costmodel.catalog import load_catalog
+    from mixfleet.costmodel.specs.catalog import load_catalog
     from mixfleet.runner.orchestration.rehearsal import CPU_KINDS
 
     if attach:
@@ -71,7 +71,7 @@ def prepare(out: Path, plan: Any, *, resume: bool, force: bool = False, where: s
     lock: a new or empty folder, `force` to replace what an earlier run wrote, or with `resume` the run it
     continues (its plan the log's, its checkpoint readable; nothing is changed yet). Returns the lock (release
     it when the run ends); raises SpecError / ValueError naming the problem, the lock released."""
-    from mixfleet.costmodel.outdir import lock_output_dir, prepare_output_dir
+    from mixfleet.costmodel.records.outdir import lock_output_dir, prepare_output_dir
     from mixfleet.runner.orchestration.orchestrator import prepare_resume
 
     prepare_output_dir(out, "run", where=where, resume=resume, force=force, clear=False)

@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 import pandas as pd
-from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.ledger import GroupTotals, trainer_usd_per_hour
-from mixfleet.costmodel.outdir import STAGING_SUFFIX, is_our_temp, lock_output_dir
-from mixfleet.costmodel.runlog import EventRecord, RunLog, plan_differences
+from mixfleet.costmodel.records.ledger import GroupTotals, trainer_usd_per_hour
+from mixfleet.costmodel.records.outdir import STAGING_SUFFIX, is_our_temp, lock_output_dir
+from mixfleet.costmodel.records.runlog import EventRecord, RunLog, plan_differences
+from mixfleet.costmodel.specs.catalog import load_catalog
 from mixfleet.policies.plan import Plan, plan_from_dict
 from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
 from mixfleet.runner.checkpoint.hf_checkpoint import recover_replaced_dir, remove_leftovers, replace_dir_atomically

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mixfleet.costmodel.model import ModelSpec, load_model_spec
+from mixfleet.costmodel.specs.model import ModelSpec, load_model_spec
 from mixfleet.runner.rollout.agent import AgentConfig, Episode, engine_generate, run_episode
 from mixfleet.runner.rollout.demos import DemoConfig, demo_stats, generate_demos
 from mixfleet.runner.rollout.tasks import make_task, split_seeds

@@ -1,4 +1,4 @@
-"""Run-log writing for a real run: the header, each update's rows through the ledger (costmodel/ledger.py,
+"""Run-log writing for a real run: the header, each update's rows through the ledger (costmodel/records/ledger.py,
 the twin's too), the batch's trajectories, and what a checkpoint keeps of them.
 
 Per update: the trajectories of the batch (`trained_version`; dropped prompt-groups -1), one `GroupRecord`
@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mixfleet.costmodel.ledger import GroupBatch, GroupTotals, Ledger
-from mixfleet.costmodel.runlog import RunLogWriter, TrajectoryRecord
+from mixfleet.costmodel.records.ledger import GroupBatch, GroupTotals, Ledger
+from mixfleet.costmodel.records.runlog import RunLogWriter, TrajectoryRecord
 from mixfleet.policies.prompt_buffer import PromptGroup
 from mixfleet.runner.orchestration.batching import group_metrics, version_int
 from mixfleet.runner.orchestration.config import RunContext

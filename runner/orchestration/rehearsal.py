@@ -26,9 +26,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from mixfleet.costmodel.catalog import load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.model import load_model_spec
+from mixfleet.costmodel.specs.catalog import load_catalog
+from mixfleet.costmodel.specs.model import load_model_spec
 from mixfleet.policies.plan import EmbeddedPlan, Plan, plan_from_dict
 
 STAND_INS = {"dense": "tiny", "moe": "tiny-qwen3-moe"}   # model kind -> its tiny stand-in (data/models)

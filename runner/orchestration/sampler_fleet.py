@@ -41,7 +41,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
-from mixfleet.costmodel.ledger import GroupTotals
+from mixfleet.costmodel.records.ledger import GroupTotals
 from mixfleet.policies.views import FleetView, GroupView, ReplicaView
 from mixfleet.runner.orchestration.config import RunContext, RunFailed
 from mixfleet.runner.orchestration.fleet import FleetSpec, GroupSpec
@@ -323,7 +323,7 @@ class SamplerFleet:
         self._replica_s[group].set(self.ctx.now(), up, up + self._starting[group])
 
     def totals(self, group: str, now: float, tokens_generated: int) -> GroupTotals:
-        """The group's running totals for the run log (costmodel/ledger.py)."""
+        """The group's running totals for the run log (costmodel/records/ledger.py)."""
         rs = self._replica_s[group]
         rs.advance(now)
         return GroupTotals(up_replica_s=rs.up_s, cost_usd=self.groups[group].usd_per_hour * rs.billed_s / 3600.0,

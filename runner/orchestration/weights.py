@@ -10,7 +10,7 @@ published by the driver. Versions stay published while they are among the newest
 or a replica is starting from them (pinned). Attached servers (`--attach`) are given the trainer's export
 folder itself (they must see it), kept on disk by the same rule.
 
-Each `weight_push` event (per group and version) says in its JSON detail (costmodel/ledger.py) the
+Each `weight_push` event (per group and version) says in its JSON detail (costmodel/records/ledger.py) the
 version's publish seconds, the group's transfer seconds (the slowest of its nodes' one fetch) and load
 seconds (its replicas' loads), besides mode / replicas / loaded.
 """
@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
-from mixfleet.costmodel.ledger import weight_push_detail
+from mixfleet.costmodel.records.ledger import weight_push_detail
 from mixfleet.runner.orchestration.config import WEIGHTS_DIR, RunContext
 from mixfleet.runner.orchestration.distribution import KEEP_NODE_VERSIONS, NodeCaches, publish_folder
 from mixfleet.runner.sampler.client import SamplerHTTPError, SamplerUnavailable

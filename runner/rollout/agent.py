@@ -180,7 +180,7 @@ class Episode:
         return out
 
     def summary(self) -> dict[str, Any]:
-        """The run log's trajectory fields (costmodel/runlog.py TrajectoryRecord names) this episode knows;
+        """The run log's trajectory fields (costmodel/records/runlog.py TrajectoryRecord names) this episode knows;
         the runner adds run_id, prompt_id, sample_index, replica and converts versions to ints."""
         first, last = self.weight_version_span()
         return {"group": self.group_id, "version_start": first, "version_end": last, "turns": self.num_turns,

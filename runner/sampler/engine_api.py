@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.specs.formats import formats
 
 PRECISIONS = formats().engine_precisions           # weight formats the embedded engine serves (data/precisions.toml)
 KV_CACHE_DTYPES = formats().engine_kv_dtypes

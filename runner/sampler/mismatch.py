@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.specs.formats import formats
 from mixfleet.runner.sampler.engine import Engine, EngineConfig
 from mixfleet.runner.sampler.engine.kvcache import KV_DTYPES
 from mixfleet.runner.sampler.engine.model import Weights, forward_full, load_weights

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.specs.formats import formats
 
 REPLICA_MODES = ("embedded", "sglang")
 EMBEDDED_MAX_RUNNING = 256            # the embedded engine's running-request cap (one scheduler, no attention DP)

@@ -47,8 +47,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from mixfleet.costmodel.formats import formats
 from mixfleet.costmodel.jsonsafe import json_safe
+from mixfleet.costmodel.specs.formats import formats
 from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
 from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplerEngine, SamplingParams, TokenOutput
 from mixfleet.runner.sampler.protocol import (

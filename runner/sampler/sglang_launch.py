@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.specs.formats import formats
 from mixfleet.runner.sampler.replica import ReplicaLaunch
 
 # from data/precisions.toml (servers = [..., "sglang"], sglang_quantization, sglang_kv_cache_dtype)

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from mixfleet.costmodel.model import ModelSpec
+from mixfleet.costmodel.specs.model import ModelSpec
 
 DEVICES = ("auto", "cpu", "cuda")
 TE_CHOICES = ("auto", "yes", "no")

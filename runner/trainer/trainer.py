@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from mixfleet.costmodel.model import ModelSpec, model_spec_from_dict
+from mixfleet.costmodel.specs.model import ModelSpec, model_spec_from_dict
 from mixfleet.runner.checkpoint.hf_checkpoint import (
     HFConfig,
     NonFiniteWeightsError,

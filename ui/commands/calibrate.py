@@ -37,7 +37,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Fit the cost model's free parameters to run logs: each value with its uncertainty and the residuals
         (or, with --measurements, the roofline's factors to published figures)."""
-        from mixfleet.costmodel.calibration import calibrate, calibration_dict
+        from mixfleet.costmodel.calibration.fit import calibrate
+        from mixfleet.costmodel.calibration.record import calibration_dict
         from mixfleet.costmodel.errors import SpecError
 
         if measurements is not None:
@@ -86,7 +87,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Simulate PLAN as the run ran it (seed, updates, replicas, workload); predicted vs measured."""
         from mixfleet.costmodel.errors import SpecError
-        from mixfleet.costmodel.outdir import prepare_output_dir
+        from mixfleet.costmodel.records.outdir import prepare_output_dir
         from mixfleet.twin.calibrated import fidelity
 
         try:
@@ -122,8 +123,8 @@ def register(app: typer.Typer) -> None:
 
 def _fit_measurements(path: Path, out: Path | None, as_json: bool) -> None:
     from mixfleet.costmodel.errors import SpecError
-    from mixfleet.costmodel.measurement_fit import fit_measurements
-    from mixfleet.costmodel.measurements import load_measurements
+    from mixfleet.costmodel.steptime.measurement_fit import fit_measurements
+    from mixfleet.costmodel.steptime.measurements import load_measurements
 
     try:
         fit = fit_measurements(load_measurements(path))

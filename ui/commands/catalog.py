@@ -1,6 +1,6 @@
 """`mixfleet` commands: catalog and capacity: what each (accelerator, precision) replica can do and cost.
 
-Rendering only: the numbers come from `mixfleet.costmodel.report`. Bad names or files print one
+Rendering only: the numbers come from `mixfleet.costmodel.steptime.report`. Bad names or files print one
 clear line (the field, the value, what is allowed) and exit with code 2, never a traceback.
 """
 
@@ -62,9 +62,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Accelerators x precisions for a model: native/emulated, TP, tokens/s and $/Mtoken, the backend that
         priced each pair; ranked by $/Mtoken."""
-        from mixfleet.costmodel.catalog import load_catalog
         from mixfleet.costmodel.errors import SpecError
-        from mixfleet.costmodel.report import catalog_report
+        from mixfleet.costmodel.specs.catalog import load_catalog
+        from mixfleet.costmodel.steptime.report import catalog_report
 
         try:
             rep = catalog_report(model, catalog=load_catalog(price_table), accelerators=_split(accelerators),
@@ -100,9 +100,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """One replica's throughput vs batch and context, KV capacity, prefill and weight-sync time; every layout
         (TP 1-8, attention DP + expert parallel for MoE) side by side."""
-        from mixfleet.costmodel.catalog import load_catalog
         from mixfleet.costmodel.errors import SpecError
-        from mixfleet.costmodel.report import capacity_report
+        from mixfleet.costmodel.specs.catalog import load_catalog
+        from mixfleet.costmodel.steptime.report import capacity_report
 
         try:
             rep = capacity_report(model, accelerator, precision, kv_dtype, catalog=load_catalog(price_table), tp=tp,

@@ -32,8 +32,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Write a seeded, randomly initialized checkpoint of a model spec, with its tokenizer."""
         from mixfleet.costmodel.errors import SpecError
-        from mixfleet.costmodel.model import load_model_spec
-        from mixfleet.costmodel.outdir import prepare_output_dir
+        from mixfleet.costmodel.records.outdir import prepare_output_dir
+        from mixfleet.costmodel.specs.model import load_model_spec
         from mixfleet.runner.checkpoint.init_model import init_model
 
         try:

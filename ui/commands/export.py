@@ -1,6 +1,6 @@
 """`mixfleet export RUNLOG --to tensorboard|wandb`: a run log's metrics (twin or real) where RL people look.
 
-Rendering only: the mapping and the writers are `mixfleet.costmodel.trackers` (the same ones `mixfleet run
+Rendering only: the mapping and the writers are `mixfleet.costmodel.records.trackers` (the same ones `mixfleet run
 --tracker` streams through). Bad input (an unknown --to, a folder that is not a run log, the trackers extra not
 installed, a destination that already has event files) prints one line and exits with 2.
 """
@@ -29,7 +29,7 @@ def register(app: typer.Typer) -> None:
         """Write a run log's metrics to TensorBoard event files or an offline wandb run: step = trainer version;
         train/*, staleness/*, time/*, cost/*, group/<name>/*, rollout/*, eval/* (docs/runlog.md, "Trackers")."""
         from mixfleet.costmodel.errors import SpecError
-        from mixfleet.costmodel.trackers import export_run_log
+        from mixfleet.costmodel.records.trackers import export_run_log
 
         try:
             res = export_run_log(runlog, to, out, force=force)

@@ -45,8 +45,8 @@ def register_pretrain(app: typer.Typer) -> None:
 
         import torch
         from mixfleet.costmodel.errors import SpecError
-        from mixfleet.costmodel.formats import formats
-        from mixfleet.costmodel.outdir import prepare_output_dir
+        from mixfleet.costmodel.records.outdir import prepare_output_dir
+        from mixfleet.costmodel.specs.formats import formats
         from mixfleet.runner.orchestration.pretrain import PretrainConfig, measure_reward, pretrain
         from mixfleet.runner.rollout.demos import DemoConfig
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn

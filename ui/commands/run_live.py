@@ -149,8 +149,8 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
     (run log kept), 2 bad input, 3 done without a sampler group that could not start (--allow-group-loss)."""
     import torch
     from mixfleet.costmodel.errors import SpecError
-    from mixfleet.costmodel.outdir import prepare_output_dir
-    from mixfleet.costmodel.trackers import LiveTracker
+    from mixfleet.costmodel.records.outdir import prepare_output_dir
+    from mixfleet.costmodel.records.trackers import LiveTracker
     from mixfleet.policies.plan import load_plan
     from mixfleet.runner.orchestration import launcher
     from mixfleet.runner.orchestration.orchestrator import RunConfig
@@ -196,7 +196,7 @@ def _run_locked(plan: Any, cfg: Any, out: Path, quiet: bool, kills: dict[int, li
     """The run itself through the launcher (SIGTERM: stop after the current update), with the live view and
     the --kill-at drill (the run folder is locked by the caller)."""
     from mixfleet.costmodel.errors import SpecError
-    from mixfleet.costmodel.runlog import EventRecord
+    from mixfleet.costmodel.records.runlog import EventRecord
     from mixfleet.runner.checkpoint.hf_checkpoint import NonFiniteWeightsError
     from mixfleet.runner.orchestration import launcher
     from mixfleet.runner.orchestration.fleet import fleet_from_plan

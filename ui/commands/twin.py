@@ -95,7 +95,7 @@ def _progress(total: int, label: str):
 
 def _simulate(plan: str, updates: int, seed: int | None, out: str | None, price_table: str | None, label: str,
               calibration: Path | None = None, warm_start: bool = False, truth: Path | None = None):
-    from mixfleet.costmodel.calibration import Calibration
+    from mixfleet.costmodel.calibration.record import Calibration
     from mixfleet.twin.sim import simulate
 
     world = {"truth": Calibration.load(truth)} if truth is not None else {}   # the world's numbers, not the plan's
@@ -114,7 +114,7 @@ def _simulate(plan: str, updates: int, seed: int | None, out: str | None, price_
 def _spot_source(cfg: Any) -> dict[str, Any]:
     """Where the spot figures come from: the price table's [spot.<table>] source and date, and per offered
     accelerator its spot price, preemption rate and whether they are estimates."""
-    from mixfleet.costmodel.catalog import load_catalog
+    from mixfleet.costmodel.specs.catalog import load_catalog
 
     cat = load_catalog(cfg.price_table)
     return {"source": cat.spot_source, "date": cat.spot_date,
@@ -227,7 +227,7 @@ def register(app: typer.Typer) -> None:
         try:
             cal = None
             if calibration is not None:
-                from mixfleet.costmodel.calibration import Calibration
+                from mixfleet.costmodel.calibration.record import Calibration
 
                 cal = Calibration.load(calibration)
             cfg = PlannerConfig(calibration=cal, model=model, workload=workload, price_table=price_table,
@@ -378,7 +378,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Dry-run a plan in the twin: run log + summary."""
         from mixfleet.costmodel.errors import SpecError
-        from mixfleet.costmodel.outdir import prepare_output_dir
+        from mixfleet.costmodel.records.outdir import prepare_output_dir
 
         try:
             if out is not None:

@@ -1,6 +1,6 @@
 """`mixfleet validate-costmodel`: the cost model against published GPU serving measurements.
 
-Rendering only: the rows are `mixfleet.costmodel.measurements` (data/measurements/*.toml), the predictions
+Rendering only: the rows are `mixfleet.costmodel.steptime.measurements` (data/measurements/*.toml), the predictions
 its `compare`. Bad input prints one line (field, value, what is allowed) and exits with code 2.
 """
 
@@ -39,7 +39,7 @@ def register(app: typer.Typer) -> None:
         concurrency): model / published, median and worst factor per backend, accelerator, precision, source;
         and the path users get: each max-throughput row at the layout and operating point the planner chooses."""
         from mixfleet.costmodel.errors import SpecError
-        from mixfleet.costmodel.measurements import compare, load_measurements
+        from mixfleet.costmodel.steptime.measurements import compare, load_measurements
 
         names = [b.strip() for b in backends.split(",") if b.strip()]
         try:
@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
             ms = load_measurements(measurements)
             eff_for = None
             if calibration is not None:
-                from mixfleet.costmodel.measurement_fit import load_fit
+                from mixfleet.costmodel.steptime.measurement_fit import load_fit
 
                 eff_for = load_fit(calibration).efficiency_for
             rep = compare(ms, names, efficiency_for=eff_for)

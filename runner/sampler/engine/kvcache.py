@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.specs.formats import formats
 
 KV_DTYPES = formats().engine_kv_dtypes   # data/precisions.toml [kv_dtypes.*] servers = ["engine", ...]
 FP8_E4M3_MAX = 448.0

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.specs.formats import formats
 from mixfleet.runner.checkpoint.hf_checkpoint import HFConfig, load_checkpoint
 from mixfleet.runner.sampler.engine.kvcache import KVPool
 from mixfleet.runner.sampler.engine.quant import FP8_SCALINGS, WEIGHT_PRECISIONS, Fp8Weight, fake_quantize, quantize_fp8

@@ -22,7 +22,7 @@ import logging
 from dataclasses import dataclass
 
 import torch
-from mixfleet.costmodel.formats import formats
+from mixfleet.costmodel.specs.formats import formats
 
 WEIGHT_PRECISIONS = formats().engine_precisions   # data/precisions.toml: servers = ["engine", ...]
 FP8_SCALINGS = ("block", "channel")

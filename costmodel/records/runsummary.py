@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-from mixfleet.costmodel.runlog import FINISH_REASONS, RunLog, extreme_shares
+from mixfleet.costmodel.records.runlog import FINISH_REASONS, RunLog, extreme_shares
 
 _NAN = float("nan")
 

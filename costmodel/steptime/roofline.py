@@ -23,7 +23,7 @@ workload's requests, up to the engine's running cap per DP rank; prefill charged
 smallest that fits.
 
 Backends (`backend=`): "roofline" (this formula), "aiconfigurator" (measured step tables from NVIDIA's
-aiconfigurator-core, costmodel/measured.py; refused where its support matrix does not reach) and "auto"
+aiconfigurator-core, costmodel/steptime/measured.py; refused where its support matrix does not reach) and "auto"
 (measured where covered, else the roofline). The replica says which priced it (`backend`,
 `backend_source`). Pure functions of numbers: every function accepts numpy arrays for batch and context
 (broadcast) so the planner can evaluate curves at once.
@@ -36,10 +36,10 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
-from mixfleet.costmodel.catalog import TP_SIZES, Accelerator, Catalog, KVDtype, Precision, load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.measured import DEFAULT_ENGINES, Layout, NotCovered, StepTable, step_table
-from mixfleet.costmodel.model import ModelSpec, load_model_spec
+from mixfleet.costmodel.specs.catalog import TP_SIZES, Accelerator, Catalog, KVDtype, Precision, load_catalog
+from mixfleet.costmodel.specs.model import ModelSpec, load_model_spec
+from mixfleet.costmodel.steptime.measured import DEFAULT_ENGINES, Layout, NotCovered, StepTable, step_table
 
 ACT_BYTES = 2                     # bytes per activation element in TP all-reduces (BF16)
 DEFAULT_MAX_BATCH = 256           # engine cap on running requests per replica (SGLang-like)

@@ -282,7 +282,7 @@ def _to_pandas(t: pa.Table, table: str) -> pd.DataFrame:
 
 def records_frame(table: str, records: Iterable[Any]) -> pd.DataFrame:
     """Records of one table as the DataFrame `RunLog` reads for it (same columns and dtypes), without a file:
-    what a policy reading a run as it goes fits on (`costmodel.calibration.FrameLog`)."""
+    what a policy reading a run as it goes fits on (`costmodel.calibration.logs.FrameLog`)."""
     if table not in SCHEMAS:
         raise SpecError("records_frame", "table", table, TABLES)
     return _to_pandas(_records_to_table(table, list(records)), table)

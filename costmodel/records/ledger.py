@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mixfleet.costmodel.runlog import GroupRecord, UpdateRecord
+from mixfleet.costmodel.records.runlog import GroupRecord, UpdateRecord
 
 _NAN = math.nan
 WEIGHT_PUSH_MODES = ("drain", "in_flight")

@@ -29,9 +29,9 @@ from functools import lru_cache
 from typing import Any
 
 import numpy as np
-from mixfleet.costmodel.catalog import Accelerator, KVDtype, Precision
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.model import ModelSpec
+from mixfleet.costmodel.specs.catalog import Accelerator, KVDtype, Precision
+from mixfleet.costmodel.specs.model import ModelSpec
 
 PACKAGE = "aiconfigurator-core"
 PINNED_VERSION = "0.12.0"          # the version this adapter was written and checked against

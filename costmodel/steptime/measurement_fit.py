@@ -27,10 +27,10 @@ from typing import Any
 
 import numpy as np
 import tomli_w
-from mixfleet.costmodel.catalog import Catalog, load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.measurements import Measurement, predict_with, row_replica, summarize
-from mixfleet.costmodel.roofline import Efficiency, ReplicaModel
+from mixfleet.costmodel.specs.catalog import Catalog, load_catalog
+from mixfleet.costmodel.steptime.measurements import Measurement, predict_with, row_replica, summarize
+from mixfleet.costmodel.steptime.roofline import Efficiency, ReplicaModel
 
 PARAMS = ("eff_bw", "eff_flops", "decode_overhead_s", "emulation_slowdown")
 BOUNDS = {"eff_bw": (0.05, 1.0), "eff_flops": (0.02, 1.0), "decode_overhead_s": (0.0, 0.05),
@@ -39,7 +39,7 @@ BOUNDS = {"eff_bw": (0.05, 1.0), "eff_flops": (0.02, 1.0), "decode_overhead_s": 
 
 def group_of(m: Measurement, catalog: Catalog) -> tuple[str, str, str]:
     """(GPU architecture, model kind, precision) of a row."""
-    from mixfleet.costmodel.model import load_model_spec
+    from mixfleet.costmodel.specs.model import load_model_spec
 
     return (catalog.accelerator(m.gpu).arch, load_model_spec(m.model).kind, m.precision)
 
@@ -69,7 +69,7 @@ class MeasurementFit:
     ships: bool = False
 
     def efficiency_for(self, m: Measurement) -> Efficiency | None:
-        from mixfleet.costmodel.model import known_models
+        from mixfleet.costmodel.specs.model import known_models
 
         if m.model not in known_models():
             return None

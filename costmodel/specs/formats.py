@@ -5,7 +5,7 @@ Everything that accepts a format name derives its list from here instead of writ
 (policies/plan.py checks a group's `precision`, `kv_dtype` and `kernel` once, at load), the embedded
 engine (runner/sampler/engine/quant.py, kvcache.py, model.py), its server and API
 (runner/sampler/engine_api.py, server.py), the SGLang launcher (runner/sampler/sglang_launch.py), the fleet
-(runner/orchestration/fleet.py), the UI (ui/app_plan.py) and the reports (costmodel/report.py).
+(runner/orchestration/fleet.py), the UI (ui/app_plan.py) and the reports (costmodel/steptime/report.py).
 
     formats().engine_precisions      -> ("fp32", "bf16", "fp8", "nvfp4", "mxfp4")
     formats().sglang_quantization    -> {"bf16": None, "fp8": "fp8", "nvfp4": "modelopt_fp4", ...}
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 from functools import lru_cache
 from types import MappingProxyType
 
-from mixfleet.costmodel.catalog import Catalog, load_catalog
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.specs.catalog import Catalog, load_catalog
 
 GPU_ARCHS = ("ampere", "hopper", "blackwell")
 

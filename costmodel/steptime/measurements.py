@@ -24,7 +24,7 @@ for the measured one: measured where covered, the roofline elsewhere; the defaul
 lengths (`row_load`: ISL + OSL / 2 context, ISL + OSL KV per request, ISL prefilled per OSL reply, the offline
 cap of `OFFLINE_MAX_BATCH` per attention-DP rank), read at that layout's operating point (the batch the KV
 holds, prefill charged per DP rank): output tokens/s per GPU. `compare` reports it beside the fixed-layout
-comparison (`user_path`). Pure numpy; aiconfigurator is reached only through costmodel/measured.py.
+comparison (`user_path`). Pure numpy; aiconfigurator is reached only through costmodel/steptime/measured.py.
 """
 
 from __future__ import annotations
@@ -36,12 +36,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mixfleet.costmodel.catalog import Catalog, load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.measured import Layout, NotCovered
-from mixfleet.costmodel.model import ModelSpec, known_models, load_model_spec
 from mixfleet.costmodel.paths import data_path
-from mixfleet.costmodel.roofline import Efficiency, FitError, ReplicaModel, ServingLoad, replica_model
+from mixfleet.costmodel.specs.catalog import Catalog, load_catalog
+from mixfleet.costmodel.specs.model import ModelSpec, known_models, load_model_spec
+from mixfleet.costmodel.steptime.measured import Layout, NotCovered
+from mixfleet.costmodel.steptime.roofline import Efficiency, FitError, ReplicaModel, ServingLoad, replica_model
 from mixfleet.costmodel.tomlread import check_keys, get_float, get_int, get_str, get_table, read_toml
 
 METRICS = ("output_tokens_per_s_per_gpu", "tpot_ms")

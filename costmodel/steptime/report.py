@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from mixfleet.costmodel.catalog import Catalog, load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.formats import formats
 from mixfleet.costmodel.limits import MAX_BATCH, check_count
-from mixfleet.costmodel.measured import Layout
-from mixfleet.costmodel.model import ModelSpec, load_model_spec
-from mixfleet.costmodel.roofline import (
+from mixfleet.costmodel.specs.catalog import Catalog, load_catalog
+from mixfleet.costmodel.specs.formats import formats
+from mixfleet.costmodel.specs.model import ModelSpec, load_model_spec
+from mixfleet.costmodel.steptime.measured import Layout
+from mixfleet.costmodel.steptime.roofline import (
     DEFAULT_MAX_BATCH,
     Efficiency,
     FitError,

@@ -10,7 +10,7 @@ something is refused (never silently replaced or appended to) unless:
 A folder that holds anything mixfleet did not write (an unknown file name, a run.json of another format)
 is never replaced, `--force` or not: mixfleet deletes only what it wrote. A path that is a file is refused.
 The kinds are recognised by their marker file and by holding only the names that kind writes (below; the
-writers are costmodel/runlog.py, runner/orchestration and runner/checkpoint).
+writers are costmodel/records/runlog.py, runner/orchestration and runner/checkpoint).
 
 Temp names: a writer killed mid-write leaves its temp name behind. Only mixfleet's own are ignored here (and
 removed by --force): `.run.json.<8 hex>.tmp` (runlog.py), and for the trainer state `.trainer_state.<8 random>`

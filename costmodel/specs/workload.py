@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from mixfleet.costmodel.dist import Dist, dist_from_dict
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.limits import (
     MAX_CONTEXT_TOKENS,
@@ -28,6 +27,7 @@ from mixfleet.costmodel.limits import (
     check_product,
 )
 from mixfleet.costmodel.paths import resolve_shipped, shipped_names
+from mixfleet.costmodel.specs.dist import Dist, dist_from_dict
 from mixfleet.costmodel.tomlread import check_keys, get_float, get_int, get_str, read_toml
 
 DIST_FIELDS = ("turns", "prompt_tokens", "reply_tokens", "tool_output_tokens", "tool_latency_s")

@@ -41,7 +41,7 @@ from typing import Any, Protocol
 
 import pandas as pd
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.runlog import RunLog
+from mixfleet.costmodel.records.runlog import RunLog
 
 TRACKERS = ("tensorboard", "wandb")
 PIP_EXTRA = 'pip install "mixfleet[trackers]"'

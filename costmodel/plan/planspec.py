@@ -22,7 +22,7 @@ Schema (every field optional unless marked; `model` and `workload` may come from
     [policies.router|autoscaler|batcher|weight_sync]  name + that policy's settings (policies/plan.py)
     [faults]   preemptions_per_replica_hour on_loss spot_preemptions_per_replica_hour
     [embedded] settings for rehearsing the plan on this machine (see EmbeddedPlan)
-Formats (`precision`, `kv_dtype`, `kernel`) are checked against data/precisions.toml (costmodel/formats.py),
+Formats (`precision`, `kv_dtype`, `kernel`) are checked against data/precisions.toml (costmodel/specs/formats.py),
 accelerators against data/accelerators.toml (a name in another case is taken as the catalog spells it),
 counts against costmodel/limits.py.
 """
@@ -35,9 +35,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mixfleet.costmodel.catalog import TP_SIZES, Accelerator, Catalog, load_catalog
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.formats import formats
 from mixfleet.costmodel.limits import (
     MAX_GPUS,
     MAX_LOCAL_REPLICAS,
@@ -48,10 +46,13 @@ from mixfleet.costmodel.limits import (
     MAX_TURNS,
     check_count,
 )
-from mixfleet.costmodel.mismatch import mismatch_prior
-from mixfleet.costmodel.model import ModelSpec, load_model_spec
 from mixfleet.costmodel.paths import data_path
-from mixfleet.costmodel.roofline import (
+from mixfleet.costmodel.specs.catalog import TP_SIZES, Accelerator, Catalog, load_catalog
+from mixfleet.costmodel.specs.formats import formats
+from mixfleet.costmodel.specs.mismatch import mismatch_prior
+from mixfleet.costmodel.specs.model import ModelSpec, load_model_spec
+from mixfleet.costmodel.specs.workload import WorkloadSpec, load_workload
+from mixfleet.costmodel.steptime.roofline import (
     DEFAULT_MAX_BATCH,
     ArrayLike,
     Efficiency,
@@ -61,10 +62,9 @@ from mixfleet.costmodel.roofline import (
     weight_sync_s,
 )
 from mixfleet.costmodel.tomlread import read_toml
-from mixfleet.costmodel.workload import WorkloadSpec, load_workload
 
 if TYPE_CHECKING:   # calibration.py imports this module (it reads run logs' plans with this schema)
-    from mixfleet.costmodel.calibration import Calibration, GroupCalibration
+    from mixfleet.costmodel.calibration.record import Calibration, GroupCalibration
 
 LOSSES = ("grpo", "mis", "sc", "sc_mis")
 ROUTING_MODES = ("free", "replay")   # MoE trainer: its own router | rollout routing replay (the samplers' experts)
@@ -169,7 +169,7 @@ class GroupPlan:
         `tp` GPUs or the smallest that fits)."""
         if self.dp_attention == 1 and self.ep == 1:
             return None
-        from mixfleet.costmodel.measured import Layout
+        from mixfleet.costmodel.steptime.measured import Layout
 
         return Layout(tp=self.tp // self.dp_attention, dp_attention=self.dp_attention, ep=self.ep)
 
@@ -634,7 +634,7 @@ def resolve_trainer(accelerator: str, gpus: int, *, model: ModelSpec, catalog: C
     """The trainer on `gpus` GPUs of `accelerator`; a calibration's trainer fit applies only to the
     accelerator it was made on (a fit on another one keeps the prior: the twin, the planner's screen and its
     verification alike)."""
-    from mixfleet.costmodel.ledger import trainer_usd_per_hour  # ledger reads run logs: not at import
+    from mixfleet.costmodel.records.ledger import trainer_usd_per_hour  # ledger reads run logs: not at import
 
     acc = catalog.accelerator(accelerator)
     fit = calibration if calibration is not None and calibration.trainer_accelerator == acc.name else None
