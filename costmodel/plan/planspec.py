@@ -63,7 +63,7 @@ from mixfleet.costmodel.steptime.roofline import (
 )
 from mixfleet.costmodel.tomlread import read_toml
 
-if TYPE_CHECKING:   # calibration.py imports this module (it reads run logs' plans with this schema)
+if TYPE_CHECKING:   # costmodel.calibration imports this module (it reads run logs' plans with this schema)
     from mixfleet.costmodel.calibration.record import Calibration, GroupCalibration
 
 LOSSES = ("grpo", "mis", "sc", "sc_mis")
