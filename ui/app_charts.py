@@ -68,9 +68,11 @@ def heldout_settings(frame: pd.DataFrame) -> str:
     if pd.isna(last.get("temperature")):
         return head + "; its sampling settings are not recorded in this run log (evaluations before 2026-12-01)"
     turns = "the task's own turn cap" if pd.isna(last.get("max_turns")) else f"<= {int(last['max_turns'])} turns"
-    return (f"{head} of task {last['task']}, sampled at temperature {float(last['temperature']):g} from the full "
-            f"vocabulary (no top-p, no top-k), <= {int(last['max_new_tokens'])} new tokens per turn, {turns}, "
-            f"{last['precision']} weights")
+    top_p = last.get("top_p")
+    nucleus = ("the full vocabulary (no top-p, no top-k)" if pd.isna(top_p) or float(top_p) >= 1
+               else f"the top-p {float(top_p):g} nucleus (no top-k; the policy a top-p run trains)")
+    return (f"{head} of task {last['task']}, sampled at temperature {float(last['temperature']):g} from {nucleus}, "
+            f"<= {int(last['max_new_tokens'])} new tokens per turn, {turns}, {last['precision']} weights")
 
 
 def extreme_share_frame(updates: pd.DataFrame) -> pd.DataFrame:

@@ -231,6 +231,8 @@ class EmbeddedPlan:
     eval_at_start: bool = True       # also evaluate the base policy (when eval_every > 0)
     eval_problems: int = 8           # held-out problems per evaluation
     pass_k: int = 4
+    eval_top_p: float = 1.0          # the evaluation's nucleus: 1 = the full vocabulary (the seed's); a top-p run's
+                                     # trainer.top_p evaluates the nucleus policy it trains (docs/learning.md)
     lr: float = 1e-4                 # the trainer's learning rate (AdamW)
     lr_warmup_steps: int = 0         # linear warm-up of the learning rate over the first updates
     grad_clip_norm: float = 1.0
@@ -251,6 +253,8 @@ class EmbeddedPlan:
         _need(w, "temperature", _number(self.temperature) and 0 < self.temperature <= 100, self.temperature,
               "a number in (0, 100]")
         _need(w, "lr", _number(self.lr) and self.lr > 0, self.lr, "a number > 0")
+        _need(w, "eval_top_p", _number(self.eval_top_p) and 0 < self.eval_top_p <= 1, self.eval_top_p,
+              "a number in (0, 1]")
         _need(w, "grad_clip_norm", _number(self.grad_clip_norm) and self.grad_clip_norm > 0, self.grad_clip_norm,
               "a number > 0")
         _need(w, "task", isinstance(self.task, str), self.task, "a task name (\"\" = the runner's default)")

@@ -126,7 +126,8 @@ def eval_detail(detail: Any) -> dict[str, Any] | None:
     return d if isinstance(d, dict) and d.get("eval") == "pass_at_k" else None
 
 
-EVAL_SETTINGS = ("task", "temperature", "max_new_tokens", "max_turns", "precision")   # recorded since 2026-12-01
+EVAL_SETTINGS = ("task", "temperature", "top_p", "max_new_tokens", "max_turns", "precision")  # since 2026-12-01
+                                                                                    # (top_p: 12-02; None before: 1)
 EVAL_COLUMNS = ("version", "reward", "pass_at_k", "k", "problems", *EVAL_SETTINGS)
 
 

@@ -75,6 +75,7 @@ class RunConfig:
     eval_every: int | None = None              # 0 = never
     eval_problems: int | None = None
     pass_k: int | None = None
+    eval_top_p: float | None = None
     eval_at_start: bool | None = None
 
     def __post_init__(self) -> None:
@@ -95,6 +96,9 @@ class RunConfig:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool) and v > 0):
                 raise ValueError(f"RunConfig.{name} = {v!r}; allowed: > 0 (None: the plan's)")
+        v = self.eval_top_p
+        if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1):
+            raise ValueError(f"RunConfig.eval_top_p = {v!r}; allowed: a number in (0, 1] (None: the plan's)")
         from mixfleet.runner.corrections.loss import LOSS_AGGS
 
         if self.loss_agg is not None and self.loss_agg not in LOSS_AGGS:

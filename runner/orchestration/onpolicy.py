@@ -67,6 +67,7 @@ class OnPolicyConfig:
     eval_every: int = 5                      # updates between held-out evaluations (0: only before and after)
     eval_problems: int = 64
     eval_samples: int = 2
+    eval_top_p: float = 1.0                  # the held-out evaluation's nucleus (1: full vocabulary; EvalConfig.top_p)
     seed: int = 0
     threads: int = 2                         # torch threads (engine and trainer share them: one runs at a time)
 
@@ -81,8 +82,10 @@ class OnPolicyConfig:
             raise ValueError(f"OnPolicyConfig.lr = {self.lr!r}; allowed: a number in (0, 1)")
         if not self.temperature > 0:
             raise ValueError(f"OnPolicyConfig.temperature = {self.temperature!r}; allowed: > 0")
-        if not (isinstance(self.top_p, int | float) and 0 < self.top_p <= 1):
-            raise ValueError(f"OnPolicyConfig.top_p = {self.top_p!r}; allowed: a number in (0, 1]")
+        for name in ("top_p", "eval_top_p"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1):
+                raise ValueError(f"OnPolicyConfig.{name} = {v!r}; allowed: a number in (0, 1]")
         self.correction()                                # loss / loss_agg named with their allowed values
         make_task(self.task, **self.task_options)
 
@@ -148,7 +151,7 @@ def train_on_policy(base_checkpoint: str | Path, config: OnPolicyConfig | None =
     generate = engine_generate(engine, top_logprobs_num=top_k, return_sampling_mask=replay)
     eval_cfg = EvalConfig(task=cfg.task, task_options=cfg.task_options, problems=cfg.eval_problems,
                           k=cfg.eval_samples, max_turns=cfg.max_turns, max_new_tokens=cfg.max_new_tokens,
-                          temperature=cfg.temperature, seed=cfg.seed, threads=cfg.threads)
+                          temperature=cfg.temperature, top_p=cfg.eval_top_p, seed=cfg.seed, threads=cfg.threads)
     rng = random.Random(cfg.seed)
     updates: list[dict[str, float]] = []
     evals: list[dict[str, Any]] = []

@@ -256,12 +256,13 @@ class Orchestrator:
         cfg = EvalConfig(task=self.task, task_options=self.config.task_options, problems=self.config.eval_problems,
                          k=self.pass_k, max_turns=self.agent_config.max_turns,
                          max_new_tokens=self.sampling.max_new_tokens, temperature=self.sampling.temperature,
-                         seed=self.config.seed)
+                         top_p=self.config.eval_top_p, seed=self.config.seed)
         res = await pass_at_k_eval(await self.weights.local_copy(), cfg)
         self.ctx.event("note", version=version, detail=json.dumps({
             "eval": "pass_at_k", "k": cfg.k, "version": version, "pass_at_k": res.pass_at_k,
             "reward": res.reward_mean, "problems": cfg.problems, "task": cfg.task, "temperature": cfg.temperature,
-            "max_new_tokens": cfg.max_new_tokens, "max_turns": cfg.max_turns, "precision": cfg.precision}),
+            "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "max_turns": cfg.max_turns,
+            "precision": cfg.precision}),
             duration_s=res.wall_s)
         return res.pass_at_k
 

@@ -2,8 +2,9 @@
 
 Every N updates the orchestrator evaluates the weights it just exported: `problems` held-out problems
 (seeds of the task's "eval" split, the same ones every time, so the curve compares like with like), `k`
-samples each, sampled at the run's temperature from the FULL vocabulary (top_p = 1, no top-k) by an
-embedded engine loading the checkpoint in BF16, independent of the fleet's mixed precisions. A problem
+samples each, sampled at the run's temperature from the FULL vocabulary by default (top_p = 1, no top-k;
+`top_p` < 1 evaluates the nucleus policy a top-p run trains, see docs/learning.md) by an embedded engine
+loading the checkpoint in BF16, independent of the fleet's mixed precisions. A problem
 passes when any of its k episodes earns reward >= `success_reward`; pass@k is the share that pass.
 The engine runs in the caller's process on its own thread, so the asyncio loop (and the run) keep going.
 """
@@ -31,6 +32,7 @@ class EvalConfig:
     max_turns: int | None = None
     max_new_tokens: int = 48
     temperature: float = 1.0
+    top_p: float = 1.0                     # 1: the full vocabulary (the seed's); < 1: the nucleus a top-p run trains
     success_reward: float = 1.0            # an episode with reward >= this solves its problem
     precision: str = "bf16"                # the evaluation engine's weight format
     seed: int = 0
@@ -43,6 +45,8 @@ class EvalConfig:
                 raise ValueError(f"EvalConfig.{name} = {v!r}; allowed: an integer >= 1")
         if not self.temperature > 0:
             raise ValueError(f"EvalConfig.temperature = {self.temperature!r}; allowed: > 0")
+        if not (isinstance(self.top_p, int | float) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1):
+            raise ValueError(f"EvalConfig.top_p = {self.top_p!r}; allowed: a number in (0, 1]")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -76,14 +80,15 @@ async def pass_at_k_eval(checkpoint: str | Path, config: EvalConfig | None = Non
     generate = engine_generate(engine)
     seeds = split_seeds("eval", config.problems)
     agent = AgentConfig(context_length=engine.context_length, max_turns=config.max_turns,
-                        sampling=SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature))
+                        sampling=SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+                                                                top_p=config.top_p))
     try:
         eps = await asyncio.gather(*[
             run_episode(make_task(config.task, **config.task_options), s, generate, session_id=f"eval-{s}-{j}",
                         config=AgentConfig(context_length=agent.context_length, max_turns=agent.max_turns,
                                            sampling=SamplingParams(
                                                max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                               sampling_seed=config.seed * 1_000_003 + i * 97 + j)))
+                                               top_p=config.top_p, sampling_seed=config.seed * 1_000_003 + i * 97 + j)))
             for i, s in enumerate(seeds) for j in range(config.k)])
     finally:
         stop.set()
