@@ -12,15 +12,19 @@ Rungs (docs/learning.md), each a real run with a reward curve and held-out evalu
     b-c         b with c's correction (SC + MIS + top-p 0.95 replay): the homogeneous fleet c is held against
     b-c-drain   b-c with weight sync "drain" (a running request never continues on new weights over old KV)
     c           the mixed CPU fleet of tiny-cpu (bf16 / fp8 + fp8 KV / nvfp4 + fp8 KV), SC + MIS + top-p 0.95 replay
+    b-c-p, c-p  b-c and c with the held-out evaluation at their own top-p 0.95 (`eval_top_p`): the policy they train
+    d-a0        a0 on tiny-qwen3-moe from a 300-step base (150 steps leave it at greedy 0.46) at lr 1.5e-4
     d-a, d-c    a (plan learning-onpolicy-moe) and c (tiny-moe-cpu) on tiny-qwen3-moe with trainer routing free;
     d-c-replay  d-c with routing replay (tiny-moe-cpu-replay)
 
 Held-out evaluation (the runner's, runner/rollout/evaluation.py): `--eval-problems` problems of the task's eval
-split (the same ones every time), `--eval-samples` episodes each, sampled at T = 1 over the full vocabulary by a
-bf16 engine loading the exported version; its mean reward is the "held-out reward at T = 1" below (pass@k comes
-with it). Every run is resumable: `--resume` continues unfinished runs from their checkpoints (studies/runs.py),
-finished ones are skipped. Results: benchmarks/results/learning.json (per run: curves, settings, seed, the
-command; per rung: start -> end with the spread over seeds) and docs/img/learning.png (or .html without kaleido).
+split (the same ones every time), `--eval-samples` episodes each, sampled at T = 1 over the full vocabulary (the -p
+rungs: the top-p 0.95 nucleus; each run records its own) by a bf16 engine loading the exported version; its mean
+reward is the "held-out reward at T = 1" below (pass@k comes with it). Every run is resumable: `--resume` continues
+unfinished runs from their checkpoints (studies/runs.py), finished ones are skipped. Results:
+benchmarks/results/learning.json (per run: curves, settings, seed, the command; per rung: start -> end with the
+spread over seeds; runs of rungs or seeds a command did not read are kept from the file's earlier contents) and
+docs/img/learning.png (or .html without kaleido).
 """
 
 from __future__ import annotations
@@ -52,6 +56,12 @@ class Rung:
     mode: str = "async"
     overrides: dict[str, Any] = field(default_factory=dict)      # dotted plan keys
     settings: dict[str, Any] = field(default_factory=dict)       # RunConfig fields (e.g. lr) over the plan's
+                                                                 # (in process: OnPolicyConfig fields)
+    pretrain_steps: int = 150                        # the base policy's pretraining (`mixfleet pretrain --steps`)
+
+    @property
+    def inprocess(self) -> bool:
+        return not self.plan
 
 
 RUNGS: dict[str, Rung] = {r.key: r for r in (
@@ -66,8 +76,14 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
          overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95, "trainer.top_p_replay": True,
                     "policies.weight_sync.name": "drain"}),
     Rung(key="c", label="SC+MIS+top-p, runner, async, mixed fleet (bf16 / fp8 / nvfp4)", plan="tiny-cpu"),
+    Rung(key="b-c-p", label="b-c evaluated at its own top-p 0.95 (the nucleus policy it trains)",
+         plan="learning-onpolicy", overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95,
+                                              "trainer.top_p_replay": True}, settings={"eval_top_p": 0.95}),
+    Rung(key="c-p", label="c evaluated at its own top-p 0.95", plan="tiny-cpu", settings={"eval_top_p": 0.95}),
     Rung(key="d-a", label="MoE: on-policy GRPO, sync, one fp32 group, routing free",
          plan="learning-onpolicy-moe", model="tiny-qwen3-moe", mode="sync"),
+    Rung(key="d-a0", label="MoE: on-policy GRPO in process, 300-step base, lr 1.5e-4", model="tiny-qwen3-moe",
+         pretrain_steps=300, settings={"lr": 1.5e-4}),
     Rung(key="d-c", label="MoE: SC+MIS+top-p, async, mixed fleet, routing free", plan="tiny-moe-cpu",
          model="tiny-qwen3-moe"),
     Rung(key="d-c-replay", label="MoE: SC+MIS+top-p, async, mixed fleet, routing replay",
@@ -75,31 +91,35 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
 )}
 
 
-def base_policy(model: str) -> str:
+def base_policy(model: str, steps: int = 150) -> str:
+    """The cached `mixfleet pretrain` base (built once per model and step count; later calls reuse it)."""
     from mixfleet.runner.orchestration.pretrain import PretrainConfig, pretrain
 
-    return str(pretrain(PretrainConfig(model=model)).path)
+    return str(pretrain(PretrainConfig(model=model, steps=steps)).path)
 
 
-def run_inprocess(out: Path, seeds: list[int], args: argparse.Namespace, log: Any) -> None:
+def run_inprocess(key: str, out: Path, seeds: list[int], args: argparse.Namespace, log: Any) -> None:
+    """An in-process rung (a0, d-a0): runner/orchestration/onpolicy.py, one seed after another; a seed whose
+    result file holds >= --updates updates is skipped (an unfinished one starts again: no checkpoints here)."""
     from mixfleet.runner.orchestration.onpolicy import OnPolicyConfig, train_on_policy
 
-    base = base_policy("tiny")
+    r = RUNGS[key]
+    base = base_policy(r.model, r.pretrain_steps)
     for seed in seeds:
-        folder = out / "a0" / f"seed{seed}"
+        folder = out / key / f"seed{seed}"
         done = folder / INPROCESS_FILE
         if done.exists() and json.loads(done.read_text())["config"]["updates"] >= args.updates:
-            log(f"  a0/seed{seed}: finished, skipped")
+            log(f"  {key}/seed{seed}: finished, skipped")
             continue
         cfg = OnPolicyConfig(updates=args.updates, seed=seed, eval_every=args.eval_every,
-                             eval_problems=args.eval_problems, eval_samples=args.eval_samples)
+                             eval_problems=args.eval_problems, eval_samples=args.eval_samples, **r.settings)
         t0 = time.time()
 
         def progress(kind: str, rec: dict[str, Any], seed: int = seed, t0: float = t0) -> None:
             if kind == "eval":
-                log(f"  a0/seed{seed}: eval v{rec['version']} held-out reward {rec['reward']:.3f}")
+                log(f"  {key}/seed{seed}: eval v{rec['version']} held-out reward {rec['reward']:.3f}")
             elif rec["version"] % 5 == 0:
-                log(f"  a0/seed{seed}: update {rec['version']} reward {rec['reward']:.3f} "
+                log(f"  {key}/seed{seed}: update {rec['version']} reward {rec['reward']:.3f} "
                     f"({time.time() - t0:.0f} s)")
 
         res = train_on_policy(base, cfg, out_dir=folder / "exports", progress=progress)
@@ -133,7 +153,7 @@ def _eval_curve(events: Any) -> list[dict[str, float]]:
 
 def read_run(folder: Path, rung: str, seed: int) -> dict[str, Any] | None:
     """One run's curves from its run log (or the in-process result file); None if it has not started."""
-    if rung == "a0":
+    if RUNGS[rung].inprocess:
         f = folder / INPROCESS_FILE
         if not f.exists():
             return None
@@ -142,7 +162,8 @@ def read_run(folder: Path, rung: str, seed: int) -> dict[str, Any] | None:
                 "train_reward": [u["reward"] for u in res["updates"]],
                 "no_tool_call_share": [u["no_tool_call_share"] for u in res["updates"]],
                 "kl_k3": [u["k3"] for u in res["updates"]], "entropy": [u["entropy"] for u in res["updates"]],
-                "evals": res["evals"], "wall_s": res["wall_s"], "config": res["config"]}
+                "evals": res["evals"], "wall_s": res["wall_s"], "config": res["config"],
+                "base_checkpoint": res["base_checkpoint"], "pretrain_steps": RUNGS[rung].pretrain_steps}
     if not (folder / "run.json").exists():
         return None
     from mixfleet.costmodel.records.runlog import RunLog
@@ -161,7 +182,25 @@ def read_run(folder: Path, rung: str, seed: int) -> dict[str, Any] | None:
             "no_tool_call_share": [float(ntc.get(int(v), math.nan)) for v in u["version"]],
             "kl_k3": [float(x) for x in u["kl_k3"]], "kl_k3_by_group": groups,
             "staleness_mean": [float(x) for x in u["staleness_mean"]], "evals": _eval_curve(log.events),
-            "wall_s": float(u["end_s"].max()) if len(u) else math.nan, "plan": log.header.get("plan", {}).get("name")}
+            "wall_s": float(u["end_s"].max()) if len(u) else math.nan, "plan": log.header.get("plan", {}).get("name"),
+            "pretrain_steps": RUNGS[rung].pretrain_steps}
+
+
+def merge_earlier(runs: list[dict[str, Any]], results: Path) -> tuple[list[dict[str, Any]], int]:
+    """This command's runs plus the earlier results' runs of every (rung, seed) it did not read: a study spread
+    over sessions (and over machines whose run folders are gone) keeps its rungs in one results file. An earlier
+    run without its own command gets the earlier file's."""
+    if not results.exists():
+        return runs, 0
+    try:
+        earlier = json.loads(results.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"{results}: cannot read the earlier results to keep them ({e}); move it away first") from e
+    have = {(r["rung"], r["seed"]) for r in runs}
+    kept = [{**r, "command": r.get("command", earlier.get("command", ""))} for r in earlier.get("runs", [])
+            if (r["rung"], r["seed"]) not in have and r["rung"] in RUNGS]
+    order = list(RUNGS)
+    return sorted(runs + kept, key=lambda r: (order.index(r["rung"]), r["seed"])), len(kept)
 
 
 def _spread(values: list[float]) -> dict[str, float]:
@@ -192,6 +231,8 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     for ref in ("b", "b-c"):
         if ref in out and "c" in out:
             out[f"c_minus_{ref}_end"] = out["c"]["heldout_end"]["mean"] - out[ref]["heldout_end"]["mean"]
+    if "b-c-p" in out and "c-p" in out:
+        out["cp_minus_bcp_end"] = out["c-p"]["heldout_end"]["mean"] - out["b-c-p"]["heldout_end"]["mean"]
     if "d-a" in out and "d-c" in out:
         out["dc_minus_da_end"] = out["d-c"]["heldout_end"]["mean"] - out["d-a"]["heldout_end"]["mean"]
     return out
@@ -284,20 +325,28 @@ def main(argv: list[str] | None = None) -> int:
         print(msg, flush=True)
 
     if not args.report_only:
-        if "a0" in rungs:
-            run_inprocess(out, seeds, args, log)
-        real = [k for k in rungs if k != "a0"]
+        for key in (k for k in rungs if RUNGS[k].inprocess):
+            run_inprocess(key, out, seeds, args, log)
+        real = [k for k in rungs if not RUNGS[k].inprocess]
         from mixfleet.studies.runs import StudySettings, run_study
 
-        for model in sorted({RUNGS[k].model for k in real}):
-            keys = [k for k in real if RUNGS[k].model == model]
-            run_study(study_runs(keys, seeds, args, out), manifest_path=out / f"learning-{model}.json",
-                      manifest_extra={"format": "mixfleet-learning", "rungs": keys, "model": model},
-                      base_policy=base_policy(model), log=log,
+        for model, steps in sorted({(RUNGS[k].model, RUNGS[k].pretrain_steps) for k in real}):
+            keys = [k for k in real if (RUNGS[k].model, RUNGS[k].pretrain_steps) == (model, steps)]
+            tag = model if steps == 150 else f"{model}-base{steps}"
+            run_study(study_runs(keys, seeds, args, out), manifest_path=out / f"learning-{tag}.json",
+                      manifest_extra={"format": "mixfleet-learning", "rungs": keys, "model": model,
+                                      "pretrain_steps": steps},
+                      base_policy=base_policy(model, steps), log=log,
                       settings=StudySettings(resume=args.resume, start_gap_s=5.0, run_timeout_s=5400.0))
     runs = [r for key in rungs for s in seeds
             if (r := read_run(out / key / f"seed{s}", key, s)) is not None]
     command = " ".join(["python", "benchmarks/learning.py", *(sys.argv[1:] if argv is None else argv)])
+    for r in runs:
+        r["command"] = command
+    runs, kept = merge_earlier(runs, Path(args.results))
+    if kept:
+        log(f"kept {kept} earlier run(s) of {args.results} that this command did not read (their own command "
+            "is recorded with each)")
     results = {"generated_unix_s": time.time(), "command": command,
                "evaluation": {"problems": args.eval_problems, "samples_per_problem": args.eval_samples,
                               "temperature": 1.0, "top_p": 1.0, "precision": "bf16", "split": "eval"},
