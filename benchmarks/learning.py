@@ -91,7 +91,7 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
 )}
 
 
-def base_policy(model: str, steps: int = 150) -> str:
+def base_policy(model: str, steps: int) -> str:
     """The cached `mixfleet pretrain` base (built once per model and step count; later calls reuse it)."""
     from mixfleet.runner.orchestration.pretrain import PretrainConfig, pretrain
 

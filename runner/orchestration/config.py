@@ -96,10 +96,11 @@ class RunConfig:
             v = getattr(self, name)
             if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool) and v > 0):
                 raise ValueError(f"RunConfig.{name} = {v!r}; allowed: > 0 (None: the plan's)")
-        v = self.eval_top_p
-        if v is not None and not (isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1):
-            raise ValueError(f"RunConfig.eval_top_p = {v!r}; allowed: a number in (0, 1] (None: the plan's)")
         from mixfleet.runner.corrections.loss import LOSS_AGGS
+        from mixfleet.runner.sampler.engine_api import TOP_P_ALLOWED, valid_top_p
+
+        if self.eval_top_p is not None and not valid_top_p(self.eval_top_p):
+            raise ValueError(f"RunConfig.eval_top_p = {self.eval_top_p!r}; allowed: {TOP_P_ALLOWED} (None: the plan's)")
 
         if self.loss_agg is not None and self.loss_agg not in LOSS_AGGS:
             raise ValueError(f"RunConfig.loss_agg = {self.loss_agg!r}; allowed: {', '.join(LOSS_AGGS)}")

@@ -38,6 +38,7 @@ from typing import Any
 
 from mixfleet.runner.rollout.agent import FINISH_NO_TOOL_CALL, AgentConfig, Episode, engine_generate, run_episode
 from mixfleet.runner.rollout.tasks import make_task
+from mixfleet.runner.sampler.engine_api import TOP_P_ALLOWED, valid_top_p
 
 TRAIN_SEED_SPAN = 10**8                      # training problems are drawn from the train split's first seeds
 
@@ -83,9 +84,8 @@ class OnPolicyConfig:
         if not self.temperature > 0:
             raise ValueError(f"OnPolicyConfig.temperature = {self.temperature!r}; allowed: > 0")
         for name in ("top_p", "eval_top_p"):
-            v = getattr(self, name)
-            if not (isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1):
-                raise ValueError(f"OnPolicyConfig.{name} = {v!r}; allowed: a number in (0, 1]")
+            if not valid_top_p(getattr(self, name)):
+                raise ValueError(f"OnPolicyConfig.{name} = {getattr(self, name)!r}; allowed: {TOP_P_ALLOWED}")
         self.correction()                                # loss / loss_agg named with their allowed values
         make_task(self.task, **self.task_options)
 

@@ -12,6 +12,7 @@ The engine runs in the caller's process on its own thread, so the asyncio loop (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Any
 
 from mixfleet.runner.rollout.agent import AgentConfig, engine_generate, run_episode
 from mixfleet.runner.rollout.tasks import make_task, split_seeds
-from mixfleet.runner.sampler.engine_api import SamplingParams
+from mixfleet.runner.sampler.engine_api import TOP_P_ALLOWED, SamplingParams, valid_top_p
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,8 +46,8 @@ class EvalConfig:
                 raise ValueError(f"EvalConfig.{name} = {v!r}; allowed: an integer >= 1")
         if not self.temperature > 0:
             raise ValueError(f"EvalConfig.temperature = {self.temperature!r}; allowed: > 0")
-        if not (isinstance(self.top_p, int | float) and not isinstance(self.top_p, bool) and 0 < self.top_p <= 1):
-            raise ValueError(f"EvalConfig.top_p = {self.top_p!r}; allowed: a number in (0, 1]")
+        if not valid_top_p(self.top_p):
+            raise ValueError(f"EvalConfig.top_p = {self.top_p!r}; allowed: {TOP_P_ALLOWED}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,14 +82,12 @@ async def pass_at_k_eval(checkpoint: str | Path, config: EvalConfig | None = Non
     seeds = split_seeds("eval", config.problems)
     agent = AgentConfig(context_length=engine.context_length, max_turns=config.max_turns,
                         sampling=SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                                                top_p=config.top_p))
+                                                top_p=config.top_p))
     try:
         eps = await asyncio.gather(*[
             run_episode(make_task(config.task, **config.task_options), s, generate, session_id=f"eval-{s}-{j}",
-                        config=AgentConfig(context_length=agent.context_length, max_turns=agent.max_turns,
-                                           sampling=SamplingParams(
-                                               max_new_tokens=config.max_new_tokens, temperature=config.temperature,
-                                               top_p=config.top_p, sampling_seed=config.seed * 1_000_003 + i * 97 + j)))
+                        config=dataclasses.replace(agent, sampling=dataclasses.replace(
+                            agent.sampling, sampling_seed=config.seed * 1_000_003 + i * 97 + j)))
             for i, s in enumerate(seeds) for j in range(config.k)])
     finally:
         stop.set()

@@ -24,6 +24,14 @@ KV_CACHE_DTYPES = formats().engine_kv_dtypes
 KERNELS = formats().kernels                         # matmul compute dtype after dequantization
 
 
+TOP_P_ALLOWED = "a number in (0, 1]"
+
+
+def valid_top_p(v: object) -> bool:
+    """The one test of a top-p value (a request's, an evaluation's, a run's): a number in (0, 1], not a bool."""
+    return isinstance(v, int | float) and not isinstance(v, bool) and 0 < v <= 1
+
+
 @dataclass(frozen=True, kw_only=True)
 class SamplingParams:
     max_new_tokens: int = 128

@@ -39,7 +39,14 @@ from mixfleet.runner.sampler.engine.model import (
 )
 from mixfleet.runner.sampler.engine.quant import FP8_SCALINGS, WEIGHT_PRECISIONS
 from mixfleet.runner.sampler.engine.sampling import GREEDY_TEMPERATURE, RowParams, sample_batch
-from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplingParams, TokenOutput
+from mixfleet.runner.sampler.engine_api import (
+    TOP_P_ALLOWED,
+    EngineRequest,
+    RequestResult,
+    SamplingParams,
+    TokenOutput,
+    valid_top_p,
+)
 
 NOISE_TAG = "+noise"    # the retired kernel spelling of the emulated kernel error ("bf16+noise0.3"): refused
 
@@ -226,7 +233,7 @@ class Engine:
 
         need(is_int(p.max_new_tokens) and p.max_new_tokens >= 0, "max_new_tokens", "an integer >= 0")
         need(is_num(p.temperature) and 0 <= p.temperature < float("inf"), "temperature", "a number >= 0")
-        need(is_num(p.top_p) and 0 < p.top_p <= 1, "top_p", "a number in (0, 1]")
+        need(valid_top_p(p.top_p), "top_p", TOP_P_ALLOWED)
         need(is_int(p.top_k) and (p.top_k == -1 or p.top_k >= 1), "top_k", "-1 (all) or an integer >= 1")
         need(is_num(p.min_p) and 0 <= p.min_p <= 1, "min_p", "a number in [0, 1]")
         need(is_int(p.min_new_tokens) and p.min_new_tokens >= 0, "min_new_tokens", "an integer >= 0")
