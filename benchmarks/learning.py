@@ -145,10 +145,12 @@ def study_runs(rungs: list[str], seeds: list[int], args: argparse.Namespace, out
 
 
 def _eval_curve(events: Any) -> list[dict[str, float]]:
+    import pandas as pd
     from mixfleet.costmodel.records.trackers import eval_frame  # the one reader of the runner's eval events
 
     return [{"version": int(r.version), "reward": float(r.reward), "pass_at_k": float(r.pass_at_k), "k": int(r.k),
-             "problems": int(r.problems)} for r in eval_frame(events).itertuples()]
+             "problems": int(r.problems), "top_p": 1.0 if pd.isna(r.top_p) else float(r.top_p)}
+            for r in eval_frame(events).itertuples()]                 # top_p: None / NaN in logs before 2026-12-02
 
 
 def read_run(folder: Path, rung: str, seed: int) -> dict[str, Any] | None:
@@ -163,7 +165,8 @@ def read_run(folder: Path, rung: str, seed: int) -> dict[str, Any] | None:
                 "no_tool_call_share": [u["no_tool_call_share"] for u in res["updates"]],
                 "kl_k3": [u["k3"] for u in res["updates"]], "entropy": [u["entropy"] for u in res["updates"]],
                 "evals": res["evals"], "wall_s": res["wall_s"], "config": res["config"],
-                "base_checkpoint": res["base_checkpoint"], "pretrain_steps": RUNGS[rung].pretrain_steps}
+                "base_checkpoint": res["base_checkpoint"], "pretrain_steps": RUNGS[rung].pretrain_steps,
+                "eval_top_p": float(res["config"].get("eval_top_p", 1.0))}
     if not (folder / "run.json").exists():
         return None
     from mixfleet.costmodel.records.runlog import RunLog
@@ -177,19 +180,20 @@ def read_run(folder: Path, rung: str, seed: int) -> dict[str, Any] | None:
     if len(log.groups):
         for name, rows in log.groups.sort_values("version").groupby("group"):
             groups[str(name)] = [float(x) for x in rows["kl_k3"]]
+    evals = _eval_curve(log.events)
     return {"rung": rung, "seed": seed, "status": log.header.get("status"), "updates": int(len(u)),
             "train_reward": [float(x) for x in u["reward_mean"]],
             "no_tool_call_share": [float(ntc.get(int(v), math.nan)) for v in u["version"]],
             "kl_k3": [float(x) for x in u["kl_k3"]], "kl_k3_by_group": groups,
-            "staleness_mean": [float(x) for x in u["staleness_mean"]], "evals": _eval_curve(log.events),
+            "staleness_mean": [float(x) for x in u["staleness_mean"]], "evals": evals,
             "wall_s": float(u["end_s"].max()) if len(u) else math.nan, "plan": log.header.get("plan", {}).get("name"),
-            "pretrain_steps": RUNGS[rung].pretrain_steps}
+            "pretrain_steps": RUNGS[rung].pretrain_steps, "eval_top_p": evals[-1]["top_p"] if evals else 1.0}
 
 
 def merge_earlier(runs: list[dict[str, Any]], results: Path) -> tuple[list[dict[str, Any]], int]:
     """This command's runs plus the earlier results' runs of every (rung, seed) it did not read: a study spread
     over sessions (and over machines whose run folders are gone) keeps its rungs in one results file. An earlier
-    run without its own command gets the earlier file's."""
+    run without its own command gets the earlier file's, one without its eval_top_p the only one there was then, 1."""
     if not results.exists():
         return runs, 0
     try:
@@ -197,7 +201,9 @@ def merge_earlier(runs: list[dict[str, Any]], results: Path) -> tuple[list[dict[
     except (OSError, json.JSONDecodeError) as e:
         raise SystemExit(f"{results}: cannot read the earlier results to keep them ({e}); move it away first") from e
     have = {(r["rung"], r["seed"]) for r in runs}
-    kept = [{**r, "command": r.get("command", earlier.get("command", ""))} for r in earlier.get("runs", [])
+    kept = [{**r, "command": r.get("command", earlier.get("command", "")),
+             "eval_top_p": r.get("eval_top_p", 1.0)}                # runs before 2026-12-02 were all evaluated at 1
+            for r in earlier.get("runs", [])
             if (r["rung"], r["seed"]) not in have and r["rung"] in RUNGS]
     order = list(RUNGS)
     return sorted(runs + kept, key=lambda r: (order.index(r["rung"]), r["seed"])), len(kept)
@@ -349,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
             "is recorded with each)")
     results = {"generated_unix_s": time.time(), "command": command,
                "evaluation": {"problems": args.eval_problems, "samples_per_problem": args.eval_samples,
-                              "temperature": 1.0, "top_p": 1.0, "precision": "bf16", "split": "eval"},
+                              "temperature": 1.0, "top_p": "each run's eval_top_p (1: the full vocabulary)",
+                              "precision": "bf16", "split": "eval"},
                "summary": summarize(runs), "runs": runs}
     Path(args.results).parent.mkdir(parents=True, exist_ok=True)
     Path(args.results).write_text(json.dumps(json_safe(results), indent=1))
