@@ -13,9 +13,11 @@ Rungs (docs/learning.md), each a real run with a reward curve and held-out evalu
     b-c-drain   b-c with weight sync "drain" (a running request never continues on new weights over old KV)
     c           the mixed CPU fleet of tiny-cpu (bf16 / fp8 + fp8 KV / nvfp4 + fp8 KV), SC + MIS + top-p 0.95 replay
     b-c-p, c-p  b-c and c with the held-out evaluation at their own top-p 0.95 (`eval_top_p`): the policy they train
+    b-c-lr, c-lr  b-c and c at a-lr's learning rate (1.5e-4)
     d-a0        a0 on tiny-qwen3-moe from a 300-step base (150 steps leave it at greedy 0.46) at lr 1.5e-4
     d-a, d-c    a (plan learning-onpolicy-moe) and c (tiny-moe-cpu) on tiny-qwen3-moe with trainer routing free;
     d-c-replay  d-c with routing replay (tiny-moe-cpu-replay)
+    d-c300      d-c from d-a0's 300-step base at lr 1.5e-4; d-c300-replay the same with routing replay
 
 Held-out evaluation (the runner's, runner/rollout/evaluation.py): `--eval-problems` problems of the task's eval
 split (the same ones every time), `--eval-samples` episodes each, sampled at T = 1 over the full vocabulary (the -p
@@ -80,6 +82,10 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
          plan="learning-onpolicy", overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95,
                                               "trainer.top_p_replay": True}, settings={"eval_top_p": 0.95}),
     Rung(key="c-p", label="c evaluated at its own top-p 0.95", plan="tiny-cpu", settings={"eval_top_p": 0.95}),
+    Rung(key="b-c-lr", label="b-c at a-lr's learning rate (1.5e-4)", plan="learning-onpolicy",
+         overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95, "trainer.top_p_replay": True},
+         settings={"lr": 1.5e-4}),
+    Rung(key="c-lr", label="c at a-lr's learning rate (1.5e-4)", plan="tiny-cpu", settings={"lr": 1.5e-4}),
     Rung(key="d-a", label="MoE: on-policy GRPO, sync, one fp32 group, routing free",
          plan="learning-onpolicy-moe", model="tiny-qwen3-moe", mode="sync"),
     Rung(key="d-a0", label="MoE: on-policy GRPO in process, 300-step base, lr 1.5e-4", model="tiny-qwen3-moe",
@@ -88,6 +94,10 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
          model="tiny-qwen3-moe"),
     Rung(key="d-c-replay", label="MoE: SC+MIS+top-p, async, mixed fleet, routing replay",
          plan="tiny-moe-cpu-replay", model="tiny-qwen3-moe"),
+    Rung(key="d-c300", label="MoE: d-c from the 300-step base at lr 1.5e-4 (d-a0's settings), routing free",
+         plan="tiny-moe-cpu", model="tiny-qwen3-moe", pretrain_steps=300, settings={"lr": 1.5e-4}),
+    Rung(key="d-c300-replay", label="MoE: d-c300 with routing replay", plan="tiny-moe-cpu-replay",
+         model="tiny-qwen3-moe", pretrain_steps=300, settings={"lr": 1.5e-4}),
 )}
 
 
