@@ -98,6 +98,15 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
          plan="tiny-moe-cpu", model="tiny-qwen3-moe", pretrain_steps=300, settings={"lr": 1.5e-4}),
     Rung(key="d-c300-replay", label="MoE: d-c300 with routing replay", plan="tiny-moe-cpu-replay",
          model="tiny-qwen3-moe", pretrain_steps=300, settings={"lr": 1.5e-4}),
+    Rung(key="d-a300", label="MoE: on-policy GRPO, runner, sync, one fp32 group, 300-step base, lr 1.5e-4",
+         plan="learning-onpolicy-moe", model="tiny-qwen3-moe", mode="sync", pretrain_steps=300,
+         settings={"lr": 1.5e-4}),
+    Rung(key="d-b300", label="MoE: GRPO, runner, async (staleness <= 2), one fp32 group, 300-step base, lr 1.5e-4",
+         plan="learning-onpolicy-moe", model="tiny-qwen3-moe", pretrain_steps=300, settings={"lr": 1.5e-4}),
+    Rung(key="d-b300-c", label="MoE: SC+MIS+top-p, runner, async, one fp32 group, 300-step base, lr 1.5e-4",
+         plan="learning-onpolicy-moe", model="tiny-qwen3-moe", pretrain_steps=300,
+         overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95, "trainer.top_p_replay": True},
+         settings={"lr": 1.5e-4}),
 )}
 
 

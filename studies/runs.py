@@ -15,18 +15,26 @@ runner cuts its log back to that checkpoint), and refused without it, so nothing
 one at a time by default (`parallel=1`: a 2-core machine); a run that fails is continued from its checkpoint up
 to `retries` times; one still going after `run_timeout_s` is killed with its process group.
 
+Interrupted (SIGINT, e.g. Ctrl-C, or SIGTERM to the driver; a run leads its own process group, so neither reaches
+it on its own): every running run is asked to stop after its current update (it checkpoints), its process group is
+killed if it has not exited within `stop_grace_s` or on a second signal, the manifest marks it "interrupted", and
+the driver exits 128 + the signal's number. `--resume` continues the study.
+
     python -m mixfleet.studies.runs --child JOB_JSON     # what `run_study` starts per run
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -65,14 +73,16 @@ class StudySettings:
     start_gap_s: float = 30.0                       # between two child starts (Ray start-ups overload a small host)
     retries: int = 2
     keep_weights: bool = False                      # the weights folder is only needed to resume a run
+    stop_grace_s: float = 300.0                     # interrupted: how long a run may take to finish its update
 
     def __post_init__(self) -> None:
         for name, lo in (("parallel", 1), ("retries", 0)):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < lo:
                 raise ValueError(f"study {name} = {v!r}; allowed: an integer >= {lo}")
-        if not self.run_timeout_s > 0:
-            raise ValueError(f"study run_timeout_s = {self.run_timeout_s!r}; allowed: > 0")
+        for name in ("run_timeout_s", "stop_grace_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"study {name} = {getattr(self, name)!r}; allowed: > 0")
         if not self.start_gap_s >= 0:
             raise ValueError(f"study start_gap_s = {self.start_gap_s!r}; allowed: >= 0")
 
@@ -136,8 +146,80 @@ def run_study(runs: Sequence[StudyRun], *, manifest_path: Path, manifest_extra: 
     log(f"study: {len(runs)} runs, {len(runs) - len(todo)} finished, {len(todo)} to run "
         f"(parallel {settings.parallel}), base policy {base_policy}")
     running: list[tuple[StudyRun, subprocess.Popen, float]] = []
+    with _interruptible() as again:
+        try:
+            _drive(todo, running, states, manifest, manifest_path, settings, base_policy, child_module, log)
+        except _Interrupted as stop:
+            _stop_running(running, manifest, manifest_path, settings, log, again)
+            log(f"study interrupted ({stop.signame}); continue it with --resume")
+            raise SystemExit(128 + stop.signum) from None
+    manifest["finished_unix_s"] = time.time()
+    write_json(manifest_path, manifest)
+    return manifest
+
+
+class _Interrupted(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum, self.signame = signum, signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def _interruptible() -> Iterator[threading.Event]:
+    """SIGINT and SIGTERM raise `_Interrupted` in the driver's loop (a run leads its own process group, so a
+    terminal's Ctrl-C reaches only the driver: without this the runs would go on without it). A second signal
+    while the runs are being stopped sets the returned event: kill them now. Off the main thread: no handlers."""
+    again = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield again
+        return
+    armed = [True]
+
+    def handler(signum: int, _frame: Any) -> None:
+        if armed[0]:
+            armed[0] = False
+            raise _Interrupted(signum)
+        again.set()
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield again
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _stop_running(running: list[tuple[StudyRun, subprocess.Popen, float]], manifest: dict[str, Any],
+                  manifest_path: Path, settings: StudySettings, log: Callable[[str], Any],
+                  again: threading.Event) -> None:
+    """Ask every running run to stop after its current update (it checkpoints: resumable); kill the process
+    group of one that has not exited within `stop_grace_s` (or at once on a second signal). The manifest says
+    "interrupted" for each, with the state its log is in."""
+    for r, child, _ in running:
+        with contextlib.suppress(ProcessLookupError):
+            launcher.stop_child(child.pid)
+        log(f"  stop  {r.name}: asked to stop after its current update (up to {settings.stop_grace_s:.0f} s)")
+    deadline = time.monotonic() + settings.stop_grace_s
+    for r, child, t0 in running:
+        while child.poll() is None and time.monotonic() < deadline and not again.is_set():
+            time.sleep(0.2)
+        if child.poll() is None:
+            launcher.kill_child(child.pid)
+            child.wait()
+            log(f"  killed {r.name}: still running at the stop deadline")
+        entry = manifest["runs"][r.name]
+        entry.update(state=run_state(r.out_dir, r.updates), status="interrupted", exit_code=child.returncode,
+                     wall_s=entry.get("wall_s", 0.0) + time.monotonic() - t0)
+        entry.pop("pid", None)
+        write_json(manifest_path, manifest)
+    running.clear()
+
+
+def _drive(todo: list[StudyRun], running: list[tuple[StudyRun, subprocess.Popen, float]],
+           states: dict[str, str], manifest: dict[str, Any], manifest_path: Path, settings: StudySettings,
+           base_policy: str, child_module: str, log: Callable[[str], Any]) -> None:
     queue = list(todo)
-    attempts = {r.name: 0 for r in runs}
+    attempts = dict.fromkeys(states, 0)
     last_start = -float("inf")
     while queue or running:
         while queue and len(running) < settings.parallel and time.monotonic() - last_start >= settings.start_gap_s:
@@ -176,9 +258,6 @@ def run_study(runs: Sequence[StudyRun], *, manifest_path: Path, manifest_extra: 
                 states[r.name] = "partial" if state == "partial" else "new"
                 queue.append(r)                                # continue it from its checkpoint, at the end
                 log(f"  retry {r.name} later (attempt {attempts[r.name] + 1} of {settings.retries + 1})")
-    manifest["finished_unix_s"] = time.time()
-    write_json(manifest_path, manifest)
-    return manifest
 
 
 def run_child(job: Mapping[str, Any]) -> dict[str, Any]:

@@ -126,6 +126,61 @@ def test_a_study_run_past_its_time_out_is_killed_through_the_launcher(tmp_path: 
     assert json.loads((tmp_path / "study.json").read_text())["runs"]["hang"]["status"] == "timeout"
 
 
+_STUDY_DRIVER = """
+import sys
+from pathlib import Path
+from mixfleet.studies.runs import StudyRun, StudySettings, run_study
+tmp, grace = Path(sys.argv[1]), float(sys.argv[2])
+run = StudyRun(name="r", out_dir=tmp / "r", plan="tiny-cpu", run={"updates": 1})
+run_study([run], manifest_path=tmp / "study.json", manifest_extra={}, base_policy="/none",
+          settings=StudySettings(start_gap_s=0.0, retries=0, stop_grace_s=grace), log=print,
+          child_module="study_child")
+"""
+
+# a child of the study's protocol with a process of its own group (a run's Ray): on SIGTERM it says so and exits
+# 0 (a run stopping after its update), or, with IGNORE set, goes on (a run stuck in its update)
+_STUDY_CHILD = """
+import os, signal, subprocess, sys, time
+p = subprocess.Popen(["sleep", "120"])
+def term(*_):
+    print("child got SIGTERM", flush=True)
+    if not os.environ.get("IGNORE"):
+        p.kill()
+        sys.exit(0)
+signal.signal(signal.SIGTERM, term)
+print("grandchild", p.pid, flush=True)
+time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("ignores", [False, True], ids=["stops", "stuck"])
+def test_a_signalled_study_stops_its_runs_instead_of_leaving_them_behind(tmp_path: Path, ignores: bool) -> None:
+    # Regression: a run leads its own process group, so SIGTERM (or a terminal's Ctrl-C) to the study driver
+    # ended the driver alone; the run went on, unwatched, with "running" and its pid left in the manifest.
+    (tmp_path / "study_child.py").write_text(_STUDY_CHILD)
+    env = dict(os.environ, PYTHONPATH=f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+               IGNORE="1" if ignores else "")
+    driver = subprocess.Popen([sys.executable, "-c", _STUDY_DRIVER, str(tmp_path), "1.5"], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = tmp_path / "r" / "driver.log"
+    deadline = time.monotonic() + 60
+    while not (log.exists() and "grandchild" in log.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert log.exists() and "grandchild" in log.read_text(), driver.communicate(timeout=10)[0]
+    child = json.loads((tmp_path / "study.json").read_text())["runs"]["r"]["pid"]
+    grandchild = int(log.read_text().split("grandchild")[1].split()[0])
+    driver.send_signal(signal.SIGTERM)
+    out = driver.communicate(timeout=60)[0]
+    assert driver.returncode == 128 + signal.SIGTERM, out
+    assert "child got SIGTERM" in log.read_text(), "the run was not asked to stop after its update"
+    assert _wait_gone([child, grandchild]), f"the study left its run behind: {out}"
+    assert "continue it with --resume" in out
+    assert ("killed r" in out) == ignores, out
+    entry = json.loads((tmp_path / "study.json").read_text())["runs"]["r"]
+    assert entry["status"] == "interrupted" and "pid" not in entry
+    assert entry["exit_code"] == (-signal.SIGKILL if ignores else 0)
+
+
 @pytest.mark.slow
 def test_a_run_stopped_by_sigterm_and_resumed_through_the_launcher(tmp_path: Path) -> None:
     plan_toml = run_plan_toml("launcher-test", [CPU_BF16], embedded={"max_turns": 2, "max_new_tokens": 8},
