@@ -293,34 +293,38 @@ def plot(runs: list[dict[str, Any]], out_dir: Path) -> str:
     from plotly.subplots import make_subplots
 
     rungs = sorted({r["rung"] for r in runs}, key=list(RUNGS).index)
-    fig = make_subplots(rows=1, cols=2, horizontal_spacing=0.08, subplot_titles=(
-        "training reward per update (band: min..max over seeds)", "held-out reward at T = 1 (bf16 engine)"))
-    for i, key in enumerate(rungs):
-        rs = [r for r in runs if r["rung"] == key]
-        color = qualitative.Plotly[i % len(qualitative.Plotly)]
-        curves = [("train", [list(range(1, len(r["train_reward"]) + 1)) for r in rs],
-                   [r["train_reward"] for r in rs], 1),
-                  ("held-out", [[e["version"] for e in r["evals"]] for r in rs],
-                   [[e["reward"] for e in r["evals"]] for r in rs], 2)]
-        for what, xs_all, ys_all, col in curves:
-            n = min((len(y) for y in ys_all), default=0)
-            if n == 0:
-                continue
-            xs = xs_all[0][:n]
-            ys = np.array([y[:n] for y in ys_all], dtype=float)
-            if len(rs) > 1:
-                fig.add_trace(go.Scatter(x=xs + xs[::-1], y=list(ys.max(0)) + list(ys.min(0))[::-1], fill="toself",
-                                         line={"width": 0}, fillcolor=color, opacity=0.15, showlegend=False,
-                                         hoverinfo="skip"), row=1, col=col)
-            fig.add_trace(go.Scatter(x=xs, y=ys.mean(0), mode="lines+markers" if what == "held-out" else "lines",
-                                     line={"color": color}, name=f"{key} ({len(rs)} seeds)", legendgroup=key,
-                                     showlegend=what == "train"), row=1, col=col)
-    fig.update_xaxes(title_text="update", row=1, col=1)
-    fig.update_xaxes(title_text="trainer version", row=1, col=2)
-    fig.update_yaxes(title_text="reward", row=1, col=1)
+    models = sorted({RUNGS[k].model for k in rungs}, key=lambda m: (m != "tiny", m))   # one row per model
+    fig = make_subplots(rows=len(models), cols=2, horizontal_spacing=0.08, vertical_spacing=0.12,
+                        subplot_titles=[f"{m}: {t}" for m in models for t in (
+                            "training reward per update (band: min..max over seeds)",
+                            "held-out reward at T = 1 (bf16 engine)")])
+    for row, model in enumerate(models, start=1):
+        for key in (k for k in rungs if RUNGS[k].model == model):
+            rs = [r for r in runs if r["rung"] == key]
+            color = qualitative.Dark24[rungs.index(key) % len(qualitative.Dark24)]   # one colour per rung
+            curves = [("train", [list(range(1, len(r["train_reward"]) + 1)) for r in rs],
+                       [r["train_reward"] for r in rs], 1),
+                      ("held-out", [[e["version"] for e in r["evals"]] for r in rs],
+                       [[e["reward"] for e in r["evals"]] for r in rs], 2)]
+            for what, xs_all, ys_all, col in curves:
+                n = min((len(y) for y in ys_all), default=0)
+                if n == 0:
+                    continue
+                xs = xs_all[0][:n]
+                ys = np.array([y[:n] for y in ys_all], dtype=float)
+                if len(rs) > 1:
+                    fig.add_trace(go.Scatter(x=xs + xs[::-1], y=list(ys.max(0)) + list(ys.min(0))[::-1],
+                                             fill="toself", line={"width": 0}, fillcolor=color, opacity=0.15,
+                                             showlegend=False, hoverinfo="skip"), row=row, col=col)
+                fig.add_trace(go.Scatter(x=xs, y=ys.mean(0), mode="lines+markers" if what == "held-out" else "lines",
+                                         line={"color": color}, name=f"{key} ({len(rs)} seeds)", legendgroup=key,
+                                         showlegend=what == "train"), row=row, col=col)
+        fig.update_xaxes(title_text="update", row=row, col=1)
+        fig.update_xaxes(title_text="trainer version", row=row, col=2)
+        fig.update_yaxes(title_text="reward", row=row, col=1)
     fig.update_layout(template="plotly_white", margin={"l": 50, "r": 20, "t": 40, "b": 40})
     out_dir.mkdir(parents=True, exist_ok=True)
-    return _save(fig, out_dir, "learning", _png_ok(), 1200, 430)
+    return _save(fig, out_dir, "learning", _png_ok(), 1200, 400 * len(models) + 40)
 
 
 def main(argv: list[str] | None = None) -> int:
