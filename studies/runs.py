@@ -112,6 +112,23 @@ def run_states(runs: Sequence[StudyRun], *, resume: bool, where: str, folder: Pa
     return states
 
 
+def merge_manifest(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
+    """A study's description after one more call into its folder: a study is often run in several calls (one
+    fleet, variant or seed at a time) into one folder, and the last call's description alone would say the
+    folder holds only its own plans and rungs. Tables are merged key by key (recursively), lists keep the old
+    items and add the new ones, anything else is the new call's."""
+    out = dict(old)
+    for k, v in new.items():
+        o = out.get(k)
+        if isinstance(o, Mapping) and isinstance(v, Mapping):
+            out[k] = merge_manifest(o, v)
+        elif isinstance(o, list) and isinstance(v, list | tuple):
+            out[k] = o + [x for x in v if x not in o]
+        else:
+            out[k] = v
+    return out
+
+
 def write_json(path: Path, data: Mapping[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(json.dumps(data, indent=1, default=str))
@@ -137,8 +154,9 @@ def run_study(runs: Sequence[StudyRun], *, manifest_path: Path, manifest_extra: 
         run_states(runs, resume=settings.resume, where="study", folder=manifest_path.parent)
     manifest_path.parent.mkdir(parents=True, exist_ok=True)
     old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    manifest: dict[str, Any] = {**manifest_extra, "base_policy": base_policy, "runs": old.get("runs", {}),
-                                "started_unix_s": old.get("started_unix_s", time.time())}
+    kept = {k: v for k, v in old.items() if k not in ("runs", "finished_unix_s")}
+    manifest: dict[str, Any] = {**merge_manifest(kept, manifest_extra), "base_policy": base_policy,
+                                "runs": old.get("runs", {}), "started_unix_s": old.get("started_unix_s", time.time())}
     for r in runs:
         manifest["runs"].setdefault(r.name, {})["state"] = states[r.name]
     write_json(manifest_path, manifest)

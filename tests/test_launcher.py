@@ -24,7 +24,7 @@ from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.orchestration import launcher
-from mixfleet.studies.runs import StudyRun, StudySettings, run_study
+from mixfleet.studies.runs import StudyRun, StudySettings, merge_manifest, run_study
 from mixfleet.ui import run_manager
 from runplans import CPU_BF16, run_files, run_plan_toml
 
@@ -129,7 +129,7 @@ def test_a_study_run_past_its_time_out_is_killed_through_the_launcher(tmp_path: 
 _STUDY_DRIVER = """
 import sys
 from pathlib import Path
-from mixfleet.studies.runs import StudyRun, StudySettings, run_study
+from mixfleet.studies.runs import StudyRun, StudySettings, merge_manifest, run_study
 tmp, grace = Path(sys.argv[1]), float(sys.argv[2])
 run = StudyRun(name="r", out_dir=tmp / "r", plan="tiny-cpu", run={"updates": 1})
 run_study([run], manifest_path=tmp / "study.json", manifest_extra={}, base_policy="/none",
@@ -179,6 +179,26 @@ def test_a_signalled_study_stops_its_runs_instead_of_leaving_them_behind(tmp_pat
     entry = json.loads((tmp_path / "study.json").read_text())["runs"]["r"]
     assert entry["status"] == "interrupted" and "pid" not in entry
     assert entry["exit_code"] == (-signal.SIGKILL if ignores else 0)
+
+
+def test_a_study_run_in_two_calls_keeps_both_calls_description(tmp_path: Path) -> None:
+    # Regression: the MoE ablation ran its two fleets in two calls into one folder (as its docs say to), and the
+    # second call's description replaced the first's: the report's Setup named only the replay fleet's plan.
+    def call(fleet: str, runs: list[str]) -> dict:
+        study = [StudyRun(name=n, out_dir=tmp_path / n, plan="tiny-cpu") for n in runs]
+        extra = {"plans": {fleet: f"plan-{fleet}"}, "config": {"fleets": [fleet], "updates": 30, "lr": 1.5e-4},
+                 "rungs": runs}
+        return run_study(study, manifest_path=tmp_path / "study.json", manifest_extra=extra, base_policy="/b",
+                         settings=StudySettings(), log=lambda _: None, states=dict.fromkeys(runs, "finished"))
+
+    call("mixed-moe", ["m/grpo", "m/sc"])
+    second = call("mixed-moe-replay", ["r/sc"])
+    assert second == json.loads((tmp_path / "study.json").read_text())
+    assert second["plans"] == {"mixed-moe": "plan-mixed-moe", "mixed-moe-replay": "plan-mixed-moe-replay"}
+    assert second["config"] == {"fleets": ["mixed-moe", "mixed-moe-replay"], "updates": 30, "lr": 1.5e-4}
+    assert second["rungs"] == ["m/grpo", "m/sc", "r/sc"] and set(second["runs"]) == {"m/grpo", "m/sc", "r/sc"}
+    assert merge_manifest({"lr": 3e-4, "t": {"a": 1}}, {"lr": 1e-4, "t": {"b": 2}}) == {"lr": 1e-4,
+                                                                                        "t": {"a": 1, "b": 2}}
 
 
 @pytest.mark.slow
