@@ -228,6 +228,15 @@ def merge_earlier(runs: list[dict[str, Any]], results: Path) -> tuple[list[dict[
     return sorted(runs + kept, key=lambda r: (order.index(r["rung"]), r["seed"])), len(kept)
 
 
+def recorded_commands(results: Path) -> dict[tuple[str, int], str]:
+    """(rung, seed) -> the command recorded with that run in an earlier results file ({} without one)."""
+    try:
+        earlier = json.loads(results.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return {(r["rung"], r["seed"]): r["command"] for r in earlier.get("runs", []) if r.get("command")}
+
+
 def _spread(values: list[float]) -> dict[str, float]:
     v = [x for x in values if math.isfinite(x)]
     if not v:
@@ -370,8 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for key in rungs for s in seeds
             if (r := read_run(out / key / f"seed{s}", key, s)) is not None]
     command = " ".join(["python", "benchmarks/learning.py", *(sys.argv[1:] if argv is None else argv)])
-    for r in runs:
-        r["command"] = command
+    made_by = recorded_commands(Path(args.results)) if args.report_only else {}
+    for r in runs:   # a report-only call made none of them: each keeps the command that ran it, if recorded
+        r["command"] = made_by.get((r["rung"], r["seed"]), command)
     runs, kept = merge_earlier(runs, Path(args.results))
     if kept:
         log(f"kept {kept} earlier run(s) of {args.results} that this command did not read (their own command "
