@@ -209,16 +209,20 @@ def read_run(folder: Path, rung: str, seed: int) -> dict[str, Any] | None:
             "pretrain_steps": RUNGS[rung].pretrain_steps, "eval_top_p": evals[-1]["top_p"] if evals else 1.0}
 
 
-def merge_earlier(runs: list[dict[str, Any]], results: Path) -> tuple[list[dict[str, Any]], int]:
+def read_earlier(results: Path) -> dict[str, Any]:
+    """The earlier results file ({} when there is none); an unreadable one stops the command (nothing is lost)."""
+    if not results.exists():
+        return {}
+    try:
+        return json.loads(results.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SystemExit(f"{results}: cannot read the earlier results to keep them ({e}); move it away first") from e
+
+
+def merge_earlier(runs: list[dict[str, Any]], earlier: dict[str, Any]) -> tuple[list[dict[str, Any]], int]:
     """This command's runs plus the earlier results' runs of every (rung, seed) it did not read: a study spread
     over sessions (and over machines whose run folders are gone) keeps its rungs in one results file. An earlier
     run without its own command gets the earlier file's, one without its eval_top_p the only one there was then, 1."""
-    if not results.exists():
-        return runs, 0
-    try:
-        earlier = json.loads(results.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SystemExit(f"{results}: cannot read the earlier results to keep them ({e}); move it away first") from e
     have = {(r["rung"], r["seed"]) for r in runs}
     kept = [{**r, "command": r.get("command", earlier.get("command", "")),
              "eval_top_p": r.get("eval_top_p", 1.0)}                # runs before 2026-12-02 were all evaluated at 1
@@ -228,12 +232,8 @@ def merge_earlier(runs: list[dict[str, Any]], results: Path) -> tuple[list[dict[
     return sorted(runs + kept, key=lambda r: (order.index(r["rung"]), r["seed"])), len(kept)
 
 
-def recorded_commands(results: Path) -> dict[tuple[str, int], str]:
-    """(rung, seed) -> the command recorded with that run in an earlier results file ({} without one)."""
-    try:
-        earlier = json.loads(results.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
+def recorded_commands(earlier: dict[str, Any]) -> dict[tuple[str, int], str]:
+    """(rung, seed) -> the command recorded with that run in the earlier results."""
     return {(r["rung"], r["seed"]): r["command"] for r in earlier.get("runs", []) if r.get("command")}
 
 
@@ -379,10 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = [r for key in rungs for s in seeds
             if (r := read_run(out / key / f"seed{s}", key, s)) is not None]
     command = " ".join(["python", "benchmarks/learning.py", *(sys.argv[1:] if argv is None else argv)])
-    made_by = recorded_commands(Path(args.results)) if args.report_only else {}
+    earlier = read_earlier(Path(args.results))
+    made_by = recorded_commands(earlier) if args.report_only else {}
     for r in runs:   # a report-only call made none of them: each keeps the command that ran it, if recorded
         r["command"] = made_by.get((r["rung"], r["seed"]), command)
-    runs, kept = merge_earlier(runs, Path(args.results))
+    runs, kept = merge_earlier(runs, earlier)
     if kept:
         log(f"kept {kept} earlier run(s) of {args.results} that this command did not read (their own command "
             "is recorded with each)")
