@@ -2,6 +2,8 @@
 
     python benchmarks/learning.py [--rungs a0,a,b,c] [--seeds 0,1,2] [--updates 30] [--out runs/learning] [--resume]
     python benchmarks/learning.py --report-only --out runs/learning       # re-read the logs, write the results
+    python benchmarks/learning.py --final-eval --rungs d-b300-c,d-c300 --versus d-c300:d-b300-c   # final policies,
+                                                                          # 512 x 2 held-out episodes each
 
 Rungs (docs/learning.md), each a real run with a reward curve and held-out evaluations:
     a0          synchronous on-policy GRPO in one process (runner/orchestration/onpolicy.py: engine + trainer, no Ray)
@@ -27,6 +29,13 @@ unfinished runs from their checkpoints (studies/runs.py), finished ones are skip
 benchmarks/results/learning.json (per run: curves, settings, seed, the command; per rung: start -> end with the
 spread over seeds; runs of rungs or seeds a command did not read are kept from the file's earlier contents) and
 docs/img/learning.png (or .html without kaleido).
+
+The periodic evaluation (64 x 2 episodes) leaves a standard error of ~0.04 on each run's mean: as large as the
+0.05 a rung comparison asks about. `--final-eval` evaluates each finished run's last policy (and each model's base
+policy) again on `--final-problems` x `--final-samples` episodes (`mixfleet evaluate`, runner/orchestration/
+evaluate_run.py: the run's own settings, the same problems and random draws for every policy), resumable
+(an evaluation already in the file with the same settings is kept), into benchmarks/results/learning_final_eval.json
+with per-rung mean, spread and standard error over seeds, the gain over the base, and each `--versus A:B` difference.
 """
 
 from __future__ import annotations
@@ -45,6 +54,7 @@ import numpy as np
 from mixfleet.costmodel.jsonsafe import json_safe
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learning.json"
+FINAL_RESULTS = Path(__file__).resolve().parent / "results" / "learning_final_eval.json"
 FIGURES = Path(__file__).resolve().parents[1] / "docs" / "img"
 INPROCESS_FILE = "onpolicy_result.json"
 
@@ -336,6 +346,111 @@ def plot(runs: list[dict[str, Any]], out_dir: Path) -> str:
     return _save(fig, out_dir, "learning", _png_ok(), 1200, 400 * len(models) + 40)
 
 
+def _write_json_atomically(path: Path, doc: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(json_safe(doc), indent=1) + "\n")
+    tmp.replace(path)                              # a kill mid-write leaves the previous file whole
+
+
+def _se(values: list[float]) -> float:
+    return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else math.nan
+
+
+def final_eval(rungs: list[str], seeds: list[int], args: argparse.Namespace, out: Path, log: Any) -> dict[str, Any]:
+    """Each finished runner run's last policy and each model's base, evaluated on the larger held-out set (module
+    doc); one evaluation at a time, the file rewritten after each, so a stopped call loses at most one."""
+    from mixfleet.runner.orchestration.evaluate_run import evaluate_policy, paired_difference, run_eval_settings
+
+    path = Path(args.final_results)
+    doc = read_earlier(path) or {}
+    evals: dict[str, Any] = doc.get("evaluations", {})
+    want = {"problems": args.final_problems, "k": args.final_samples, "seed": args.final_seed}
+    todo: list[tuple[str, Path, dict[str, Any], dict[str, Any]]] = []    # (key, path, overrides, meta)
+    bases: dict[tuple[str, int], dict[str, Any]] = {}
+    for key in rungs:
+        r = RUNGS[key]
+        if r.inprocess:
+            log(f"  {key}: an in-process rung keeps no checkpoint to evaluate again; skipped")
+            continue
+        for seed in seeds:
+            folder = out / key / f"seed{seed}"
+            run = read_run(folder, key, seed)
+            if run is None or run["status"] != "finished":
+                log(f"  {key}/seed{seed}: not finished ({'not started' if run is None else run['status']}); skipped")
+                continue
+            settings = run_eval_settings(folder)
+            bases.setdefault((r.model, r.pretrain_steps), settings)
+            todo.append((f"{key}/seed{seed}", folder, {}, {"rung": key, "seed": seed, "model": r.model,
+                                                          "pretrain_steps": r.pretrain_steps,
+                                                          "version": run["updates"]}))
+    for (model, steps), settings in sorted(bases.items()):
+        todo.insert(0, (f"base/{model}/{steps}", Path(base_policy(model, steps)),
+                        dict(settings),
+                        {"rung": "base", "seed": None, "model": model, "pretrain_steps": steps}))
+    for key, folder, overrides, meta in todo:
+        have = evals.get(key)
+        if have and have.get("source") == str(folder) and all(have["settings"].get(k) == v for k, v in want.items()) \
+                and (meta["rung"] == "base" or have.get("version") == meta["version"]):
+            log(f"  {key}: evaluated before with these settings; kept")
+            continue
+        t0 = time.perf_counter()
+        res = evaluate_policy(folder, problems=args.final_problems, k=args.final_samples, seed=args.final_seed,
+                              **overrides)
+        evals[key] = {**meta, **res.to_dict()}                # the version is the one evaluated
+        log(f"  {key}: v{res.version} held-out reward {res.reward:.3f} +- {res.reward_se:.3f} "
+            f"({time.perf_counter() - t0:.0f} s)")
+        _write_json_atomically(path, {"command": " ".join(["python", "benchmarks/learning.py", *sys.argv[1:]]),
+                                      "settings": want, "evaluations": evals})
+    summary: dict[str, Any] = {}
+    for key in sorted({e["rung"] for e in evals.values()}, key=lambda k: (k != "base", k)):
+        es = sorted((e for e in evals.values() if e["rung"] == key), key=lambda e: (e["model"], e["seed"] or 0))
+        for model in sorted({e["model"] for e in es}):
+            mine = [e for e in es if e["model"] == model]
+            vals = [e["reward"] for e in mine]
+            base = next((e for e in evals.values() if e["rung"] == "base" and e["model"] == model
+                         and e["pretrain_steps"] == mine[0]["pretrain_steps"]), None)
+            name = key if key != "base" else f"base/{model}/{mine[0]['pretrain_steps']}"
+            summary[name] = {"model": model, "seeds": [e["seed"] for e in mine], **_spread(vals), "se": _se(vals),
+                             "eval_se": [e["reward_se"] for e in mine],
+                             "gain_over_base": (statistics.fmean(vals) - base["reward"]) if base else math.nan}
+    pairs = []
+    for pair in args.versus:
+        a, b = pair
+        ea = {e["seed"]: e for e in evals.values() if e["rung"] == a}
+        eb = {e["seed"]: e for e in evals.values() if e["rung"] == b}
+        if not ea or not eb:
+            log(f"  --versus {a}:{b}: no evaluations of {a if not ea else b} yet")
+            continue
+        va, vb = [e["reward"] for e in ea.values()], [e["reward"] for e in eb.values()]
+        diff = statistics.fmean(va) - statistics.fmean(vb)
+        se = math.sqrt(_se(va) ** 2 + _se(vb) ** 2) if len(va) > 1 and len(vb) > 1 else math.nan
+        same = sorted(set(ea) & set(eb))
+        pairs.append({"a": a, "b": b, "difference": diff, "se": se, "seeds_a": sorted(ea), "seeds_b": sorted(eb),
+                      "per_seed_paired": {str(s): paired_difference(ea[s], eb[s]) for s in same}})
+    doc = {"command": " ".join(["python", "benchmarks/learning.py", *sys.argv[1:]]), "settings": want,
+           "summary": summary, "versus": pairs, "evaluations": evals}
+    _write_json_atomically(path, doc)
+    for name, s in summary.items():
+        log(f"{name:>16}: {s['mean']:.3f} (se {s['se']:.3f} over {s['n']} seeds; min..max {s['min']:.3f}.."
+            f"{s['max']:.3f}; each +- ~{statistics.fmean(s['eval_se']):.3f})"
+            + ("" if name.startswith("base") else f", {s['gain_over_base']:+.3f} over the base"))
+    for p in pairs:
+        log(f"{p['a']} - {p['b']}: {p['difference']:+.3f} (se {p['se']:.3f})")
+    log(f"wrote {path}")
+    return doc
+
+
+def _pairs(text: str) -> list[tuple[str, str]]:
+    out = []
+    for item in (t.strip() for t in text.split(",") if t.strip()):
+        a, sep, b = item.partition(":")
+        if not sep or a not in RUNGS or b not in RUNGS:
+            raise argparse.ArgumentTypeError(f"--versus: {item!r}; allowed: A:B with A, B of {', '.join(RUNGS)}")
+        out.append((a, b))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rungs", default="a0,a,b,c", help=f"comma-separated, of {', '.join(RUNGS)}")
@@ -348,6 +463,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--resume", action="store_true", help="continue unfinished runs from their checkpoints")
     ap.add_argument("--report-only", action="store_true", help="only read the logs and write the results")
     ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--final-eval", action="store_true", help="evaluate the finished runs' last policies again on "
+                    "--final-problems x --final-samples held-out episodes (no training)")
+    ap.add_argument("--final-problems", type=int, default=512)
+    ap.add_argument("--final-samples", type=int, default=2)
+    ap.add_argument("--final-seed", type=int, default=0)
+    ap.add_argument("--final-results", default=str(FINAL_RESULTS))
+    ap.add_argument("--versus", type=_pairs, default=[], help="A:B[,C:D]: rung differences to report")
     args = ap.parse_args(argv)
     rungs = [s.strip() for s in args.rungs.split(",") if s.strip()]
     for key in rungs:
@@ -362,6 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
+    if args.final_eval:
+        final_eval(rungs, seeds, args, out, log)
+        return 0
     if not args.report_only:
         for key in (k for k in rungs if RUNGS[k].inprocess):
             run_inprocess(key, out, seeds, args, log)

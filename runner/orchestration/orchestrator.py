@@ -262,7 +262,7 @@ class Orchestrator:
             "eval": "pass_at_k", "k": cfg.k, "version": version, "pass_at_k": res.pass_at_k,
             "reward": res.reward_mean, "problems": cfg.problems, "task": cfg.task, "temperature": cfg.temperature,
             "top_p": cfg.top_p, "max_new_tokens": cfg.max_new_tokens, "max_turns": cfg.max_turns,
-            "precision": cfg.precision}),
+            "precision": cfg.precision, "task_options": cfg.task_options, "seed": cfg.seed}),
             duration_s=res.wall_s)
         return res.pass_at_k
 

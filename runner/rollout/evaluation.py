@@ -58,6 +58,7 @@ class EvalResult:
     k: int
     solved: int
     wall_s: float
+    rewards: tuple[float, ...] = ()        # every episode's reward, problem by problem (k each, in sample order)
 
 
 def pass_at_k(successes: list[list[bool]]) -> float:
@@ -96,4 +97,5 @@ async def pass_at_k_eval(checkpoint: str | Path, config: EvalConfig | None = Non
             for i in range(config.problems)]
     rewards = [e.reward for e in eps]
     return EvalResult(pass_at_k=pass_at_k(succ), reward_mean=sum(rewards) / len(rewards), problems=config.problems,
-                      k=config.k, solved=sum(1 for s in succ if any(s)), wall_s=time.perf_counter() - t0)
+                      k=config.k, solved=sum(1 for s in succ if any(s)), wall_s=time.perf_counter() - t0,
+                      rewards=tuple(float(r) for r in rewards))

@@ -1,8 +1,9 @@
-"""`mixfleet` commands: run, pretrain, cleanup: real runs."""
+"""`mixfleet` commands: run, pretrain, evaluate, cleanup: real runs."""
 
 from __future__ import annotations
 
 import typer
+from mixfleet.ui.commands.evaluate_cmd import register_evaluate
 from mixfleet.ui.commands.pretrain_cmd import register_pretrain
 from mixfleet.ui.commands.run_live import register_run
 
@@ -11,6 +12,7 @@ def register(app: typer.Typer) -> None:
     """Add this module's commands to the `mixfleet` app."""
     register_run(app)
     register_pretrain(app)
+    register_evaluate(app)
 
     @app.command("cleanup")
     def cleanup_cmd() -> None:

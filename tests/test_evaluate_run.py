@@ -1,0 +1,86 @@
+"""`mixfleet evaluate` (runner/orchestration/evaluate_run.py): a run's last policy evaluated again, held out.
+
+The learning ladder compares rungs whose ends differ by ~0.05 while a run's own 64 x 2 evaluation has a standard
+error of ~0.04 (docs/learning.md); re-evaluating each run's final policy on more problems is how the comparison gets
+its power. What must hold: the policy evaluated is the run's own last one, with the run's own settings (with the
+run's problem count, k and seed the result IS the run's last evaluation), the base checkpoint the same way, and bad
+input is refused with its field before anything is built.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from mixfleet.costmodel.errors import SpecError
+from mixfleet.runner.orchestration.evaluate_run import evaluate_policy, paired_difference
+from mixfleet.ui.cli import app
+from typer.testing import CliRunner
+
+runner = CliRunner()
+
+
+def test_what_is_not_a_run_or_a_checkpoint_is_refused_with_its_field(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match=r"'path' = .*a run folder .*no run\.json.* or a Hugging Face layout"):
+        evaluate_policy(tmp_path, problems=4, k=2)
+    from mixfleet.costmodel.records.runlog import FORMAT_NAME, HEADER_FILE
+
+    (tmp_path / HEADER_FILE).write_text(json.dumps({"format": FORMAT_NAME}))     # a run log without a checkpoint
+    with pytest.raises(SpecError, match=r"'run' = .*a runner run folder with a checkpoint \(trainer_state/"):
+        evaluate_policy(tmp_path, problems=4, k=2)
+    with pytest.raises(SpecError, match=r"'problems x k' = '0 x 2'.*problems x k <= 4096"):
+        evaluate_policy(tmp_path, problems=0, k=2)
+    with pytest.raises(SpecError, match=r"'problems x k' = '4096 x 2'"):
+        evaluate_policy(tmp_path, problems=4096, k=2)
+    with pytest.raises(SpecError, match=r"'settings' = 'temprature' is invalid; allowed: task, task_options, temper"):
+        evaluate_policy(tmp_path, problems=4, k=2, temprature=1.0)
+    r = runner.invoke(app, ["evaluate", str(tmp_path / "nowhere")])
+    assert r.exit_code == 2 and "error: evaluate: field 'path'" in r.output
+
+
+def test_a_paired_difference_needs_the_same_draws() -> None:
+    a = {"settings": {"problems": 2, "k": 2, "seed": 0}, "problem_rewards": [1.0, 0.5]}
+    b = {"settings": {"problems": 2, "k": 2, "seed": 0}, "problem_rewards": [0.5, 0.5]}
+    assert paired_difference(a, b) == pytest.approx({"difference": 0.25, "se": 0.25})
+    with pytest.raises(ValueError, match=r"differ in their settings \{\"seed\": \[0, 1\]\}"):
+        paired_difference(a, {**b, "settings": {**b["settings"], "seed": 1}})
+
+
+@pytest.mark.slow
+def test_a_runs_last_policy_evaluated_again_is_its_last_evaluation(tmp_path: Path) -> None:
+    """A real run (tiny model, Ray, the trainer, embedded samplers): 2 updates, evaluated at the start and at update 2
+    on 4 problems x 2. `mixfleet evaluate` of the run folder with the same problems, k and seed gives exactly the
+    run's update-2 evaluation (the policy of its last checkpoint, exported as the samplers load it, the run's own
+    sampling settings); of the base checkpoint with the run's settings, exactly its start evaluation. More
+    problems: the first ones are the same problems with the same draws."""
+    from mixfleet.costmodel.records.runlog import RunLog
+    from mixfleet.costmodel.records.trackers import eval_frame
+    from runplans import CPU_BF16, run_files, run_plan_toml
+
+    plan_toml = run_plan_toml(
+        "test-evaluate", [CPU_BF16], embedded={"max_turns": 2, "max_new_tokens": 8, "eval_every": 2, "pass_k": 2,
+                                               "extra": {"eval_problems": 4}},
+        batcher={"prompts_per_update": 2, "samples_per_prompt": 2, "inflight_prompts": 4})
+    init, plan = run_files(tmp_path, plan_toml)
+    out = tmp_path / "run"
+    r = runner.invoke(app, ["run", str(plan), "--out", str(out), "--init", str(init), "--updates", "2", "--quiet"])
+    assert r.exit_code == 0, r.output[-3000:]
+    log = RunLog.open(out)
+    ev = eval_frame(log.events).set_index("version")
+    assert list(ev.index) == [0, 2]
+    seed = int(log.header["seed"])
+
+    again = evaluate_policy(out, problems=4, k=2, seed=seed)
+    assert again.kind == "run" and again.version == 2
+    assert (again.reward, again.pass_at_k) == (ev.loc[2, "reward"], ev.loc[2, "pass_at_k"])
+    assert again.settings["max_turns"] == 2 and again.settings["max_new_tokens"] == 8     # the run's, not defaults
+    base = evaluate_policy(init, problems=4, k=2, seed=seed, max_turns=2, max_new_tokens=8)
+    assert base.kind == "checkpoint" and (base.reward, base.pass_at_k) == (ev.loc[0, "reward"], ev.loc[0, "pass_at_k"])
+
+    r = runner.invoke(app, ["evaluate", str(out), "--problems", "6", "--k", "2", "--seed", str(seed), "--json",
+                            "--out", str(tmp_path / "e.json")])
+    assert r.exit_code == 0, r.output[-2000:]
+    more = json.loads((tmp_path / "e.json").read_text())
+    assert more["settings"]["problems"] == 6 and len(more["problem_rewards"]) == 6
+    assert more["problem_rewards"][:4] == pytest.approx(list(again.problem_rewards))

@@ -1,0 +1,59 @@
+"""`mixfleet evaluate PATH`: a run's last policy (or a checkpoint) on the held-out split, as many problems as asked.
+
+The library is `mixfleet.runner.orchestration.evaluate_run` (module doc: settings, common random numbers). Bad input
+(not a run folder nor a checkpoint, a run without a checkpoint, an out-of-range problem count) prints one line and
+exits with 2.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+
+def register_evaluate(app: typer.Typer) -> None:
+    """Add `evaluate` to the `mixfleet` app."""
+
+    @app.command("evaluate")
+    def evaluate_cmd(
+        path: Path = typer.Argument(..., help="A run folder (mixfleet run --out: its last checkpoint) or a Hugging "
+                                    "Face layout checkpoint (e.g. a `mixfleet pretrain` base)."),
+        problems: int = typer.Option(256, "--problems", help="Held-out problems (the eval split's first N seeds)."),
+        k: int = typer.Option(2, "--k", help="Samples per problem (pass@k counts a problem solved by any)."),
+        seed: int = typer.Option(0, "--seed", help="Sampling seed: the same seed gives two policies the same "
+                                 "random draws (a paired comparison)."),
+        temperature: float = typer.Option(None, "--temperature", help="Default: the run's own evaluation's (1)."),
+        top_p: float = typer.Option(None, "--top-p", help="Default: the run's own evaluation's (1: full vocabulary)."),
+        max_turns: int = typer.Option(None, "--max-turns", help="Default: the run's own evaluation's."),
+        max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="Default: the run's own evaluation's."),
+        out: Path = typer.Option(None, "--out", "-o", help="Also write the result (with each problem's reward) "
+                                 "to this JSON file."),
+        as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
+    ) -> None:
+        """Evaluate a run's last policy (its trainer_state, exported as the samplers load it) with the run's own
+        evaluation settings, on more problems than the run's periodic evaluation: mean reward with its standard
+        error, pass@k. With the run's problem count, k and seed it reproduces the run's last evaluation."""
+        from mixfleet.costmodel.errors import SpecError
+        from mixfleet.costmodel.jsonsafe import json_safe
+        from mixfleet.runner.orchestration.evaluate_run import evaluate_policy
+
+        try:
+            res = evaluate_policy(path, problems=problems, k=k, seed=seed, temperature=temperature, top_p=top_p,
+                                  max_turns=max_turns, max_new_tokens=max_new_tokens)
+        except (SpecError, ValueError, FileNotFoundError) as e:
+            typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from None
+        doc = json_safe(res.to_dict())
+        if out is not None:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(doc, indent=1) + "\n")
+        if as_json:
+            typer.echo(json.dumps(doc, indent=1))
+            return
+        s = res.settings
+        typer.echo(f"{path} ({res.kind}, version {res.version}): held-out reward {res.reward:.3f} "
+                   f"+- {res.reward_se:.3f} (standard error), pass@{s['k']} {res.pass_at_k:.3f}; {s['problems']} "
+                   f"problems x {s['k']}, T = {s['temperature']}, top-p {s['top_p']}, seed {s['seed']}, "
+                   f"{res.wall_s:.0f} s")
