@@ -397,7 +397,8 @@ def final_eval(rungs: list[str], seeds: list[int], args: argparse.Namespace, out
         t0 = time.perf_counter()
         res = evaluate_policy(folder, problems=args.final_problems, k=args.final_samples, seed=args.final_seed,
                               **overrides)
-        evals[key] = {**meta, **res.to_dict()}                # the version is the one evaluated
+        evals[key] = {**meta, **res.to_dict(),                # the version is the one evaluated
+                      "command": " ".join(["python", "benchmarks/learning.py", *sys.argv[1:]])}
         log(f"  {key}: v{res.version} held-out reward {res.reward:.3f} +- {res.reward_se:.3f} "
             f"({time.perf_counter() - t0:.0f} s)")
         _write_json_atomically(path, {"command": " ".join(["python", "benchmarks/learning.py", *sys.argv[1:]]),
