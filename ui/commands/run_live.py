@@ -140,10 +140,24 @@ def default_base_policy(progress: bool = True, model: str = "tiny") -> str:
     return str(pretrain(PretrainConfig(model=model)).path)
 
 
+def with_lr(plan: Any, lr: float | None) -> Any:
+    """The plan with `--lr` as its [embedded] lr (None: the plan as it is). It goes into the plan, not only the
+    run's settings, so that the run log records it and `--resume` refuses a plan whose lr differs (a run resumed
+    without the same --lr would otherwise go on at the plan's lr unseen). A bad value is the plan's own
+    SpecError, naming the field."""
+    import dataclasses
+
+    from mixfleet.costmodel.plan.planspec import EmbeddedPlan
+
+    if lr is None:
+        return plan
+    return dataclasses.replace(plan, embedded=dataclasses.replace(plan.embedded or EmbeddedPlan(), lr=lr))
+
+
 def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, embedded: bool, address: str | None,
                 init: str | None, mode: str, attach: list[str], kill_at: list[str], eval_every: int | None,
                 task: str | None, quiet: bool, trainer_threads: int | None = None, force: bool = False,
-                allow_group_loss: bool = False, tracker: list[str] | None = None) -> None:
+                allow_group_loss: bool = False, tracker: list[str] | None = None, lr: float | None = None) -> None:
     """Body of `mixfleet run` (see its help): the run's lifecycle is the launcher's
     (runner/orchestration/launcher.py). Exit codes: 0 done or stopped, 1 the run failed or stopped on an error
     (run log kept), 2 bad input, 3 done without a sampler group that could not start (--allow-group-loss)."""
@@ -159,7 +173,7 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
     torch.set_num_threads(1)
     lock = None
     try:
-        plan = load_plan(plan_ref)
+        plan = with_lr(load_plan(plan_ref), lr)
         # everything that needs no folder is checked first: a bad flag or plan field changes nothing on disk
         kills = _parse_kill_at(kill_at, plan, updates or 30)
         _check_task(plan, task)
@@ -265,6 +279,10 @@ def register_run(app: typer.Typer) -> None:
         task: str = typer.Option(None, "--task", help="Task name (default: the plan's, else guess)."),
         trainer_threads: int = typer.Option(None, "--trainer-threads", min=1,
                                             help="Torch threads of the trainer (default: the plan's, else 1)."),
+        lr: float = typer.Option(None, "--lr", help="The trainer's learning rate (AdamW), over the plan's "
+                                                    "[embedded] lr; recorded in the run's plan, so a --resume "
+                                                    "gives it again (docs/learning.md: 1.5e-4 learns on the "
+                                                    "asynchronous fleets, 3e-4 barely)."),
         allow_group_loss: bool = typer.Option(False, "--allow-group-loss",
                                               help="Go on without a sampler group none of whose replicas can "
                                                    "start (reported; exit code 3) instead of failing the run."),
@@ -279,4 +297,4 @@ def register_run(app: typer.Typer) -> None:
             typer.secho(f"error: --mode {mode!r}; allowed: async, sync", fg=typer.colors.RED, err=True)
             raise typer.Exit(2)
         run_command(plan, out, updates, resume, embedded, address, init, mode, attach, kill_at, eval_every, task,
-                    quiet, trainer_threads, force, allow_group_loss, tracker)
+                    quiet, trainer_threads, force, allow_group_loss, tracker, lr)
