@@ -96,6 +96,8 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
          overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95, "trainer.top_p_replay": True},
          settings={"lr": 1.5e-4}),
     Rung(key="c-lr", label="c at a-lr's learning rate (1.5e-4)", plan="tiny-cpu", settings={"lr": 1.5e-4}),
+    Rung(key="b-lr", label="b at a-lr's learning rate (1.5e-4): async GRPO, one fp32 group",
+         plan="learning-onpolicy", settings={"lr": 1.5e-4}),
     Rung(key="d-a", label="MoE: on-policy GRPO, sync, one fp32 group, routing free",
          plan="learning-onpolicy-moe", model="tiny-qwen3-moe", mode="sync"),
     Rung(key="d-a0", label="MoE: on-policy GRPO in process, 300-step base, lr 1.5e-4", model="tiny-qwen3-moe",
@@ -272,14 +274,20 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
                     "heldout_gain": _spread([b - a for a, b in zip(start, end, strict=False)]),
                     "train_reward_first5": _spread(first5), "train_reward_last5": _spread(last5),
                     "end_version": [r["evals"][-1]["version"] for r in rs if r["evals"]]}
-    for ref in ("b", "b-c"):
-        if ref in out and "c" in out:
-            out[f"c_minus_{ref}_end"] = out["c"]["heldout_end"]["mean"] - out[ref]["heldout_end"]["mean"]
-    if "b-c-p" in out and "c-p" in out:
-        out["cp_minus_bcp_end"] = out["c-p"]["heldout_end"]["mean"] - out["b-c-p"]["heldout_end"]["mean"]
-    if "d-a" in out and "d-c" in out:
-        out["dc_minus_da_end"] = out["d-c"]["heldout_end"]["mean"] - out["d-a"]["heldout_end"]["mean"]
+    for name, a, b in END_DIFFERENCES:
+        if a in out and b in out:
+            out[name] = out[a]["heldout_end"]["mean"] - out[b]["heldout_end"]["mean"]
     return out
+
+
+# The rung comparisons the summary states (mean held-out end of A minus B): the "c within 0.05 of b"
+# at each learning rate, c against its homogeneous counterpart with the same loss, and the MoE's.
+END_DIFFERENCES: tuple[tuple[str, str, str], ...] = (
+    ("c_minus_b_end", "c", "b"), ("c_minus_b-c_end", "c", "b-c"), ("cp_minus_bcp_end", "c-p", "b-c-p"),
+    ("c-lr_minus_b-lr_end", "c-lr", "b-lr"), ("c-lr_minus_b-c-lr_end", "c-lr", "b-c-lr"),
+    ("dc_minus_da_end", "d-c", "d-a"), ("d-c300_minus_d-b300-c_end", "d-c300", "d-b300-c"),
+    ("d-c300_minus_d-b300_end", "d-c300", "d-b300"),
+)
 
 
 def markdown_table(summary: dict[str, Any], runs: list[dict[str, Any]]) -> str:
