@@ -64,6 +64,10 @@ def test_a_plan_too_big_for_this_machine_is_refused_in_the_form(env: Path, tmp_p
     assert any(v.startswith("cannot start the run: this plan cannot be rehearsed on this machine: ") and
                "2048 embedded samplers" in v and "at most" in v for v in errors), errors
     assert not any("Started" in s.value for s in at.success)
+    # the refusal stays on the page through the next rerun of the same plan (any widget, a second upload event);
+    # before, it vanished with that rerun and the browser test read it as Start having done nothing
+    at.run()
+    assert any(e.value.startswith("cannot start the run: this plan cannot be rehearsed") for e in at.error)
     assert not env.exists() or not any(env.iterdir())     # no run folder, no process
 
 

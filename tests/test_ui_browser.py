@@ -120,11 +120,22 @@ def _shot(page, name: str, folder: Path) -> None:
         shutil.copy(folder / name, Path(extra) / name)
 
 
+# Streamlit's own end-to-end tests wait on these attributes of the app's root (its frontend sets them): the script
+# run's state ("notRunning", "running", "rerunRequested", ...) and the connection's. The status widget alone was not
+# enough: it shows only once a run has gone on for a while, so a check made before a slow rerun began passed at
+# once, and a click then landed while the page was still being drawn (CI lost "Start the run" that way).
+APP_IDLE_JS = """() => { const a = document.querySelector('[data-testid="stApp"]');
+    return !!a && a.getAttribute('data-test-script-state') === 'notRunning'
+        && a.getAttribute('data-test-connection-state') === 'CONNECTED'
+        && !document.querySelector('[data-testid="stStatusWidget"]'); }"""
+
+
 def _settled(page) -> None:
-    """Wait until Streamlit has finished the current script run."""
-    page.wait_for_timeout(500)
-    page.wait_for_function("() => !document.querySelector('[data-testid=\"stStatusWidget\"]')",
-                           timeout=PAGE_TIMEOUT_MS)
+    """Wait until Streamlit has finished the current script run (twice in a row, 300 ms apart: a widget's rerun
+    request can reach the app's state a moment after the action that sent it)."""
+    for _ in range(2):
+        page.wait_for_timeout(300)
+        page.wait_for_function(APP_IDLE_JS, timeout=PAGE_TIMEOUT_MS)
 
 
 def _too_big_plan(path: Path) -> Path:
@@ -190,9 +201,13 @@ def test_click_through_the_three_pages(app_url: str, tmp_path: Path) -> None:
             page.get_by_test_id("stRadio").first.get_by_text("Upload a plan TOML", exact=True).click()
             _settled(page)
             page.get_by_test_id("stFileUploader").first.locator("input[type=file]").set_input_files(str(big))
+            # the upload is an HTTP request before its rerun: wait for what only that rerun draws, then for its end
+            run_for_real = page.get_by_test_id("stExpander").filter(has_text="Run for real")
+            expect(run_for_real).to_be_attached()
             _settled(page)
-            page.get_by_test_id("stExpander").filter(has_text="Run for real").locator("summary").click()
+            run_for_real.locator("summary").click()
             expect(page.get_by_text("cannot run on this machine").first).to_be_visible()
+            _settled(page)
             page.get_by_role("button", name="Start the run").click()
             _settled(page)
             expect(page.get_by_text("cannot start the run: this plan cannot be rehearsed on this machine")

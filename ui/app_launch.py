@@ -92,10 +92,17 @@ def run_for_real(pt: PlanText, key: str) -> None:
             init = st.text_input("Base policy checkpoint (empty: the cached `mixfleet pretrain`, trained if missing)",
                                  value=os.environ.get(INIT_ENV, ""), key=f"{key}_run_init")
             go = st.form_submit_button("Start the run", type="primary")
-        if not go:
-            return
-        if where == EMBEDDED and refusal:       # refused here, with the reason, instead of a process that dies
+        refused_key = f"{key}_run_refused"
+        if go and where == EMBEDDED and refusal:  # refused here, with the reason, instead of a process that dies
+            st.session_state[refused_key] = pt.digest
+        elif go:
+            st.session_state.pop(refused_key, None)
+        if where == EMBEDDED and refusal and st.session_state.get(refused_key) == pt.digest:
+            # kept until the plan or the choice changes: a refusal that vanished on the page's next rerun (any
+            # widget, a second upload event) read as if Start had done nothing
             st.error(f"cannot start the run: this plan cannot be rehearsed on this machine: {refusal}")
+            return
+        if not go:
             return
         try:
             if where == CLUSTER and not address.strip():
