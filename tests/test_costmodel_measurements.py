@@ -7,6 +7,7 @@ full comparison is benchmarks/costmodel_vs_published.py.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -80,3 +81,46 @@ def test_calibrate_measurements_reports_leave_one_source_out() -> None:
     fitted = [g for g in fit["groups"] if g["fitted"]]
     assert fitted and all(0 < g["eff_flops"] <= 1 and g["eff_flops_stderr"] >= 0 for g in fitted)
     assert isinstance(fit["ships"], bool)
+
+
+def test_this_projects_gpu_profile_is_priced_apart_from_the_published_figures() -> None:
+    """data/measurements/mixfleet-h200-decode-profile.toml (benchmarks/decode_step_profile.py on an H200): decode
+    steps of this project's reference kernels. They are priced as one step at (batch, context), kept out of the
+    published summaries and of the efficiency fit, and reported on their own."""
+    from mixfleet.costmodel.steptime.measurements import compare
+
+    rows = load_measurements()
+    ref = [m for m in rows if not m.serving]
+    assert ref and {m.engine for m in ref} == {"torch-reference"} and {m.metric for m in ref} == {"decode_step_ms"}
+    assert {m.precision for m in ref} == {"bf16", "fp8"} and {m.gpu for m in ref} == {"H200"}
+    m = next(x for x in ref if x.concurrency == 8 and x.isl == 4096 and x.precision == "bf16")
+    rm = row_replica(m, "roofline")
+    v, c, why = predict_with(m, rm)
+    assert why == "" and c == 8 and v == pytest.approx(float(rm.decode_step_s(8.0, 4096.0)) * 1e3)
+    big = next(x for x in ref if x.concurrency == 256 and x.isl == 4096)
+    assert predict(big, "roofline").value is None              # 1M cached tokens: more than one H200's KV holds
+    rep = compare(rows, ("roofline",), user=False)
+    serving = compare([x for x in rows if x.serving], ("roofline",), user=False)
+    assert rep["summary"]["roofline"]["all"] == serving["summary"]["roofline"]["all"]
+    r = rep["summary"]["roofline"]["reference"]
+    assert r["n"] + r["not_priced"] == len(ref) and r["n"] > 0
+    assert r["median_ratio"] > 1                               # reference kernels: slower than the roofline says
+
+
+def test_the_shipped_profile_rows_are_what_the_benchmark_makes_of_its_json() -> None:
+    """The TOML is made from the benchmark's JSON by the script itself, not by hand."""
+    import importlib.util
+
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("decode_step_profile", root / "benchmarks" / "decode_step_profile.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod              # its dataclasses look their module up
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.modules.pop(spec.name, None)
+    result = json.loads((root / "benchmarks" / "results" / "decode_step_profile_h200.json").read_text())
+    text = mod.to_measurements(result, "H200")
+    assert text == (root / "data" / "measurements" / "mixfleet-h200-decode-profile.toml").read_text()
+    graphed = [r for r in result["rows"] if "error" not in r and r.get("cuda_graph")]
+    assert text.count("[[rows]]") == len(graphed) > 0

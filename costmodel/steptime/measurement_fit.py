@@ -29,7 +29,7 @@ import numpy as np
 import tomli_w
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.specs.catalog import Catalog, load_catalog
-from mixfleet.costmodel.steptime.measurements import Measurement, predict_with, row_replica, summarize
+from mixfleet.costmodel.steptime.measurements import Measurement, predict_with, ratio_for, row_replica, summarize
 from mixfleet.costmodel.steptime.roofline import Efficiency, ReplicaModel
 
 PARAMS = ("eff_bw", "eff_flops", "decode_overhead_s", "emulation_slowdown")
@@ -138,8 +138,7 @@ def _log_ratio(m: Measurement, rm: ReplicaModel) -> float | None:
     v, _, _ = predict_with(m, rm)
     if v is None or not v > 0:
         return None
-    r = m.value / v if m.metric == "tpot_ms" else v / m.value
-    return math.log(r)
+    return math.log(ratio_for(m, v))
 
 
 def _priors(rm: ReplicaModel) -> dict[str, float]:
@@ -211,7 +210,8 @@ def _ratios(rows: Sequence[Measurement], groups: dict[tuple[str, str, str], Grou
 def fit_measurements(rows: Sequence[Measurement], catalog: Catalog | None = None) -> MeasurementFit:
     """Fit per (arch, kind, precision) on all rows; report in sample and leave-one-source-out."""
     cat = catalog or load_catalog()
-    usable = [m for m in rows if _prior_replica(m) is not None]
+    # serving engines' figures only: a reference-kernel profile is not what the efficiencies describe
+    usable = [m for m in rows if m.serving and _prior_replica(m) is not None]
     groups = _fit_all(usable, cat)
     held_fit: list[float] = []
     held_prior: list[float] = []

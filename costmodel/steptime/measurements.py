@@ -44,8 +44,10 @@ from mixfleet.costmodel.steptime.measured import Layout, NotCovered
 from mixfleet.costmodel.steptime.roofline import Efficiency, FitError, ReplicaModel, ServingLoad, replica_model
 from mixfleet.costmodel.tomlread import check_keys, get_float, get_int, get_str, get_table, read_toml
 
-METRICS = ("output_tokens_per_s_per_gpu", "tpot_ms")
-ENGINES = ("sglang", "trtllm", "vllm")
+METRICS = ("output_tokens_per_s_per_gpu", "tpot_ms", "decode_step_ms")
+SERVING_ENGINES = ("sglang", "trtllm", "vllm")
+REFERENCE_ENGINE = "torch-reference"  # this project's reference kernels (benchmarks/decode_step_profile.py)
+ENGINES = (*SERVING_ENGINES, REFERENCE_ENGINE)
 KV_CHOICES = ("auto", "bf16", "fp8_e4m3")
 OFFLINE_MAX_BATCH = 2048            # per attention-DP group: the engines' largest CUDA-graph batch in these runs
 _ROW_KEYS = ("section", "model", "hf_id", "gpu", "layout", "gpus", "tp", "dp_attention", "ep", "pp", "precision",
@@ -108,6 +110,12 @@ class Measurement:
         if self.kv_dtype != "auto":
             return self.kv_dtype
         return "fp8_e4m3" if self.precision in ("fp8", "nvfp4") and self.engine == "trtllm" else "bf16"
+
+    @property
+    def serving(self) -> bool:
+        """A serving engine's figure (published); False for this project's reference-kernel profile, which the
+        efficiency fit and the published summaries leave out (it is reported apart: `compare`'s "reference")."""
+        return self.engine in SERVING_ENGINES
 
     @property
     def regime(self) -> str:
@@ -208,6 +216,11 @@ def predict_with(m: Measurement, rm: ReplicaModel) -> tuple[float | None, float 
     """(value in m's metric, batch, reason) for replica `rm` running row m's setup."""
     isl, osl = m.mean_isl, m.mean_osl
     ctx = isl + osl / 2.0
+    if m.metric == "decode_step_ms":      # one step with `concurrency` sequences of `isl` cached tokens each
+        c = float(m.concurrency)
+        if rm.kv_capacity_tokens < c * m.isl:
+            return None, c, f"the KV cache does not hold {m.concurrency} x {m.isl} tokens"
+        return float(rm.decode_step_s(c, float(m.isl))) * 1e3, c, ""
     if m.concurrency > 0:
         c = float(m.concurrency)
         if rm.kv_capacity_tokens < c * (m.isl + m.osl):
@@ -314,7 +327,7 @@ def factor(pred: float, meas: float) -> float:
 def ratio_for(m: Measurement, pred: float) -> float:
     """predicted / published as 'speed': for TPOT (lower is faster) the inverse, so > 1 always means the model
     is optimistic."""
-    return m.value / pred if m.metric == "tpot_ms" else pred / m.value
+    return m.value / pred if m.metric in ("tpot_ms", "decode_step_ms") else pred / m.value
 
 
 def summarize(ratios: Sequence[float]) -> dict[str, Any]:
@@ -346,13 +359,18 @@ def compare(rows: Iterable[Measurement], backends: Sequence[str] = ("roofline", 
                         "ratio": ratio_for(m, p.value) if p.ok else None}
         table.append(entry)
     summary: dict[str, Any] = {}
+    serving = [e for e in table if e["engine"] in SERVING_ENGINES]
     for b in backends:
-        ok = [e for e in table if e[b]["ratio"] is not None and e[b]["priced_by"] == b]
+        ok = [e for e in serving if e[b]["ratio"] is not None and e[b]["priced_by"] == b]
         by: dict[str, Any] = {"all": summarize([e[b]["ratio"] for e in ok])}
         for dim in ("gpu", "precision", "source", "regime", "model"):
             vals = sorted({str(e[dim]) for e in ok})
             by[dim] = {v: summarize([e[b]["ratio"] for e in ok if str(e[dim]) == v]) for v in vals}
-        by["not_priced"] = len(table) - len(ok)
+        by["not_priced"] = len(serving) - len(ok)
+        # this project's reference-kernel profile, apart: not a serving engine's figure (Measurement.serving)
+        ref = [e for e in table if e["engine"] not in SERVING_ENGINES]
+        ref_ok = [e for e in ref if e[b]["ratio"] is not None and e[b]["priced_by"] == b]
+        by["reference"] = {**summarize([e[b]["ratio"] for e in ref_ok]), "not_priced": len(ref) - len(ref_ok)}
         summary[b] = by
     return {"rows": table, "summary": summary, "n_rows": len(table), "sources": sorted({m.source for m in rows}),
             "user_path": user_path(rows, backends, catalog=cat, fixed=table) if user else None}

@@ -66,8 +66,9 @@ def _print(rep: dict[str, Any], names: list[str], show_rows: bool) -> None:
     from rich.table import Table
 
     con = Console()
-    t = Table(title=f"Cost model vs {rep['n_rows']} published figures from {len(rep['sources'])} sources "
-                    "(factor = max(model/published, published/model); ratio > 1: the model is optimistic)")
+    t = Table(title=f"Cost model vs {rep['n_rows']} figures from {len(rep['sources'])} sources (factor = "
+                    "max(model/published, published/model); ratio > 1: the model is optimistic; 'reference kernels': "
+                    "this project's own GPU profile, kept out of 'all')")
     for col in ("backend", "group", "value", "rows", "median factor", "worst factor", "median ratio"):
         t.add_column(col, justify="left" if col in ("backend", "group", "value") else "right")
     for b in names:
@@ -79,6 +80,10 @@ def _print(rep: dict[str, Any], names: list[str], show_rows: bool) -> None:
             for k, v in s[dim].items():
                 t.add_row("", dim, k, str(v["n"]), _f(v["median_factor"]), _f(v["worst_factor"]), _f(v["median_ratio"]))
         t.add_row("", "not priced", "", str(s["not_priced"]), "", "", "")
+        r = s.get("reference")
+        if r and (r["n"] or r["not_priced"]):   # this project's reference-kernel profile: apart from "all"
+            t.add_row("", "reference kernels", f"(not priced: {r['not_priced']})", str(r["n"]), _f(r["median_factor"]),
+                      _f(r["worst_factor"]), _f(r["median_ratio"]), style="dim")
     con.print(t)
     up = rep.get("user_path")
     if up and up["n_rows"]:

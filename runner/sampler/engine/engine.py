@@ -36,6 +36,7 @@ from mixfleet.runner.sampler.engine.model import (
     load_weights,
     prefill_many,
     same_architecture,
+    scaled_mm_unsupported,
 )
 from mixfleet.runner.sampler.engine.quant import FP8_SCALINGS, WEIGHT_PRECISIONS
 from mixfleet.runner.sampler.engine.sampling import GREEDY_TEMPERATURE, RowParams, sample_batch
@@ -104,6 +105,8 @@ class EngineConfig:
             raise bad("max_cached_sessions", "an integer >= 0")
         if self.fp8_scaled_mm and self.precision != "fp8":
             raise bad("fp8_scaled_mm", "True only with precision 'fp8'")
+        if self.fp8_scaled_mm and (why := scaled_mm_unsupported(self.device)):
+            raise bad("fp8_scaled_mm", f"False here ({why})")
         if not isinstance(self.enable_return_routed_experts, bool):
             raise bad("enable_return_routed_experts", "true or false")
 

@@ -208,6 +208,27 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(x.dtype)
 
 
+_SCALED_MM_SUPPORT: dict[str, str] = {}
+
+
+def scaled_mm_unsupported(device: torch.device | str) -> str:
+    """Why this torch cannot run `scaled_mm_linear` on `device` ("" when it can): a row-wise-scaled E4M3 GEMM is
+    tried once per device type. torch 2.11's CPU kernel takes per-tensor scales only (seen on the H200 machine's
+    image, 2026-12-04); 2.13's takes row-wise ones; on CUDA it needs FP8 tensor cores (Ada / Hopper or newer)."""
+    dev = torch.device(device)
+    key = f"{dev.type}:{dev.index}"
+    if key not in _SCALED_MM_SUPPORT:
+        try:
+            a = torch.ones(16, 16, device=dev).to(torch.float8_e4m3fn)
+            s = torch.ones(16, 1, device=dev)
+            torch._scaled_mm(a, a.t(), scale_a=s, scale_b=s.t().contiguous(), out_dtype=torch.bfloat16)
+            _SCALED_MM_SUPPORT[key] = ""
+        except (RuntimeError, NotImplementedError, TypeError) as e:
+            first = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+            _SCALED_MM_SUPPORT[key] = f"torch {torch.__version__} has no row-wise-scaled FP8 GEMM on {dev}: {first}"
+    return _SCALED_MM_SUPPORT[key]
+
+
 def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """A real FP8 GEMM (`torch._scaled_mm`: CUDA Hopper+, or CPU): activations quantized to E4M3 with
     one scale per token, times the E4M3 weight with one scale per output channel; bf16 out."""
