@@ -16,6 +16,8 @@ Rungs (docs/learning.md), each a real run with a reward curve and held-out evalu
     c           the mixed CPU fleet of tiny-cpu (bf16 / fp8 + fp8 KV / nvfp4 + fp8 KV), SC + MIS + top-p 0.95 replay
     b-c-p, c-p  b-c and c with the held-out evaluation at their own top-p 0.95 (`eval_top_p`): the policy they train
     b-c-lr, c-lr  b-c and c at a-lr's learning rate (1.5e-4)
+    b-lr        b at 1.5e-4 (async GRPO, one fp32 group); c-grpo-lr the same GRPO on c's mixed fleet (the seed's
+                finding 2: does uncorrected GRPO collapse sooner on mixed samplers than on homogeneous ones?)
     d-a0        a0 on tiny-qwen3-moe from a 300-step base (150 steps leave it at greedy 0.46) at lr 1.5e-4
     d-a, d-c    a (plan learning-onpolicy-moe) and c (tiny-moe-cpu) on tiny-qwen3-moe with trainer routing free;
     d-c-replay  d-c with routing replay (tiny-moe-cpu-replay)
@@ -98,6 +100,9 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
     Rung(key="c-lr", label="c at a-lr's learning rate (1.5e-4)", plan="tiny-cpu", settings={"lr": 1.5e-4}),
     Rung(key="b-lr", label="b at a-lr's learning rate (1.5e-4): async GRPO, one fp32 group",
          plan="learning-onpolicy", settings={"lr": 1.5e-4}),
+    Rung(key="c-grpo-lr", label="c-lr without correction: async GRPO on the mixed fleet (bf16 / fp8 / nvfp4)",
+         plan="tiny-cpu", overrides={"trainer.loss": "grpo", "trainer.top_p": 1.0, "trainer.top_p_replay": False},
+         settings={"lr": 1.5e-4}),
     Rung(key="d-a", label="MoE: on-policy GRPO, sync, one fp32 group, routing free",
          plan="learning-onpolicy-moe", model="tiny-qwen3-moe", mode="sync"),
     Rung(key="d-a0", label="MoE: on-policy GRPO in process, 300-step base, lr 1.5e-4", model="tiny-qwen3-moe",
