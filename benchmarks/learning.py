@@ -21,7 +21,8 @@ Rungs (docs/learning.md), each a real run with a reward curve and held-out evalu
     d-a0        a0 on tiny-qwen3-moe from a 300-step base (150 steps leave it at greedy 0.46) at lr 1.5e-4
     d-a, d-c    a (plan learning-onpolicy-moe) and c (tiny-moe-cpu) on tiny-qwen3-moe with trainer routing free;
     d-c-replay  d-c with routing replay (tiny-moe-cpu-replay)
-    d-c300      d-c from d-a0's 300-step base at lr 1.5e-4; d-c300-replay the same with routing replay
+    d-c300      d-c from d-a0's 300-step base at lr 1.5e-4; d-c300-replay the same with routing replay;
+                d-c300-grpo the same fleet with plain GRPO (finding 2 on the MoE)
 
 Held-out evaluation (the runner's, runner/rollout/evaluation.py): `--eval-problems` problems of the task's eval
 split (the same ones every time), `--eval-samples` episodes each, sampled at T = 1 over the full vocabulary (the -p
@@ -115,6 +116,10 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
          plan="tiny-moe-cpu", model="tiny-qwen3-moe", pretrain_steps=300, settings={"lr": 1.5e-4}),
     Rung(key="d-c300-replay", label="MoE: d-c300 with routing replay", plan="tiny-moe-cpu-replay",
          model="tiny-qwen3-moe", pretrain_steps=300, settings={"lr": 1.5e-4}),
+    Rung(key="d-c300-grpo", label="MoE: d-c300 without correction: async GRPO on the mixed fleet, routing free",
+         plan="tiny-moe-cpu", model="tiny-qwen3-moe", pretrain_steps=300,
+         overrides={"trainer.loss": "grpo", "trainer.top_p": 1.0, "trainer.top_p_replay": False},
+         settings={"lr": 1.5e-4}),
     Rung(key="d-a300", label="MoE: on-policy GRPO, runner, sync, one fp32 group, 300-step base, lr 1.5e-4",
          plan="learning-onpolicy-moe", model="tiny-qwen3-moe", mode="sync", pretrain_steps=300,
          settings={"lr": 1.5e-4}),
