@@ -49,9 +49,10 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from mixfleet.runner.sampler.engine.model import quantize_rows_e4m3, rms_norm, scaled_mm_linear
+from mixfleet.runner.sampler.engine.quant import quantize_fp8
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
-E4M3_MAX = 448.0
 PRECISIONS = ("bf16", "fp8")
 
 
@@ -66,10 +67,10 @@ class Fp8Experts:
 
     @classmethod
     def of(cls, w: torch.Tensor) -> Fp8Experts:
-        wf = w.float()
-        scale = (wf.abs().amax(dim=-1) / E4M3_MAX).clamp_min(1e-12)          # [E, N]
-        data = (wf / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
-        return cls(data.contiguous(), scale.contiguous())
+        """The engine's per-channel E4M3 (`quantize_fp8(..., "channel")`) over every expert's rows at once."""
+        e, n, k = w.shape
+        q = quantize_fp8(w.reshape(e * n, k), "channel")
+        return cls(q.data.view(e, n, k), q.scale.view(e, n))
 
     def dequantize(self) -> torch.Tensor:
         return (self.data.float() * self.scale[..., None]).to(torch.bfloat16)
@@ -94,8 +95,6 @@ def _randn(shape: tuple[int, ...], std: float, device: torch.device, gen: torch.
 
 
 def build_layer(spec, precision: str, device: torch.device, gen: torch.Generator) -> Layer:
-    from mixfleet.runner.sampler.engine.quant import quantize_fp8
-
     h, d = spec.hidden_size, spec.head_dim
     hq, hkv = spec.num_attention_heads, spec.num_kv_heads
     e, f = spec.moe.num_experts, spec.moe.expert_ffn_hidden_size
@@ -114,22 +113,12 @@ def build_layer(spec, precision: str, device: torch.device, gen: torch.Generator
 
 # ---- the step ---------------------------------------------------------------------------------------------------
 def rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
-
-
-def quant_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-token E4M3 activations: (data [M, K], scale [M] float32)."""
-    xf = x.float()
-    s = (xf.abs().amax(dim=-1) / E4M3_MAX).clamp_min(1e-12)
-    return (xf / s[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), s
+    return rms_norm(x, w.float(), eps)               # the engine's RMSNorm
 
 
 def dense(x: torch.Tensor, lay: Layer, name: str) -> torch.Tensor:
     if lay.fp8 is not None:
-        from mixfleet.runner.sampler.engine.model import scaled_mm_linear  # the engine's own FP8 GEMM
-
-        return scaled_mm_linear(x, lay.fp8[name])
+        return scaled_mm_linear(x, lay.fp8[name])   # the engine's own FP8 GEMM
     return F.linear(x, getattr(lay, name))
 
 
@@ -137,10 +126,10 @@ def grouped(x: torch.Tensor, lay: Layer, name: str, offs: torch.Tensor) -> torch
     """Rows of x sorted by expert (group ends `offs`, int32) times each expert's weight: [M, N] bf16."""
     if lay.fp8 is not None:
         w: Fp8Experts = lay.fp8[name]
-        xq, xs = quant_rows(x)
+        xq, xs = quantize_rows_e4m3(x)                # the engine's per-token activations; xs [M, 1]
         if x.device.type == "cpu":   # no CPU kernel: the same operands group by group (the smoke run's path)
             return _scaled_grouped_mm_by_group(xq, w, xs, offs)
-        return torch._scaled_grouped_mm(xq, w.data.mT, xs, w.scale, offs=offs, out_dtype=torch.bfloat16)
+        return torch._scaled_grouped_mm(xq, w.data.mT, xs.view(-1), w.scale, offs=offs, out_dtype=torch.bfloat16)
     return torch._grouped_mm(x, getattr(lay, name).mT, offs=offs)
 
 
@@ -150,7 +139,7 @@ def _scaled_grouped_mm_by_group(xq: torch.Tensor, w: Fp8Experts, xs: torch.Tenso
     start = 0
     for g, end in enumerate(offs.tolist()):
         if end > start:
-            out[start:end] = torch._scaled_mm(xq[start:end], w.data[g].T, scale_a=xs[start:end, None],
+            out[start:end] = torch._scaled_mm(xq[start:end], w.data[g].T, scale_a=xs[start:end],
                                               scale_b=w.scale[g][None, :].contiguous(), out_dtype=torch.bfloat16)
         start = end
     return out
@@ -288,8 +277,6 @@ def check(spec, device: torch.device, seed: int) -> dict:
     out: dict = {}
     lay_bf = build_layer(spec, "bf16", device, gen)
     lay_f8 = Layer(**{**lay_bf.__dict__})
-    from mixfleet.runner.sampler.engine.quant import quantize_fp8
-
     lay_f8.fp8 = {"wqkv": quantize_fp8(lay_bf.wqkv, "channel"), "wo": quantize_fp8(lay_bf.wo, "channel"),
                   "gate_up": Fp8Experts.of(lay_bf.gate_up), "down": Fp8Experts.of(lay_bf.down)}
     x = _randn((4, spec.hidden_size), 1.0, device, gen)
@@ -397,8 +384,6 @@ def profile(args: argparse.Namespace) -> dict:
         head_lay = Layer(**{k: torch.empty(0) for k in Layer.__dataclass_fields__ if k != "fp8"})
         head_lay.wqkv = head
         if precision == "fp8":
-            from mixfleet.runner.sampler.engine.quant import quantize_fp8
-
             head_lay.fp8 = {"wqkv": quantize_fp8(head, "channel")}
         for b in batches:
             for ctx in contexts:

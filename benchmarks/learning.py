@@ -55,6 +55,11 @@ from typing import Any
 
 import numpy as np
 from mixfleet.costmodel.jsonsafe import json_safe
+from mixfleet.studies.ablation import variant
+
+# the loss variants as plan overrides, from the ablation's one table of them (studies/ablation.py)
+SC_MIS_TOPP = variant("sc_mis_topp").overrides()   # SC + MIS, top-p 0.95 sampling with mask replay
+GRPO = variant("grpo").overrides()                 # plain GRPO over the full vocabulary
 
 RESULTS = Path(__file__).resolve().parent / "results" / "learning.json"
 FINAL_RESULTS = Path(__file__).resolve().parent / "results" / "learning_final_eval.json"
@@ -86,23 +91,21 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
          settings={"lr": 1.5e-4}),
     Rung(key="b", label="GRPO, runner, async (staleness <= 2), one fp32 group", plan="learning-onpolicy"),
     Rung(key="b-c", label="SC+MIS+top-p, runner, async, one fp32 group", plan="learning-onpolicy",
-         overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95, "trainer.top_p_replay": True}),
+         overrides=SC_MIS_TOPP),
     Rung(key="b-c-drain", label="b-c with weight sync drain (no in-flight update)", plan="learning-onpolicy",
-         overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95, "trainer.top_p_replay": True,
-                    "policies.weight_sync.name": "drain"}),
+         overrides={**SC_MIS_TOPP, "policies.weight_sync.name": "drain"}),
     Rung(key="c", label="SC+MIS+top-p, runner, async, mixed fleet (bf16 / fp8 / nvfp4)", plan="tiny-cpu"),
     Rung(key="b-c-p", label="b-c evaluated at its own top-p 0.95 (the nucleus policy it trains)",
-         plan="learning-onpolicy", overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95,
-                                              "trainer.top_p_replay": True}, settings={"eval_top_p": 0.95}),
+         plan="learning-onpolicy", overrides=SC_MIS_TOPP, settings={"eval_top_p": 0.95}),
     Rung(key="c-p", label="c evaluated at its own top-p 0.95", plan="tiny-cpu", settings={"eval_top_p": 0.95}),
     Rung(key="b-c-lr", label="b-c at a-lr's learning rate (1.5e-4)", plan="learning-onpolicy",
-         overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95, "trainer.top_p_replay": True},
+         overrides=SC_MIS_TOPP,
          settings={"lr": 1.5e-4}),
     Rung(key="c-lr", label="c at a-lr's learning rate (1.5e-4)", plan="tiny-cpu", settings={"lr": 1.5e-4}),
     Rung(key="b-lr", label="b at a-lr's learning rate (1.5e-4): async GRPO, one fp32 group",
          plan="learning-onpolicy", settings={"lr": 1.5e-4}),
     Rung(key="c-grpo-lr", label="c-lr without correction: async GRPO on the mixed fleet (bf16 / fp8 / nvfp4)",
-         plan="tiny-cpu", overrides={"trainer.loss": "grpo", "trainer.top_p": 1.0, "trainer.top_p_replay": False},
+         plan="tiny-cpu", overrides=GRPO,
          settings={"lr": 1.5e-4}),
     Rung(key="d-a", label="MoE: on-policy GRPO, sync, one fp32 group, routing free",
          plan="learning-onpolicy-moe", model="tiny-qwen3-moe", mode="sync"),
@@ -118,7 +121,7 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
          model="tiny-qwen3-moe", pretrain_steps=300, settings={"lr": 1.5e-4}),
     Rung(key="d-c300-grpo", label="MoE: d-c300 without correction: async GRPO on the mixed fleet, routing free",
          plan="tiny-moe-cpu", model="tiny-qwen3-moe", pretrain_steps=300,
-         overrides={"trainer.loss": "grpo", "trainer.top_p": 1.0, "trainer.top_p_replay": False},
+         overrides=GRPO,
          settings={"lr": 1.5e-4}),
     Rung(key="d-a300", label="MoE: on-policy GRPO, runner, sync, one fp32 group, 300-step base, lr 1.5e-4",
          plan="learning-onpolicy-moe", model="tiny-qwen3-moe", mode="sync", pretrain_steps=300,
@@ -127,7 +130,7 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
          plan="learning-onpolicy-moe", model="tiny-qwen3-moe", pretrain_steps=300, settings={"lr": 1.5e-4}),
     Rung(key="d-b300-c", label="MoE: SC+MIS+top-p, runner, async, one fp32 group, 300-step base, lr 1.5e-4",
          plan="learning-onpolicy-moe", model="tiny-qwen3-moe", pretrain_steps=300,
-         overrides={"trainer.loss": "sc_mis", "trainer.top_p": 0.95, "trainer.top_p_replay": True},
+         overrides=SC_MIS_TOPP,
          settings={"lr": 1.5e-4}),
 )}
 

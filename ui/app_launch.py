@@ -93,11 +93,10 @@ def run_for_real(pt: PlanText, key: str) -> None:
                                  value=os.environ.get(INIT_ENV, ""), key=f"{key}_run_init")
             go = st.form_submit_button("Start the run", type="primary")
         refused_key = f"{key}_run_refused"
-        if go and where == EMBEDDED and refusal:  # refused here, with the reason, instead of a process that dies
-            st.session_state[refused_key] = pt.digest
-        elif go:
-            st.session_state.pop(refused_key, None)
-        if where == EMBEDDED and refusal and st.session_state.get(refused_key) == pt.digest:
+        refused = where == EMBEDDED and bool(refusal)   # refused here, with the reason, not a process that dies
+        if go:
+            st.session_state[refused_key] = pt.digest if refused else None
+        if refused and st.session_state.get(refused_key) == pt.digest:
             # kept until the plan or the choice changes: a refusal that vanished on the page's next rerun (any
             # widget, a second upload event) read as if Start had done nothing
             st.error(f"cannot start the run: this plan cannot be rehearsed on this machine: {refusal}")

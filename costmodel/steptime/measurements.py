@@ -359,7 +359,9 @@ def compare(rows: Iterable[Measurement], backends: Sequence[str] = ("roofline", 
                         "ratio": ratio_for(m, p.value) if p.ok else None}
         table.append(entry)
     summary: dict[str, Any] = {}
-    serving = [e for e in table if e["engine"] in SERVING_ENGINES]
+    # this project's reference-kernel profile is summarized apart: not a serving engine's figure
+    serving = [e for m, e in zip(rows, table, strict=True) if m.serving]
+    ref = [e for m, e in zip(rows, table, strict=True) if not m.serving]
     for b in backends:
         ok = [e for e in serving if e[b]["ratio"] is not None and e[b]["priced_by"] == b]
         by: dict[str, Any] = {"all": summarize([e[b]["ratio"] for e in ok])}
@@ -367,8 +369,6 @@ def compare(rows: Iterable[Measurement], backends: Sequence[str] = ("roofline", 
             vals = sorted({str(e[dim]) for e in ok})
             by[dim] = {v: summarize([e[b]["ratio"] for e in ok if str(e[dim]) == v]) for v in vals}
         by["not_priced"] = len(serving) - len(ok)
-        # this project's reference-kernel profile, apart: not a serving engine's figure (Measurement.serving)
-        ref = [e for e in table if e["engine"] not in SERVING_ENGINES]
         ref_ok = [e for e in ref if e[b]["ratio"] is not None and e[b]["priced_by"] == b]
         by["reference"] = {**summarize([e[b]["ratio"] for e in ref_ok]), "not_priced": len(ref) - len(ref_ok)}
         summary[b] = by

@@ -229,6 +229,13 @@ def scaled_mm_unsupported(device: torch.device | str) -> str:
     return _SCALED_MM_SUPPORT[key]
 
 
+def quantize_rows_e4m3(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Activations as a real FP8 GEMM takes them: E4M3 with one float32 scale per row (token), [rows, 1]."""
+    xf = x.to(torch.float32)
+    xs = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
+    return (xf / xs).clamp(-448.0, 448.0).to(torch.float8_e4m3fn), xs
+
+
 def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     """A real FP8 GEMM (`torch._scaled_mm`: CUDA Hopper+, or CPU): activations quantized to E4M3 with
     one scale per token, times the E4M3 weight with one scale per output channel; bf16 out."""
@@ -237,8 +244,7 @@ def scaled_mm_linear(x: torch.Tensor, w: Fp8Weight) -> torch.Tensor:
     xf = x.to(torch.float32)
     if pad:
         xf = F.pad(xf, (0, 0, 0, pad))
-    xs = (xf.abs().amax(dim=1, keepdim=True) / 448.0).clamp_min(1e-12)
-    xq = (xf / xs).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
+    xq, xs = quantize_rows_e4m3(xf)
     out = torch._scaled_mm(xq, w.data.t(), scale_a=xs, scale_b=w.scale.t().contiguous(), out_dtype=torch.bfloat16)
     return out[:m].to(x.dtype)
 
