@@ -11,7 +11,12 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 import pytest
-from mixfleet.costmodel.calibration.mismatch_fit import MAX_GROWTH_PER_VERSION, _growth_fit, _mismatch_split
+from mixfleet.costmodel.calibration.mismatch_fit import (
+    MAX_GROWTH_PER_VERSION,
+    _growth_fit,
+    _mismatch_split,
+    stale_kl_line,
+)
 from mixfleet.costmodel.calibration.record import Fitted
 from mixfleet.costmodel.specs.mismatch import mismatch_prior
 
@@ -63,3 +68,39 @@ def test_a_format_level_and_its_growth_are_recovered() -> None:
 def test_without_staleness_zero_tokens_the_caller_falls_back() -> None:
     gr = rows(level=1e-3, slope=1e-3, ext_ratio=0.1).iloc[2:]   # only staleness-2 rows
     assert _mismatch_split(gr, PRIOR) is None
+
+
+def movement_rows(rng: np.random.Generator, updates: int, staleness: int) -> pd.DataFrame:
+    """A run whose stale KL is the trainer's movement over the versions a token spans: step t moves the policy by
+    m_t (i.i.d. lognormal), a token `staleness` versions stale at update v carries m_(v-s+1) + ... + m_v, so one
+    large step raises the next `staleness` updates' KL together (a moving average, as in the real runs)."""
+    m = rng.lognormal(0.0, 0.6, updates + staleness)
+    st = np.minimum(np.arange(updates), staleness).astype(float)
+    kl = np.array([3e-7 if s == 0 else 0.0025 * m[i:i + int(s)].sum() for i, s in enumerate(st)])
+    n = np.full(updates, 1400)
+    return pd.DataFrame({"version": np.arange(1, updates + 1), "tokens_trained": n, "staleness_mean": st,
+                         "tokens_on_policy": np.where(st == 0, n, 0), "kl_k3": kl,
+                         "kl_k3_on_policy": np.where(st == 0, kl, np.nan), "extreme_share": 0.1 * kl})
+
+
+def test_the_robust_stderr_is_the_spread_of_another_run_where_the_independent_one_is_not() -> None:
+    # 300 runs of one process: the spread of their KL at staleness 3 is what a prediction of the next run carries
+    rng = np.random.default_rng(1)
+    lines = [stale_kl_line(movement_rows(rng, updates=40, staleness=3)) for _ in range(300)]
+    assert all(ln is not None and ln.lag == 2 for ln in lines)
+    values = np.array([ln.value for ln in lines])
+    spread = values.std(ddof=1)
+    robust = np.median([ln.stderr_robust for ln in lines]) / spread
+    independent = np.median([ln.stderr for ln in lines]) / spread
+    assert 0.75 <= robust <= 1.25, robust          # measured 0.86
+    assert independent < 0.65, independent          # measured 0.53: consecutive updates treated as independent
+
+
+def test_pooling_two_runs_narrows_the_robust_stderr() -> None:
+    # two runs pooled (versions repeat; lags stay within a run): the stderr shrinks about like 1 / sqrt(2)
+    rng = np.random.default_rng(2)
+    a, b = movement_rows(rng, 40, 2), movement_rows(rng, 40, 2)
+    one = stale_kl_line(a.assign(_run=0))
+    both = stale_kl_line(pd.concat([a.assign(_run=0), b.assign(_run=1)], ignore_index=True))
+    assert one is not None and both is not None
+    assert 0.4 < both.stderr_robust / one.stderr_robust < 1.0
