@@ -1,25 +1,28 @@
-"""Is the mismatch model identifiable across plans (issue 27 item 6)? Calibrate on one real CPU run, predict another.
+"""Is the mismatch model identifiable across plans (issue 27 item 6)? Calibrate on a real CPU run of one plan,
+predict another plan, and compare with that plan's real runs.
 
-Two real runs of two plans with the same group formats (benchmarks/replan_real.py's static run of
-data/plans/replan-cpu-static.toml: cpu-fast x1 (BF16 weights, FP32 kernel), cpu-slow x2 (BF16 kernel),
-capacity-proportional routing; and data/plans/replan-cpu-xval.toml: cpu-fast x2, cpu-slow x1, least outstanding
-tokens). Each direction: `calibrate` on one run log, then `fidelity` of the other plan as its run ran (seed,
-updates, replica counts, measured workload) against that run. Per group: KL (k3) measured / predicted / relative
-error (goal: within 25%), the share of tokens with a ratio outside [0.2, 5] measured / predicted / ratio (goal:
-within 2x), and the time per update (goal: within 5%).
+Plan a: data/plans/replan-cpu-static.toml (cpu-fast x1: BF16 weights, FP32 kernel; cpu-slow x2: BF16 kernel;
+capacity-proportional routing). Plan b: data/plans/replan-cpu-xval.toml (the same groups at fast x2, slow x1, least
+outstanding tokens). Several real runs of each (seeds 0-3, 16 updates each, one at a time on a quiet machine):
 
-"before": the same calibration with the run logs' staleness-0 split hidden (no `kl_k3_on_policy` /
-`tokens_on_policy` columns), so the mismatch is fitted in the per-update form `v0 (1 + g s)`, the form the issue's
--50 to -61% KL and -95% extreme share came from. "after": the calibration as it is.
+    for s in 0 1 2 3; do mixfleet run PLAN_WITH_SEED_s --out /work/runs/replan/static-s$s --updates 16 --quiet; done
+    (and the same for replan-cpu-xval into /work/runs/replan/xval-s$s; PLAN_WITH_SEED_s: a two-line plan,
+    `base = "replan-cpu-static"` and `seed = s`)
 
-    nice -n 10 python benchmarks/mismatch_transfer.py [--a /work/runs/replan/static] [--b /work/runs/replan/xval]
+What it reports:
+- every ordered pair (one run of plan a -> one run of plan b, and b -> a): `calibrate` on the first run, `fidelity`
+  of the other plan as its run ran (seed, updates, replica counts, measured workload) against that run. Per group:
+  KL (k3) relative error (goal: within 25%), the share of tokens with a ratio outside [0.2, 5] predicted / measured
+  (goal: within 2x), and the time per update (goal: within 5%);
+- each single-run calibration against the other plan's mean over its runs (the plan's KL: what a model of the plan
+  can be held to when one run of it is as far from the next as the noise floor below);
+- the noise floor: the runs of one plan (same plan, other seeds) against each other, with no model at all;
+- pooled: `calibrate` on all runs of one plan, predicting each run of the other and their mean.
 
-Also: the same plan and seed run twice (the re-planned and the static run of benchmarks/replan_real.py are the
-same run until the first re-plan at update 9: the noise floor), and the prediction of run b from each run of plan
-a's counts cut to its first 9 updates (which run one calibrates on).
+    nice -n 10 python benchmarks/mismatch_transfer.py [--a DIR ...] [--b DIR ...]
+    python benchmarks/mismatch_transfer.py --table     # the table of the results file
 
-Needs the runs (benchmarks/replan_real.py; `mixfleet run data/plans/replan-cpu-xval.toml --out
-/work/runs/replan/xval --updates 12 --quiet`). Writes benchmarks/results/mismatch_transfer.json.
+Writes benchmarks/results/mismatch_transfer.json.
 """
 
 from __future__ import annotations
@@ -28,38 +31,25 @@ import argparse
 import json
 import math
 import os
-from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from mixfleet.costmodel.calibration.fit import calibrate
-from mixfleet.costmodel.calibration.logs import FrameLog
+from mixfleet.costmodel.calibration.mismatch_fit import stale_kl_line
 from mixfleet.costmodel.calibration.record import Calibration
 from mixfleet.costmodel.jsonsafe import json_safe
 from mixfleet.costmodel.records.runlog import RunLog
-from mixfleet.twin.calibrated import fidelity
+from mixfleet.twin.calibrated import fidelity, run_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
-OUT = ROOT / "benchmarks" / "results" / "mismatch_transfer.json"
-PLANS = {"a": ROOT / "data" / "plans" / "replan-cpu-static.toml", "b": ROOT / "data" / "plans" / "replan-cpu-xval.toml"}
+RESULTS = ROOT / "benchmarks" / "results"
+RUNS = Path("/work/runs/replan")
+# the plan pairs: plan a, plan b, the run folders' default prefixes (RUNS / f"{prefix}-s{seed}")
+PAIRS = {"replan": ("replan-cpu-static", "replan-cpu-xval", "static", "xval"),
+         "tiny": ("tiny-cpu", "tiny-cpu-xval", "tiny", "tinyx")}
 KL_GOAL, EXT_GOAL, TIME_GOAL = 0.25, 2.0, 0.05
-SPLIT_COLUMNS = ("kl_k3_on_policy", "kl_k1_on_policy", "tokens_on_policy")
-
-
-def frames(d: Path, *, split: bool, upto: int | None = None) -> FrameLog:
-    """The run log at `d` in memory; `split=False` hides its staleness-0 columns (the per-update fit's input);
-    `upto`: only its updates <= that version (their trajectories, group rows and the events until its end)."""
-    log = RunLog.open(d)
-    groups = log.groups if split else log.groups.drop(columns=[c for c in SPLIT_COLUMNS if c in log.groups])
-    up, tr, ev = log.updates, log.trajectories, log.events
-    if upto is not None:
-        end = float(up.loc[up["version"] <= upto, "end_s"].max())
-        up, groups = up[up["version"] <= upto], groups[groups["version"] <= upto]
-        tr = tr[(tr["trained_version"] <= upto) & ((tr["trained_version"] >= 0) | (tr["end_s"] <= end))]
-        ev = ev[ev["time_s"] <= end]
-    return FrameLog(header=log.header, trajectories=tr.reset_index(drop=True), updates=up.reset_index(drop=True),
-                    groups=groups.reset_index(drop=True), events=ev.reset_index(drop=True), directory=str(d))
 
 
 def fitted_mismatch(cal: Calibration) -> dict[str, Any]:
@@ -108,115 +98,245 @@ def group_means(d: Path, upto: int | None = None) -> dict[str, dict[str, float]]
     return out
 
 
-def same_plan_twice(d1: Path, d2: Path, upto: int) -> dict[str, Any]:
-    """The noise floor: two real runs of the same plan and seed (the re-planned and the static run of
-    benchmarks/replan_real.py are the same run until the first re-plan), compared on their updates <= `upto`."""
-    m1, m2 = group_means(d1, upto), group_means(d2, upto)
-    return {"runs": [str(d1), str(d2)], "updates_upto": upto,
-            "groups": {g: {"kl": [m1[g]["kl"], m2[g]["kl"]], "kl_rel_diff": m2[g]["kl"] / m1[g]["kl"] - 1.0,
-                           "extreme": [m1[g]["extreme"], m2[g]["extreme"]],
-                           "extreme_ratio": m2[g]["extreme"] / m1[g]["extreme"] if m1[g]["extreme"] > 0 else math.nan}
-                       for g in m1 if g in m2}}
-
-
 def trainer_pace(d: Path) -> float:
     """Trained tokens per second of the trainer's step in a run: how fast the shared machine was (diagnostic)."""
     up = RunLog.open(d).updates
     return float(up["tokens"].sum() / up["train_step_s"].sum())
 
 
+
+def run_figures(d: Path) -> dict[str, Any]:
+    """What a run measured: per group KL and extreme share, its time per update and trainer pace."""
+    m = run_metrics(d)
+    up = RunLog.open(d).updates
+    tok = up["tokens"].astype(float)
+    return {"groups": group_means(d), "kl_fleet": m["kl_k3"], "time_per_update_s": m["time_per_update_mean_s"],
+            "entropy": float((up["entropy"] * tok).sum() / tok.sum()),
+            "reward_mean": float((up["reward_mean"] * up["trajectories"]).sum() / up["trajectories"].sum()),
+            "kl_rel_stderr_robust": robust_rel_stderr(d),
+            "updates": int(len(RunLog.open(d).updates)), "trainer_tokens_per_s": trainer_pace(d)}
+
+
+def rel_spread(values: list[float]) -> float:
+    """Coefficient of variation (sample sd / mean) of a list of positive values."""
+    v = np.asarray(values, dtype=np.float64)
+    return float(v.std(ddof=1) / v.mean()) if len(v) > 1 and v.mean() > 0 else math.nan
+
+
+def noise_floor(figs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """Runs of one plan against each other (no model): per group KL relative difference and extreme-share ratio
+    of every ordered pair, and the runs' coefficient of variation."""
+    names = list(figs)
+    groups = sorted(set.intersection(*(set(f["groups"]) for f in figs.values())))
+    pairs = []
+    for i in names:
+        for j in names:
+            if i == j:
+                continue
+            gi, gj = figs[i]["groups"], figs[j]["groups"]
+            fi, fj = figs[i]["kl_fleet"], figs[j]["kl_fleet"]
+            pairs.append({"pair": [i, j], "kl_rel_diff": {g: gj[g]["kl"] / gi[g]["kl"] - 1.0 for g in groups},
+                          "kl_vs_fleet_rel_error": {g: (gj[g]["kl"] / fj) / (gi[g]["kl"] / fi) - 1.0 for g in groups},
+                          "extreme_ratio": {g: gj[g]["extreme"] / gi[g]["extreme"] if gi[g]["extreme"] > 0
+                                            else math.nan for g in groups},
+                          "time_rel_diff": figs[j]["time_per_update_s"] / figs[i]["time_per_update_s"] - 1.0})
+            rel = figs[i]["kl_rel_stderr_robust"]
+            z = {g: (gj[g]["kl"] / gi[g]["kl"] - 1.0) / (math.sqrt(2.0) * rel[g]) for g in groups if rel.get(g, 0) > 0}
+            pairs[-1].update(kl_z=z, kl_in_95pct_interval=bool(z) and all(abs(x) <= 2.0 for x in z.values()))
+    return {"pairs": pairs, "summary": summarize_pairs(pairs, "kl_rel_diff", "time_rel_diff"),
+            "cv": {g: {"kl": rel_spread([f["groups"][g]["kl"] for f in figs.values()]),
+                       "extreme": rel_spread([f["groups"][g]["extreme"] for f in figs.values()])} for g in groups},
+            "cv_time_per_update": rel_spread([f["time_per_update_s"] for f in figs.values()])}
+
+
+def summarize_pairs(pairs: list[dict[str, Any]], kl_key: str = "kl_rel_error",
+                    time_key: str = "time_rel_error") -> dict[str, Any]:
+    """Share of pairs within each goal (every group at once), and the median / max absolute errors."""
+    kl = [max(abs(e) for e in p[kl_key].values()) for p in pairs]
+    ex = [max(max(x, 1 / x) if x > 0 else math.inf for x in p["extreme_ratio"].values()) for p in pairs]
+    tt = [abs(p[time_key]) for p in pairs if math.isfinite(p[time_key])]
+    n = len(pairs)
+    rel = [max(abs(e) for e in p["kl_vs_fleet_rel_error"].values()) for p in pairs if "kl_vs_fleet_rel_error" in p]
+    cover = [p["kl_in_95pct_interval"] for p in pairs if "kl_in_95pct_interval" in p]
+    return {"pairs": n, "kl_vs_fleet_worst_group_abs_error_max": max(rel) if rel else math.nan,
+            "kl_in_95pct_interval": sum(cover) / len(cover) if cover else math.nan,
+            "kl_within_25pct": sum(e <= KL_GOAL for e in kl) / n if n else math.nan,
+            "extreme_within_2x": sum(x <= EXT_GOAL for x in ex) / n if n else math.nan,
+            "time_within_5pct": sum(t <= TIME_GOAL for t in tt) / len(tt) if tt else math.nan,
+            "all_three": sum(a <= KL_GOAL and b <= EXT_GOAL and abs(p[time_key]) <= TIME_GOAL
+                             for a, b, p in zip(kl, ex, pairs, strict=True)) / n if n else math.nan,
+            "kl_worst_group_abs_error_median": float(np.median(kl)) if kl else math.nan,
+            "kl_worst_group_abs_error_max": max(kl) if kl else math.nan,
+            "extreme_worst_group_factor_median": float(np.median(ex)) if ex else math.nan,
+            "time_abs_error_median": float(np.median(tt)) if tt else math.nan}
+
+
+def robust_rel_stderr(d: Path) -> dict[str, float]:
+    """Per group, the relative stderr of the calibration run's KL at its own staleness, the updates'
+    autocorrelation counted (`stale_kl_line(...).stderr_robust / value`)."""
+    g = RunLog.open(d).groups
+    out = {}
+    for name in sorted(g["group"].unique()):
+        line = stale_kl_line(g[g["group"] == name])
+        if line is not None and line.value > 0:
+            out[str(name)] = line.stderr_robust / line.value
+    return out
+
+
+def interval(c: dict[str, Any], rel: dict[str, float]) -> dict[str, Any]:
+    """Whether each group's measured KL lies in the prediction's 95% interval: predicted x (1 +- 2 sqrt(2) r),
+    r the calibration run's robust relative stderr, counted twice (the predicted run is one draw with the same
+    spread as the calibration run)."""
+    z = {g: (v["kl_measured"] / v["kl_predicted"] - 1.0) / (math.sqrt(2.0) * rel[g])
+         for g, v in c["groups"].items() if g in rel and rel[g] > 0 and v["kl_predicted"] > 0}
+    return {"kl_z": z, "kl_in_95pct_interval": bool(z) and all(abs(x) <= 2.0 for x in z.values())}
+
+
+def against(c: dict[str, Any], figs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """A check's predictions against the mean of the predicted plan's runs."""
+    groups = c["groups"]
+    mean = {g: {k: float(np.mean([f["groups"][g][k] for f in figs.values()])) for k in ("kl", "extreme")}
+            for g in groups}
+    t = float(np.mean([f["time_per_update_s"] for f in figs.values()]))
+    return {"kl_rel_error": {g: v["kl_predicted"] / mean[g]["kl"] - 1.0 for g, v in groups.items()},
+            "extreme_ratio": {g: v["extreme_predicted"] / mean[g]["extreme"] if mean[g]["extreme"] > 0 else math.nan
+                              for g, v in groups.items()},
+            "time_rel_error": c["time_per_update"]["predicted_s"] / t - 1.0, "measured_mean": mean,
+            "time_per_update_mean_s": t}
+
+
+def compact(c: dict[str, Any]) -> dict[str, Any]:
+    """A check, short; `kl_vs_fleet_rel_error`: the error of each group's KL relative to the fleet's (predicted
+    kl_g / kl_fleet against measured), the part of the mismatch that is the groups' and not the trainer's drift."""
+    km, kp = c["kl_overall"]["measured"], c["kl_overall"]["predicted"]
+    return {"kl_rel_error": {g: v["kl_rel_error"] for g, v in c["groups"].items()},
+            "kl_vs_fleet_rel_error": {g: (v["kl_predicted"] / kp) / (v["kl_measured"] / km) - 1.0
+                                      for g, v in c["groups"].items()},
+            "extreme_ratio": {g: v["extreme_ratio"] for g, v in c["groups"].items()},
+            "time_rel_error": c["time_per_update"]["rel_error"], "groups": c["groups"],
+            "time_per_update": c["time_per_update"], "staleness": c["staleness"]}
+
+
+def fmt_summary(s: dict[str, Any]) -> str:
+    return (f"{s['pairs']} pairs: KL within 25% {s['kl_within_25pct']:.0%}, outside [0.2, 5] within 2x "
+            f"{s['extreme_within_2x']:.0%}, time within 5% {s['time_within_5pct']:.0%}, all three "
+            f"{s['all_three']:.0%}; worst group's |KL error| median {s['kl_worst_group_abs_error_median']:.0%} "
+            f"(max {s['kl_worst_group_abs_error_max']:.0%}), extreme factor median "
+            f"{s['extreme_worst_group_factor_median']:.2f}x, |time error| median {s['time_abs_error_median']:.1%}"
+            + (f"; group KL / fleet KL: worst error {s['kl_vs_fleet_worst_group_abs_error_max']:.0%}"
+               if math.isfinite(s["kl_vs_fleet_worst_group_abs_error_max"]) else "")
+            + (f"; measured KL in the prediction's 95% interval (every group): {s['kl_in_95pct_interval']:.0%}"
+               if math.isfinite(s["kl_in_95pct_interval"]) else ""))
+
+
 def table(res: dict[str, Any]) -> str:
-    out = ["| calibrated on -> predicted | fit | group | KL measured | KL predicted (error) | outside [0.2, 5] "
-           "measured | predicted (ratio) | time / update measured / predicted (error) |",
-           "|---|---|---|---|---|---|---|---|"]
+    out = []
+    for plan, nf in res["noise_floor"].items():
+        out.append(f"noise floor, plan {plan} (runs against each other, no model): " + fmt_summary(nf["summary"])
+                   + "; run-to-run cv " + ", ".join(f"{g} KL {v['kl']:.0%} extreme {v['extreme']:.0%}"
+                                                     for g, v in nf["cv"].items())
+                   + f", time/update {nf['cv_time_per_update']:.1%}")
+    kv = res.get("kl_vs_entropy")
+    if kv:
+        out.append(f"run by run, log KL against entropy: r = {kv['corr_log_kl_entropy']:.2f}, against reward: r = "
+                   f"{kv['corr_log_kl_reward']:.2f}; " + "; ".join(
+                       f"plan {k} KL {np.mean(kv['kl_fleet'][k]):.4f} at entropy {np.mean(kv['entropy'][k]):.3f}"
+                       for k in kv["kl_fleet"]))
     for direction, d in res["directions"].items():
-        for form in ("before", "after"):
-            c = d[form]
-            t = c["time_per_update"]
-            for i, (g, v) in enumerate(c["groups"].items()):
-                tt = (f"{t['measured_s']:.1f} / {t['predicted_s']:.1f} s ({t['rel_error']:+.1%})" if i == 0 else "")
-                out.append(f"| {direction if form == 'before' and i == 0 else ''} | {form if i == 0 else ''} | {g} | "
-                           f"{v['kl_measured']:.3g} | {v['kl_predicted']:.3g} ({v['kl_rel_error']:+.0%}) | "
-                           f"{v['extreme_measured']:.2e} | {v['extreme_predicted']:.2e} ({v['extreme_ratio']:.2f}x) | "
-                           f"{tt} |")
-    same = res.get("same_plan_twice")
-    if same:
-        out.append(f"\nThe same plan and seed run twice (updates <= {same['updates_upto']}): "
-                   + "; ".join(f"{g} KL {v['kl'][0]:.3g} vs {v['kl'][1]:.3g} ({v['kl_rel_diff']:+.0%}), outside "
-                               f"[0.2, 5] {v['extreme'][0]:.2e} vs {v['extreme'][1]:.2e} ({v['extreme_ratio']:.2f}x)"
-                               for g, v in same["groups"].items()))
-    for run, v in res.get("by_calibration_run", {}).items():
-        out.append(f"\nCalibrated on {run}, predicting b: KL " + ", ".join(f"{g} {e:+.0%}" for g, e in
-                                                                      v["kl_rel_error"].items())
-                   + "; outside [0.2, 5] " + ", ".join(f"{g} {x:.2f}x" for g, x in v["extreme_ratio"].items()))
+        out.append(f"{direction}, one run -> one run: " + fmt_summary(d["summary"]))
+        out.append(f"{direction}, one run -> the plan's mean: " + fmt_summary(d["summary_vs_mean"]))
+        p = d["pooled_vs_mean"]
+        out.append(f"{direction}, pooled -> the plan's mean: KL " + ", ".join(
+            f"{g} {e:+.0%}" for g, e in p["kl_rel_error"].items()) + "; outside [0.2, 5] " + ", ".join(
+            f"{g} {x:.2f}x" for g, x in p["extreme_ratio"].items()) + f"; time/update {p['time_rel_error']:+.1%}")
+    out.append("\n| calibrated on | predicted | KL error per group | group KL / fleet KL error | outside [0.2, 5] "
+               "ratio | time/update error |")
+    out.append("|---|---|---|---|---|---|")
+    for d in res["directions"].values():
+        for p in d["pairs"]:
+            out.append(f"| {Path(p['pair'][0]).name} | {Path(p['pair'][1]).name} | " + ", ".join(
+                f"{e:+.0%}" for e in p["kl_rel_error"].values()) + " | " + ", ".join(
+                f"{e:+.1%}" for e in p["kl_vs_fleet_rel_error"].values()) + " | " + ", ".join(
+                f"{x:.2f}x" for x in p["extreme_ratio"].values()) + f" | {p['time_rel_error']:+.1%} |")
     return "\n".join(out)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--a", type=Path, default=Path("/work/runs/replan/static"))
-    ap.add_argument("--b", type=Path, default=Path("/work/runs/replan/xval"))
-    ap.add_argument("--same-plan", type=Path, default=Path("/work/runs/replan/replanned"),
-                    help="a run of run a's plan and seed that was the same run until update --same-plan-upto (the "
-                         "noise floor: benchmarks/replan_real.py's re-planned run)")
-    ap.add_argument("--same-plan-upto", type=int, default=9)
-    ap.add_argument("--also-a", type=Path, nargs="*",
-                    default=[Path("/work/runs/replan/replanned"), Path("/work/runs/replan/replanned2")],
-                    help="other runs of plan a's counts until --same-plan-upto (re-planned runs before their re-plan)")
+    ap.add_argument("--pair", choices=sorted(PAIRS), default="replan",
+                    help="replan: replan-cpu-static (a) and replan-cpu-xval (b), two groups of one format that differ "
+                         "in kernel; tiny: tiny-cpu (a) and tiny-cpu-xval (b), three formats (bf16, fp8, nvfp4)")
+    ap.add_argument("--a", type=Path, nargs="+", help="real runs of plan a, any seed (default: the pair's "
+                    f"{RUNS}/PREFIX-s0 .. -s3 that exist)")
+    ap.add_argument("--b", type=Path, nargs="+", help="real runs of plan b, any seed (default: as --a)")
     ap.add_argument("--table", action="store_true", help="print the table of the results file and stop")
     args = ap.parse_args()
+    plan_a, plan_b, pre_a, pre_b = PAIRS[args.pair]
+    out = RESULTS / f"mismatch_transfer_{args.pair}.json"
+    plans = {"a": ROOT / "data" / "plans" / f"{plan_a}.toml", "b": ROOT / "data" / "plans" / f"{plan_b}.toml"}
     if args.table:
-        print(table(json.loads(OUT.read_text())))
+        print(table(json.loads(out.read_text())))
         return
-    runs = {"a": args.a, "b": args.b}
-    for k, d in runs.items():
-        why = RunLog.not_a_run_log(d)
-        if why is not None:
-            raise SystemExit(f"[mismatch_transfer] run {k} ({d}): not a run log ({why}); see the module doc")
-    res: dict[str, Any] = {"benchmark": "mismatch_transfer", "runs": {k: str(d) for k, d in runs.items()},
-                           "plans": {k: str(p.relative_to(ROOT)) for k, p in PLANS.items()},
-                           "updates": {k: len(RunLog.open(d).updates) for k, d in runs.items()},
-                           "trainer_tokens_per_s": {k: trainer_pace(d) for k, d in runs.items()},
-                           "goals": {"kl_rel": KL_GOAL, "extreme_ratio": EXT_GOAL, "time_rel": TIME_GOAL},
-                           "command": "nice -n 10 python benchmarks/mismatch_transfer.py --a "
-                                      f"{args.a} --b {args.b}", "directions": {}, "fits": {}}
+    for k, pre in (("a", pre_a), ("b", pre_b)):
+        if getattr(args, k) is None:
+            setattr(args, k, [d for d in (RUNS / f"{pre}-s{s}" for s in range(4)) if d.exists()])
+            if not getattr(args, k):
+                raise SystemExit(f"[mismatch_transfer] no runs of plan {k} under {RUNS}/{pre}-s*; see the module doc")
+    runs = {"a": list(args.a), "b": list(args.b)}
+    for k, ds in runs.items():
+        for d in ds:
+            why = RunLog.not_a_run_log(d)
+            if why is not None:
+                raise SystemExit(f"[mismatch_transfer] a run of plan {k} ({d}): not a run log ({why}); see the "
+                                 "module doc for the commands that make them")
+    figs = {k: {str(d): run_figures(d) for d in ds} for k, ds in runs.items()}
+    res: dict[str, Any] = {
+        "benchmark": "mismatch_transfer", "plans": {k: str(p.relative_to(ROOT)) for k, p in plans.items()},
+        "runs": figs, "goals": {"kl_rel": KL_GOAL, "extreme_ratio": EXT_GOAL, "time_rel": TIME_GOAL},
+        "pair": args.pair,
+        "command": f"nice -n 10 python benchmarks/mismatch_transfer.py --pair {args.pair} --a "
+                   + " ".join(map(str, args.a)) + " --b " + " ".join(map(str, args.b)),
+        "noise_floor": {k: noise_floor(f) for k, f in figs.items()}, "directions": {}, "fits": {}}
     for src, dst in (("a", "b"), ("b", "a")):
-        direction = f"{src} -> {dst}"
-        res["directions"][direction] = {}
-        for form, split in (("before", False), ("after", True)):
-            cal = calibrate([frames(runs[src], split=split)])
-            cal = replace(cal, runs=(f"{runs[src]} ({form})",))
-            res["fits"][f"{src} {form}"] = fitted_mismatch(cal)
-            c = check(cal, PLANS[dst], runs[dst])
-            # diagnostic only (it uses the predicted run's own trainer pace, so it is not a prediction): the twin's
-            # time divided by how much faster the shared machine ran during the predicted run than the calibrated one
-            pace = res["trainer_tokens_per_s"][dst] / res["trainer_tokens_per_s"][src]
-            c["time_per_update"]["pace_adjusted_rel_error"] = (c["time_per_update"]["predicted_s"] / pace
-                                                                / c["time_per_update"]["measured_s"] - 1.0)
-            res["directions"][direction][form] = c
-            print(f"[mismatch_transfer] {direction} {form}: {res['directions'][direction][form]['goals']}",
-                  flush=True)
-    same = args.same_plan
-    if same is not None and RunLog.not_a_run_log(same) is None:
-        res["same_plan_twice"] = same_plan_twice(same, args.a, args.same_plan_upto)
-    # which run of plan a one calibrates on: every run of plan a's counts (the re-planned runs until their first
-    # re-plan) cut to the same updates, each predicting run b
-    res["by_calibration_run"] = {}
-    upto = args.same_plan_upto
-    for d in (args.a, *args.also_a):
-        if RunLog.not_a_run_log(d) is not None:
-            continue
-        cal = calibrate([frames(d, split=True, upto=upto)])
-        c = check(cal, PLANS["b"], runs["b"])
-        res["by_calibration_run"][f"{d} (updates <= {upto})"] = {
-            "kl_rel_error": {g: v["kl_rel_error"] for g, v in c["groups"].items()},
-            "extreme_ratio": {g: v["extreme_ratio"] for g, v in c["groups"].items()}, "goals": c["goals"]}
-        print(f"[mismatch_transfer] calibrated on {d} (<= {upto}) -> b: "
-              f"{res['by_calibration_run'][f'{d} (updates <= {upto})']}", flush=True)
+        pairs, vs_mean = [], []
+        for d in runs[src]:
+            cal = calibrate([d])
+            res["fits"][str(d)] = fitted_mismatch(cal)
+            rel = robust_rel_stderr(d)
+            res["fits"][str(d)]["kl_at_run_staleness_rel_stderr_robust"] = rel
+            last = None
+            for t in runs[dst]:
+                last = check(cal, plans[dst], t)
+                pairs.append({"pair": [str(d), str(t)], **compact(last), **interval(last, rel)})
+                print(f"[mismatch_transfer] {Path(d).name} -> {Path(t).name}: KL "
+                      + ", ".join(f"{g} {e:+.0%}" for g, e in pairs[-1]["kl_rel_error"].items())
+                      + "; extreme " + ", ".join(f"{g} {x:.2f}x" for g, x in pairs[-1]["extreme_ratio"].items())
+                      + f"; time {pairs[-1]['time_rel_error']:+.1%}", flush=True)
+            assert last is not None
+            vs_mean.append({"pair": [str(d), f"plan {dst} mean"], **against(last, figs[dst])})
+        pooled = calibrate(runs[src])
+        res["fits"][f"pooled {src}"] = fitted_mismatch(pooled)
+        pooled_checks = [check(pooled, plans[dst], t) for t in runs[dst]]
+        res["directions"][f"{src} -> {dst}"] = {
+            "pairs": pairs, "summary": summarize_pairs(pairs), "vs_mean": vs_mean,
+            "summary_vs_mean": summarize_pairs(vs_mean),
+            "pooled": [{"pair": [f"plan {src} pooled", str(t)], **compact(c)}
+                       for t, c in zip(runs[dst], pooled_checks, strict=True)],
+            "pooled_vs_mean": against(pooled_checks[-1], figs[dst])}
+    every = [f for fs in figs.values() for f in fs.values()]
+    if len(every) >= 3:
+        lk = np.log([f["kl_fleet"] for f in every])
+        res["kl_vs_entropy"] = {
+            "corr_log_kl_entropy": float(np.corrcoef(lk, [f["entropy"] for f in every])[0, 1]),
+            "corr_log_kl_reward": float(np.corrcoef(lk, [f["reward_mean"] for f in every])[0, 1]),
+            "entropy": {k: [f["entropy"] for f in fs.values()] for k, fs in figs.items()},
+            "kl_fleet": {k: [f["kl_fleet"] for f in fs.values()] for k, fs in figs.items()},
+            "note": "over every run of both plans: the fleet's KL (log) against the trained tokens' entropy and the "
+                    "mean reward, run by run"}
     res["time_utc"] = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     res["load_avg_1m"] = os.getloadavg()[0]
-    OUT.parent.mkdir(parents=True, exist_ok=True)
-    OUT.write_text(json.dumps(json_safe(res), indent=1))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(json_safe(res), indent=1))
     print(table(res))
 
 

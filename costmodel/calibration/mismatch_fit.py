@@ -79,10 +79,11 @@ MIN_LEVEL_SHARE = 0.01   # the fitted KL at staleness 0 is kept >= this share of
 class StaleKLLine:
     """kl(s) = a + b s through one group's staleness-0 and stale tokens (`stale_kl_line`), and its value at the
     run's mean staleness with two stderrs (1 sigma): `stderr` treats every update as independent; `stderr_robust`
-    (Newey-West over versions, Bartlett weights up to `lag` = the run's largest staleness) lets consecutive
-    updates' KL move together, as they do: a token s versions stale spans the trainer's last s steps, so one large
-    step raises the KL of the next s updates. The robust one is what a prediction of another run carries (on 8
-    real CPU runs, 11-28% of the KL against a run-to-run spread of 17-28%; the independent one 8-24%)."""
+    (a sandwich over versions with the truncated kernel up to `lag` = the run's largest staleness - 1) lets
+    consecutive updates' KL move together, as they do: a token s versions stale spans the trainer's last s steps,
+    so one large step raises the KL of the next s updates (a moving average of order s - 1, which that kernel
+    fits exactly). The robust one is what a prediction of another run of the same plan carries; it still misses
+    what differs between runs as a whole (how the policy's entropy evolved: docs/calibration.md)."""
     a: float
     b: float
     a_stderr: float
