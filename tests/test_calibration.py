@@ -12,6 +12,7 @@ import typer
 from mixfleet.costmodel.calibration.fit import calibrate
 from mixfleet.costmodel.calibration.logs import complete_until_s, complete_windows, in_windows
 from mixfleet.costmodel.calibration.record import Calibration, CalibrationError, Fitted, GroupCalibration
+from mixfleet.costmodel.plan.planspec import group_calibration
 from mixfleet.costmodel.specs.workload import load_workload
 from mixfleet.policies.plan import Plan, plan_from_dict
 from mixfleet.twin.calibrated import fidelity, plan_as_run
@@ -267,3 +268,16 @@ def test_cli_calibrate_and_fidelity(synthetic: tuple[Path, Calibration], tmp_pat
     assert res.exit_code == 2 and "not a run log" in res.output
     res = runner.invoke(app, ["fidelity", "--runlog", str(tmp_path / "nope")])
     assert res.exit_code == 2 and "run log folder" in res.output
+
+
+def test_a_group_that_never_ran_is_left_out_not_refused(tmp_path: Path) -> None:
+    # tiny-cpu-xval keeps tiny-cpu's nvfp4 group at 0 replicas: calibrating on its run used to fail ("got 0")
+    raw = {**PLAN_DICT, "groups": [dict(g, replicas=0) if g["name"] == "cpu-nvfp4" else g
+                                   for g in PLAN_DICT["groups"]]}
+    out = tmp_path / "two-groups"
+    simulate(plan_from_dict(raw), updates=6, out=out)
+    cal = calibrate([out])
+    assert sorted(g.name for g in cal.groups) == ["cpu-bf16", "cpu-fp8"]
+    assert any("cpu-nvfp4: no replica ran" in s for s in cal.skipped)
+    # the plan that has it prices it with its priors
+    assert group_calibration(cal, next(g for g in _plan().groups if g.name == "cpu-nvfp4")) is None

@@ -251,6 +251,14 @@ def _read_logs(logs: list[str | os.PathLike[str] | FrameLog], min_trajectories: 
     windows = {id(r): list(r.log.known) if getattr(r.log, "known", None) is not None
                else complete_windows(r.log, inflight_limit(r.log.header), skipped) for r in runs}
     known = {id(r): in_windows(r.log.trajectories, windows[id(r)]) for r in runs}
+    # a group no log ran (0 replicas throughout, no trajectory: the nvfp4 group of tiny-cpu-xval) has nothing to
+    # fit; it is left out, and a plan that uses it keeps its priors
+    for key in list(keyed):
+        members = keyed[key]
+        if all(g.replicas == 0 and not (r.log.trajectories["group"] == g.name).any() for r, g in members):
+            skipped.append(f"group {members[0][1].name}: no replica ran in these run logs (0 replicas); not fitted, "
+                           "a plan that uses it keeps its priors")
+            del keyed[key]
     counts: dict[GroupKey, int] = {}
     for key, members in keyed.items():
         n = 0

@@ -20,7 +20,8 @@ def _fit_weight_sync(runs: list[_Run], priors: dict[GroupKey, ReplicaModel]) -> 
     for r in runs:
         ev = r.log.events
         ev = ev[(ev["kind"] == "weight_push") & np.isfinite(ev["duration_s"])]
-        name_key = {g.name: (g.accelerator, g.precision, g.kv_dtype, g.kernel) for g in r.groups.values()}
+        name_key = {g.name: k for g in r.groups.values()
+                    if (k := (g.accelerator, g.precision, g.kv_dtype, g.kernel)) in push_by_key}  # fitted groups
         for gname, d in zip(ev["group"], ev["duration_s"], strict=True):
             if gname in name_key:
                 push_by_key[name_key[gname]].append(float(d))
