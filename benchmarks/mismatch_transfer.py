@@ -1,13 +1,16 @@
 """Is the mismatch model identifiable across plans (issue 27 item 6)? Calibrate on a real CPU run of one plan,
 predict another plan, and compare with that plan's real runs.
 
-Plan a: data/plans/replan-cpu-static.toml (cpu-fast x1: BF16 weights, FP32 kernel; cpu-slow x2: BF16 kernel;
-capacity-proportional routing). Plan b: data/plans/replan-cpu-xval.toml (the same groups at fast x2, slow x1, least
-outstanding tokens). Several real runs of each (seeds 0-3, 16 updates each, one at a time on a quiet machine):
+Two pairs of plans (`--pair`). replan: a = data/plans/replan-cpu-static.toml (cpu-fast x1: BF16 weights, FP32
+kernel; cpu-slow x2: BF16 kernel; capacity-proportional routing), b = data/plans/replan-cpu-xval.toml (the same
+groups at fast x2, slow x1, least outstanding tokens). tiny: a = data/plans/tiny-cpu.toml (bf16, fp8, nvfp4 x1
+each), b = data/plans/tiny-cpu-xval.toml (bf16 x2, fp8 x1, least outstanding tokens). Several real runs of each
+(seeds 0-3, 16 updates each, one at a time on an otherwise quiet machine), e.g. for replan's plan a:
 
-    for s in 0 1 2 3; do mixfleet run PLAN_WITH_SEED_s --out /work/runs/replan/static-s$s --updates 16 --quiet; done
-    (and the same for replan-cpu-xval into /work/runs/replan/xval-s$s; PLAN_WITH_SEED_s: a two-line plan,
-    `base = "replan-cpu-static"` and `seed = s`)
+    printf 'base = "replan-cpu-static"\nseed = 1\n' > /tmp/static-s1.toml
+    mixfleet run /tmp/static-s1.toml --out /work/runs/replan/static-s1 --updates 16 --eval-every 0 --quiet
+
+(folders PREFIX-sSEED under /work/runs/replan: static / xval for replan, tiny / tinyx for tiny).
 
 What it reports:
 - every ordered pair (one run of plan a -> one run of plan b, and b -> a): `calibrate` on the first run, `fidelity`
@@ -17,12 +20,15 @@ What it reports:
 - each single-run calibration against the other plan's mean over its runs (the plan's KL: what a model of the plan
   can be held to when one run of it is as far from the next as the noise floor below);
 - the noise floor: the runs of one plan (same plan, other seeds) against each other, with no model at all;
-- pooled: `calibrate` on all runs of one plan, predicting each run of the other and their mean.
+- pooled: `calibrate` on all runs of one plan, predicting each run of the other and their mean;
+- whether the measured KL lies in the prediction's 95% interval, from the calibration run's autocorrelation-robust
+  stderr (`stale_kl_line`), and each group's KL relative to the fleet's (the groups' part of the mismatch);
+- run by run, the fleet's KL against the entropy of the trained tokens and the mean reward (what moves the level).
 
-    nice -n 10 python benchmarks/mismatch_transfer.py [--a DIR ...] [--b DIR ...]
-    python benchmarks/mismatch_transfer.py --table     # the table of the results file
+    nice -n 10 python benchmarks/mismatch_transfer.py --pair replan|tiny [--a DIR ...] [--b DIR ...]
+    python benchmarks/mismatch_transfer.py --pair replan --table     # the table of the results file
 
-Writes benchmarks/results/mismatch_transfer.json.
+Writes benchmarks/results/mismatch_transfer_PAIR.json.
 """
 
 from __future__ import annotations
@@ -66,6 +72,8 @@ def check(cal: Calibration, plan: Path, run: Path) -> dict[str, Any]:
     per: dict[str, Any] = {}
     for g in groups:
         kl, ex = rows[f"kl_k3[{g}]"], rows[f"extreme_share[{g}]"]
+        if not (math.isfinite(kl.measured) and kl.measured > 0):    # a group with no replica in that run
+            continue
         ratio = ex.predicted / ex.measured if ex.measured > 0 else math.nan
         per[g] = {"kl_measured": kl.measured, "kl_predicted": kl.predicted,
                   "kl_rel_error": kl.predicted / kl.measured - 1.0 if kl.measured > 0 else math.nan,
@@ -93,6 +101,8 @@ def group_means(d: Path, upto: int | None = None) -> dict[str, dict[str, float]]
     for name, x in g.groupby("group"):
         w = x["tokens_trained"].astype(float)
         ok = w > 0
+        if not ok.any():       # a group with no replica in this run (tiny-cpu-xval's nvfp4)
+            continue
         out[str(name)] = {"kl": float((x["kl_k3"][ok] * w[ok]).sum() / w[ok].sum()),
                           "extreme": float((x["extreme_share"][ok] * w[ok]).sum() / w[ok].sum())}
     return out
@@ -134,7 +144,8 @@ def noise_floor(figs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if i == j:
                 continue
             gi, gj = figs[i]["groups"], figs[j]["groups"]
-            fi, fj = figs[i]["kl_fleet"], figs[j]["kl_fleet"]
+            fi = float(np.mean([gi[g]["kl"] for g in groups]))
+            fj = float(np.mean([gj[g]["kl"] for g in groups]))
             pairs.append({"pair": [i, j], "kl_rel_diff": {g: gj[g]["kl"] / gi[g]["kl"] - 1.0 for g in groups},
                           "kl_vs_fleet_rel_error": {g: (gj[g]["kl"] / fj) / (gi[g]["kl"] / fi) - 1.0 for g in groups},
                           "extreme_ratio": {g: gj[g]["extreme"] / gi[g]["extreme"] if gi[g]["extreme"] > 0
@@ -192,9 +203,9 @@ def interval(c: dict[str, Any], rel: dict[str, float]) -> dict[str, Any]:
     return {"kl_z": z, "kl_in_95pct_interval": bool(z) and all(abs(x) <= 2.0 for x in z.values())}
 
 
-def against(c: dict[str, Any], figs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """A check's predictions against the mean of the predicted plan's runs."""
-    groups = c["groups"]
+def against(c: dict[str, Any], figs: dict[str, dict[str, Any]], calibrated: set[str]) -> dict[str, Any]:
+    """A check's predictions against the mean of the predicted plan's runs (the groups the calibration measured)."""
+    groups = {g: v for g, v in c["groups"].items() if g in calibrated}
     mean = {g: {k: float(np.mean([f["groups"][g][k] for f in figs.values()])) for k in ("kl", "extreme")}
             for g in groups}
     t = float(np.mean([f["time_per_update_s"] for f in figs.values()]))
@@ -205,14 +216,19 @@ def against(c: dict[str, Any], figs: dict[str, dict[str, Any]]) -> dict[str, Any
             "time_per_update_mean_s": t}
 
 
-def compact(c: dict[str, Any]) -> dict[str, Any]:
-    """A check, short; `kl_vs_fleet_rel_error`: the error of each group's KL relative to the fleet's (predicted
-    kl_g / kl_fleet against measured), the part of the mismatch that is the groups' and not the trainer's drift."""
-    km, kp = c["kl_overall"]["measured"], c["kl_overall"]["predicted"]
-    return {"kl_rel_error": {g: v["kl_rel_error"] for g, v in c["groups"].items()},
-            "kl_vs_fleet_rel_error": {g: (v["kl_predicted"] / kp) / (v["kl_measured"] / km) - 1.0
-                                      for g, v in c["groups"].items()},
-            "extreme_ratio": {g: v["extreme_ratio"] for g, v in c["groups"].items()},
+def compact(c: dict[str, Any], calibrated: set[str]) -> dict[str, Any]:
+    """A check, short, over the groups the calibration measured (`calibrated`); a group it did not (no replica in
+    the calibration run: priors) is reported apart, under `from_priors`. `kl_vs_fleet_rel_error`: the error of each
+    group's KL relative to the mean of the groups' KL (predicted against measured): the part of the mismatch that
+    is the groups' and not the trainer's drift, which all groups share."""
+    gs = {g: v for g, v in c["groups"].items() if g in calibrated}
+    mp = float(np.mean([v["kl_predicted"] for v in gs.values()]))
+    mm = float(np.mean([v["kl_measured"] for v in gs.values()]))
+    return {"kl_rel_error": {g: v["kl_rel_error"] for g, v in gs.items()},
+            "kl_vs_fleet_rel_error": {g: (v["kl_predicted"] / mp) / (v["kl_measured"] / mm) - 1.0
+                                      for g, v in gs.items()},
+            "extreme_ratio": {g: v["extreme_ratio"] for g, v in gs.items()},
+            "from_priors": {g: v for g, v in c["groups"].items() if g not in calibrated},
             "time_rel_error": c["time_per_update"]["rel_error"], "groups": c["groups"],
             "time_per_update": c["time_per_update"], "staleness": c["staleness"]}
 
@@ -236,6 +252,9 @@ def table(res: dict[str, Any]) -> str:
                    + "; run-to-run cv " + ", ".join(f"{g} KL {v['kl']:.0%} extreme {v['extreme']:.0%}"
                                                      for g, v in nf["cv"].items())
                    + f", time/update {nf['cv_time_per_update']:.1%}")
+    out.append("trainer pace (trained tokens/s of its step; the host's CPU is shared with the samplers): " + "; ".join(
+        f"plan {k} " + ", ".join(f"{f['trainer_tokens_per_s']:.0f}" for f in fs.values()) for k, fs in
+        res["runs"].items()))
     kv = res.get("kl_vs_entropy")
     if kv:
         out.append(f"run by run, log KL against entropy: r = {kv['corr_log_kl_entropy']:.2f}, against reward: r = "
@@ -245,6 +264,11 @@ def table(res: dict[str, Any]) -> str:
     for direction, d in res["directions"].items():
         out.append(f"{direction}, one run -> one run: " + fmt_summary(d["summary"]))
         out.append(f"{direction}, one run -> the plan's mean: " + fmt_summary(d["summary_vs_mean"]))
+        prior_groups = {g for p in d["pairs"] for g in p.get("from_priors", {})}
+        for g in sorted(prior_groups):
+            errs = [p["from_priors"][g]["kl_rel_error"] for p in d["pairs"] if g in p.get("from_priors", {})]
+            out.append(f"{direction}: {g} has no replica in the calibration runs, so its priors predict it: KL "
+                       f"error {min(errs):+.0%} .. {max(errs):+.0%} (left out of the figures above)")
         p = d["pooled_vs_mean"]
         out.append(f"{direction}, pooled -> the plan's mean: KL " + ", ".join(
             f"{g} {e:+.0%}" for g, e in p["kl_rel_error"].items()) + "; outside [0.2, 5] " + ", ".join(
@@ -307,22 +331,23 @@ def main() -> None:
             last = None
             for t in runs[dst]:
                 last = check(cal, plans[dst], t)
-                pairs.append({"pair": [str(d), str(t)], **compact(last), **interval(last, rel)})
+                pairs.append({"pair": [str(d), str(t)], **compact(last, set(rel)), **interval(last, rel)})
                 print(f"[mismatch_transfer] {Path(d).name} -> {Path(t).name}: KL "
                       + ", ".join(f"{g} {e:+.0%}" for g, e in pairs[-1]["kl_rel_error"].items())
                       + "; extreme " + ", ".join(f"{g} {x:.2f}x" for g, x in pairs[-1]["extreme_ratio"].items())
                       + f"; time {pairs[-1]['time_rel_error']:+.1%}", flush=True)
             assert last is not None
-            vs_mean.append({"pair": [str(d), f"plan {dst} mean"], **against(last, figs[dst])})
+            vs_mean.append({"pair": [str(d), f"plan {dst} mean"], **against(last, figs[dst], set(rel))})
         pooled = calibrate(runs[src])
+        cal_groups = {g.name for g in pooled.groups}
         res["fits"][f"pooled {src}"] = fitted_mismatch(pooled)
         pooled_checks = [check(pooled, plans[dst], t) for t in runs[dst]]
         res["directions"][f"{src} -> {dst}"] = {
             "pairs": pairs, "summary": summarize_pairs(pairs), "vs_mean": vs_mean,
             "summary_vs_mean": summarize_pairs(vs_mean),
-            "pooled": [{"pair": [f"plan {src} pooled", str(t)], **compact(c)}
+            "pooled": [{"pair": [f"plan {src} pooled", str(t)], **compact(c, cal_groups)}
                        for t, c in zip(runs[dst], pooled_checks, strict=True)],
-            "pooled_vs_mean": against(pooled_checks[-1], figs[dst])}
+            "pooled_vs_mean": against(pooled_checks[-1], figs[dst], cal_groups)}
     every = [f for fs in figs.values() for f in fs.values()]
     if len(every) >= 3:
         lk = np.log([f["kl_fleet"] for f in every])
