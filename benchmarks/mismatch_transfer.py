@@ -293,10 +293,12 @@ def main() -> None:
     ap.add_argument("--a", type=Path, nargs="+", help="real runs of plan a, any seed (default: the pair's "
                     f"{RUNS}/PREFIX-s0 .. -s3 that exist)")
     ap.add_argument("--b", type=Path, nargs="+", help="real runs of plan b, any seed (default: as --a)")
+    ap.add_argument("--results", type=Path, help="results file (default: benchmarks/results/"
+                    "mismatch_transfer_PAIR.json; the 40-update runs: mismatch_transfer_replan_40.json)")
     ap.add_argument("--table", action="store_true", help="print the table of the results file and stop")
     args = ap.parse_args()
     plan_a, plan_b, pre_a, pre_b = PAIRS[args.pair]
-    out = RESULTS / f"mismatch_transfer_{args.pair}.json"
+    out = args.results or RESULTS / f"mismatch_transfer_{args.pair}.json"
     plans = {"a": ROOT / "data" / "plans" / f"{plan_a}.toml", "b": ROOT / "data" / "plans" / f"{plan_b}.toml"}
     if args.table:
         print(table(json.loads(out.read_text())))
