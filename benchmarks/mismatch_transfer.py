@@ -92,13 +92,10 @@ def check(cal: Calibration, plan: Path, run: Path) -> dict[str, Any]:
             "goals": goals, "notes": list(rep.notes)}
 
 
-def group_means(d: Path, upto: int | None = None) -> dict[str, dict[str, float]]:
-    """Per group, the token-weighted KL and extreme share of a run log's updates (up to version `upto`)."""
-    g = RunLog.open(d).groups
-    if upto is not None:
-        g = g[g["version"] <= upto]
+def group_means(log: RunLog) -> dict[str, dict[str, float]]:
+    """Per group, the token-weighted KL and extreme share of a run log's updates."""
     out = {}
-    for name, x in g.groupby("group"):
+    for name, x in log.groups.groupby("group"):
         w = x["tokens_trained"].astype(float)
         ok = w > 0
         if not ok.any():       # a group with no replica in this run (tiny-cpu-xval's nvfp4)
@@ -108,23 +105,47 @@ def group_means(d: Path, upto: int | None = None) -> dict[str, dict[str, float]]
     return out
 
 
-def trainer_pace(d: Path) -> float:
-    """Trained tokens per second of the trainer's step in a run: how fast the shared machine was (diagnostic)."""
-    up = RunLog.open(d).updates
-    return float(up["tokens"].sum() / up["train_step_s"].sum())
-
+def robust_rel_stderr(log: RunLog) -> dict[str, float]:
+    """Per group, the relative stderr of a run's KL at its own staleness, the updates' autocorrelation counted
+    (`stale_kl_line(...).stderr_robust / value`)."""
+    g = log.groups
+    out = {}
+    for name in sorted(g["group"].unique()):
+        line = stale_kl_line(g[g["group"] == name])
+        if line is not None and line.value > 0:
+            out[str(name)] = line.stderr_robust / line.value
+    return out
 
 
 def run_figures(d: Path) -> dict[str, Any]:
-    """What a run measured: per group KL and extreme share, its time per update and trainer pace."""
+    """What a run measured: per group KL and extreme share (and the robust relative stderr of its KL), its time
+    per update, the trainer's pace (trained tokens per second of its step: how fast the shared machine was), the
+    trained tokens' entropy and the mean reward."""
     m = run_metrics(d)
-    up = RunLog.open(d).updates
+    log = RunLog.open(d)
+    up = log.updates
     tok = up["tokens"].astype(float)
-    return {"groups": group_means(d), "kl_fleet": m["kl_k3"], "time_per_update_s": m["time_per_update_mean_s"],
+    return {"groups": group_means(log), "kl_fleet": m["kl_k3"], "time_per_update_s": m["time_per_update_mean_s"],
             "entropy": float((up["entropy"] * tok).sum() / tok.sum()),
             "reward_mean": float((up["reward_mean"] * up["trajectories"]).sum() / up["trajectories"].sum()),
-            "kl_rel_stderr_robust": robust_rel_stderr(d),
-            "updates": int(len(RunLog.open(d).updates)), "trainer_tokens_per_s": trainer_pace(d)}
+            "kl_rel_stderr_robust": robust_rel_stderr(log), "updates": int(len(up)),
+            "trainer_tokens_per_s": float(tok.sum() / up["train_step_s"].sum())}
+
+
+def vs_groups_mean(predicted: dict[str, float], measured: dict[str, float]) -> dict[str, float]:
+    """Per group, the error of its KL relative to the mean of the groups' KL, predicted against measured: the
+    part of the mismatch that is the groups' and not the trainer's drift, which all groups share."""
+    mp, mm = float(np.mean(list(predicted.values()))), float(np.mean(list(measured.values())))
+    return {g: (predicted[g] / mp) / (measured[g] / mm) - 1.0 for g in predicted}
+
+
+def interval(predicted: dict[str, float], measured: dict[str, float], rel: dict[str, float]) -> dict[str, Any]:
+    """Whether each group's measured KL lies in the prediction's 95% interval: predicted x (1 +- 2 sqrt(2) r),
+    r the calibration run's robust relative stderr, counted twice (the predicted run is one draw with the same
+    spread as the calibration run)."""
+    z = {g: (measured[g] / p - 1.0) / (math.sqrt(2.0) * rel[g])
+         for g, p in predicted.items() if g in rel and rel[g] > 0 and p > 0}
+    return {"kl_z": z, "kl_in_95pct_interval": bool(z) and all(abs(x) <= 2.0 for x in z.values())}
 
 
 def rel_spread(values: list[float]) -> float:
@@ -144,16 +165,13 @@ def noise_floor(figs: dict[str, dict[str, Any]]) -> dict[str, Any]:
             if i == j:
                 continue
             gi, gj = figs[i]["groups"], figs[j]["groups"]
-            fi = float(np.mean([gi[g]["kl"] for g in groups]))
-            fj = float(np.mean([gj[g]["kl"] for g in groups]))
-            pairs.append({"pair": [i, j], "kl_rel_diff": {g: gj[g]["kl"] / gi[g]["kl"] - 1.0 for g in groups},
-                          "kl_vs_fleet_rel_error": {g: (gj[g]["kl"] / fj) / (gi[g]["kl"] / fi) - 1.0 for g in groups},
+            ki, kj = {g: gi[g]["kl"] for g in groups}, {g: gj[g]["kl"] for g in groups}
+            pairs.append({"pair": [i, j], "kl_rel_diff": {g: kj[g] / ki[g] - 1.0 for g in groups},
+                          "kl_vs_fleet_rel_error": vs_groups_mean(kj, ki),   # run j against run i
                           "extreme_ratio": {g: gj[g]["extreme"] / gi[g]["extreme"] if gi[g]["extreme"] > 0
                                             else math.nan for g in groups},
-                          "time_rel_diff": figs[j]["time_per_update_s"] / figs[i]["time_per_update_s"] - 1.0})
-            rel = figs[i]["kl_rel_stderr_robust"]
-            z = {g: (gj[g]["kl"] / gi[g]["kl"] - 1.0) / (math.sqrt(2.0) * rel[g]) for g in groups if rel.get(g, 0) > 0}
-            pairs[-1].update(kl_z=z, kl_in_95pct_interval=bool(z) and all(abs(x) <= 2.0 for x in z.values()))
+                          "time_rel_diff": figs[j]["time_per_update_s"] / figs[i]["time_per_update_s"] - 1.0,
+                          **interval(ki, kj, figs[i]["kl_rel_stderr_robust"])})
     return {"pairs": pairs, "summary": summarize_pairs(pairs, "kl_rel_diff", "time_rel_diff"),
             "cv": {g: {"kl": rel_spread([f["groups"][g]["kl"] for f in figs.values()]),
                        "extreme": rel_spread([f["groups"][g]["extreme"] for f in figs.values()])} for g in groups},
@@ -182,27 +200,6 @@ def summarize_pairs(pairs: list[dict[str, Any]], kl_key: str = "kl_rel_error",
             "time_abs_error_median": float(np.median(tt)) if tt else math.nan}
 
 
-def robust_rel_stderr(d: Path) -> dict[str, float]:
-    """Per group, the relative stderr of the calibration run's KL at its own staleness, the updates'
-    autocorrelation counted (`stale_kl_line(...).stderr_robust / value`)."""
-    g = RunLog.open(d).groups
-    out = {}
-    for name in sorted(g["group"].unique()):
-        line = stale_kl_line(g[g["group"] == name])
-        if line is not None and line.value > 0:
-            out[str(name)] = line.stderr_robust / line.value
-    return out
-
-
-def interval(c: dict[str, Any], rel: dict[str, float]) -> dict[str, Any]:
-    """Whether each group's measured KL lies in the prediction's 95% interval: predicted x (1 +- 2 sqrt(2) r),
-    r the calibration run's robust relative stderr, counted twice (the predicted run is one draw with the same
-    spread as the calibration run)."""
-    z = {g: (v["kl_measured"] / v["kl_predicted"] - 1.0) / (math.sqrt(2.0) * rel[g])
-         for g, v in c["groups"].items() if g in rel and rel[g] > 0 and v["kl_predicted"] > 0}
-    return {"kl_z": z, "kl_in_95pct_interval": bool(z) and all(abs(x) <= 2.0 for x in z.values())}
-
-
 def against(c: dict[str, Any], figs: dict[str, dict[str, Any]], calibrated: set[str]) -> dict[str, Any]:
     """A check's predictions against the mean of the predicted plan's runs (the groups the calibration measured)."""
     groups = {g: v for g, v in c["groups"].items() if g in calibrated}
@@ -222,11 +219,9 @@ def compact(c: dict[str, Any], calibrated: set[str]) -> dict[str, Any]:
     group's KL relative to the mean of the groups' KL (predicted against measured): the part of the mismatch that
     is the groups' and not the trainer's drift, which all groups share."""
     gs = {g: v for g, v in c["groups"].items() if g in calibrated}
-    mp = float(np.mean([v["kl_predicted"] for v in gs.values()]))
-    mm = float(np.mean([v["kl_measured"] for v in gs.values()]))
     return {"kl_rel_error": {g: v["kl_rel_error"] for g, v in gs.items()},
-            "kl_vs_fleet_rel_error": {g: (v["kl_predicted"] / mp) / (v["kl_measured"] / mm) - 1.0
-                                      for g, v in gs.items()},
+            "kl_vs_fleet_rel_error": vs_groups_mean({g: v["kl_predicted"] for g, v in gs.items()},
+                                                    {g: v["kl_measured"] for g, v in gs.items()}),
             "extreme_ratio": {g: v["extreme_ratio"] for g, v in gs.items()},
             "from_priors": {g: v for g, v in c["groups"].items() if g not in calibrated},
             "time_rel_error": c["time_per_update"]["rel_error"], "groups": c["groups"],
@@ -328,12 +323,15 @@ def main() -> None:
         for d in runs[src]:
             cal = calibrate([d])
             res["fits"][str(d)] = fitted_mismatch(cal)
-            rel = robust_rel_stderr(d)
+            rel = figs[src][str(d)]["kl_rel_stderr_robust"]
             res["fits"][str(d)]["kl_at_run_staleness_rel_stderr_robust"] = rel
             last = None
             for t in runs[dst]:
                 last = check(cal, plans[dst], t)
-                pairs.append({"pair": [str(d), str(t)], **compact(last, set(rel)), **interval(last, rel)})
+                kl = {g: v for g, v in last["groups"].items() if g in rel}
+                pairs.append({"pair": [str(d), str(t)], **compact(last, set(rel)),
+                              **interval({g: v["kl_predicted"] for g, v in kl.items()},
+                                         {g: v["kl_measured"] for g, v in kl.items()}, rel)})
                 print(f"[mismatch_transfer] {Path(d).name} -> {Path(t).name}: KL "
                       + ", ".join(f"{g} {e:+.0%}" for g, e in pairs[-1]["kl_rel_error"].items())
                       + "; extreme " + ", ".join(f"{g} {x:.2f}x" for g, x in pairs[-1]["extreme_ratio"].items())

@@ -93,7 +93,7 @@ class StaleKLLine:
     stderr: float
     stderr_robust: float
     lag: int
-    xs: np.ndarray            # the points' staleness (0 for the on-policy points)
+    staleness_max: float      # the largest staleness of the points the line went through
     tokens: np.ndarray        # per row: tokens_trained, kl_k3, the rows used
     kl: np.ndarray
     ok: np.ndarray
@@ -165,8 +165,8 @@ def stale_kl_line(gr: pd.DataFrame) -> StaleKLLine | None:
     except np.linalg.LinAlgError:
         e_run = e_rob = math.nan
     return StaleKLLine(a=float(a), b=float(b), a_stderr=float(ea), b_stderr=float(eb), staleness=s_run,
-                       value=float(a + b * s_run), stderr=e_run, stderr_robust=e_rob, lag=lag, xs=xs, tokens=n, kl=kl,
-                       ok=ok)
+                       value=float(a + b * s_run), stderr=e_run, stderr_robust=e_rob, lag=lag,
+                       staleness_max=float(xs.max()), tokens=n, kl=kl, ok=ok)
 
 
 def _mismatch_split(gr: pd.DataFrame, prior: Any) -> tuple[Fitted, Fitted, Fitted, Fitted] | None:
@@ -188,12 +188,12 @@ def _mismatch_split(gr: pd.DataFrame, prior: Any) -> tuple[Fitted, Fitted, Fitte
     if line is None:
         return None
     a, b, ea, eb, s_run, at_run = line.a, line.b, line.a_stderr, line.b_stderr, line.staleness, line.value
-    n, kl, ok, xs = line.tokens, line.kl, line.ok, line.xs
+    n, kl, ok = line.tokens, line.kl, line.ok
     level = max(a, MIN_LEVEL_SHARE * at_run)
     g = (at_run / level - 1.0) / s_run if level > 0 and s_run > 0 else 0.0
     eg = float(eb / level) if level > 0 else math.nan
     note = (f"kl(s) = {a:.3g} (+- {ea:.2g}) + {b:.3g} (+- {eb:.2g}) x s, fitted on the run's staleness "
-            f"0..{xs.max():.2f}; kl at its mean staleness {s_run:.2f}: {at_run:.3g} +- {line.stderr:.2g} "
+            f"0..{line.staleness_max:.2f}; kl at its mean staleness {s_run:.2f}: {at_run:.3g} +- {line.stderr:.2g} "
             f"(+- {line.stderr_robust:.2g} with the updates' autocorrelation, lag {line.lag})")
     if level > a:
         note += f"; kl0 kept at {MIN_LEVEL_SHARE:.0%} of kl at the run's staleness {s_run:.2f}"
