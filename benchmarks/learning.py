@@ -61,6 +61,10 @@ from mixfleet.studies.ablation import variant
 SC_MIS_TOPP = variant("sc_mis_topp").overrides()   # SC + MIS, top-p 0.95 sampling with mask replay
 GRPO = variant("grpo").overrides()                 # plain GRPO over the full vocabulary
 
+# The rate the shipped plans carried until 2026-12-05 (now 1.5e-4, the rate the asynchronous fleets learn at):
+# the rungs measured at it pin it, so that they run as they ran whatever the plans carry
+RECIPE_LR_3E4 = {"lr": 3e-4}
+
 RESULTS = Path(__file__).resolve().parent / "results" / "learning.json"
 FINAL_RESULTS = Path(__file__).resolve().parent / "results" / "learning_final_eval.json"
 FIGURES = Path(__file__).resolve().parents[1] / "docs" / "img"
@@ -86,18 +90,22 @@ class Rung:
 
 RUNGS: dict[str, Rung] = {r.key: r for r in (
     Rung(key="a0", label="on-policy GRPO, in process (no Ray)"),
-    Rung(key="a", label="on-policy GRPO, runner, sync, one fp32 group", plan="learning-onpolicy", mode="sync"),
+    Rung(key="a", label="on-policy GRPO, runner, sync, one fp32 group", plan="learning-onpolicy", mode="sync",
+         settings=RECIPE_LR_3E4),
     Rung(key="a-lr", label="a at half the learning rate (1.5e-4)", plan="learning-onpolicy", mode="sync",
          settings={"lr": 1.5e-4}),
-    Rung(key="b", label="GRPO, runner, async (staleness <= 2), one fp32 group", plan="learning-onpolicy"),
+    Rung(key="b", label="GRPO, runner, async (staleness <= 2), one fp32 group", plan="learning-onpolicy",
+         settings=RECIPE_LR_3E4),
     Rung(key="b-c", label="SC+MIS+top-p, runner, async, one fp32 group", plan="learning-onpolicy",
-         overrides=SC_MIS_TOPP),
+         overrides=SC_MIS_TOPP, settings=RECIPE_LR_3E4),
     Rung(key="b-c-drain", label="b-c with weight sync drain (no in-flight update)", plan="learning-onpolicy",
-         overrides={**SC_MIS_TOPP, "policies.weight_sync.name": "drain"}),
-    Rung(key="c", label="SC+MIS+top-p, runner, async, mixed fleet (bf16 / fp8 / nvfp4)", plan="tiny-cpu"),
+         overrides={**SC_MIS_TOPP, "policies.weight_sync.name": "drain"}, settings=RECIPE_LR_3E4),
+    Rung(key="c", label="SC+MIS+top-p, runner, async, mixed fleet (bf16 / fp8 / nvfp4)", plan="tiny-cpu",
+         settings=RECIPE_LR_3E4),
     Rung(key="b-c-p", label="b-c evaluated at its own top-p 0.95 (the nucleus policy it trains)",
-         plan="learning-onpolicy", overrides=SC_MIS_TOPP, settings={"eval_top_p": 0.95}),
-    Rung(key="c-p", label="c evaluated at its own top-p 0.95", plan="tiny-cpu", settings={"eval_top_p": 0.95}),
+         plan="learning-onpolicy", overrides=SC_MIS_TOPP, settings={**RECIPE_LR_3E4, "eval_top_p": 0.95}),
+    Rung(key="c-p", label="c evaluated at its own top-p 0.95", plan="tiny-cpu",
+         settings={**RECIPE_LR_3E4, "eval_top_p": 0.95}),
     Rung(key="b-c-lr", label="b-c at a-lr's learning rate (1.5e-4)", plan="learning-onpolicy",
          overrides=SC_MIS_TOPP,
          settings={"lr": 1.5e-4}),
@@ -108,13 +116,13 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
          plan="tiny-cpu", overrides=GRPO,
          settings={"lr": 1.5e-4}),
     Rung(key="d-a", label="MoE: on-policy GRPO, sync, one fp32 group, routing free",
-         plan="learning-onpolicy-moe", model="tiny-qwen3-moe", mode="sync"),
+         plan="learning-onpolicy-moe", model="tiny-qwen3-moe", mode="sync", settings=RECIPE_LR_3E4),
     Rung(key="d-a0", label="MoE: on-policy GRPO in process, 300-step base, lr 1.5e-4", model="tiny-qwen3-moe",
          pretrain_steps=300, settings={"lr": 1.5e-4}),
     Rung(key="d-c", label="MoE: SC+MIS+top-p, async, mixed fleet, routing free", plan="tiny-moe-cpu",
-         model="tiny-qwen3-moe"),
+         model="tiny-qwen3-moe", settings=RECIPE_LR_3E4),
     Rung(key="d-c-replay", label="MoE: SC+MIS+top-p, async, mixed fleet, routing replay",
-         plan="tiny-moe-cpu-replay", model="tiny-qwen3-moe"),
+         plan="tiny-moe-cpu-replay", model="tiny-qwen3-moe", settings=RECIPE_LR_3E4),
     Rung(key="d-c300", label="MoE: d-c from the 300-step base at lr 1.5e-4 (d-a0's settings), routing free",
          plan="tiny-moe-cpu", model="tiny-qwen3-moe", pretrain_steps=300, settings={"lr": 1.5e-4}),
     Rung(key="d-c300-replay", label="MoE: d-c300 with routing replay", plan="tiny-moe-cpu-replay",

@@ -26,6 +26,7 @@ MAX_THREADS = 1024                   # torch threads of one embedded sampler
 MAX_TURNS = 4096                     # turns of one episode
 MAX_NEW_TOKENS = 1_048_576           # reply tokens per turn
 MAX_PASS_K = 1024                    # samples per prompt of a pass@k evaluation
+MAX_BASE_STEPS = 1_000_000           # optimizer steps of a base policy's pretraining ([embedded] base_steps)
 MAX_TOOL_LATENCY_S = 86_400.0        # seconds one tool call takes (a day; the seed's slowest test run: 600 s)
 MAX_LOGNORMAL_SIGMA = 10.0           # a lognormal's sigma (a factor e^10 ~ 22,000 per standard deviation)
 

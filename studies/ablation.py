@@ -176,17 +176,17 @@ def variant_plan(base: Plan, variant_key: str, seed: int, *, top_p: float = DEFA
     return with_overrides(base, variant_overrides(base.name, variant_key, seed, top_p=top_p))
 
 
-def resolve_base_policy(config: AblationConfig, model: str = "tiny") -> str:
-    """The base policy checkpoint: the configured one, else the cached `mixfleet pretrain` of the plan's model
-    (trained if missing)."""
+def resolve_base_policy(config: AblationConfig, plan: Any) -> str:
+    """The base policy checkpoint: the configured one, else the cached `mixfleet pretrain` of the plan's model,
+    task and [embedded] base_steps (trained if missing), the base `mixfleet run` takes for the same plan."""
     if config.base_policy:
         if not (Path(config.base_policy) / "config.json").exists():
             raise ValueError(f"ablation base_policy = {config.base_policy!r}; allowed: a Hugging Face layout "
                              "checkpoint folder (config.json + safetensors)")
         return str(Path(config.base_policy).resolve())
-    from mixfleet.runner.orchestration.pretrain import PretrainConfig, pretrain
+    from mixfleet.runner.orchestration.pretrain import plan_base_config, pretrain
 
-    return str(pretrain(PretrainConfig(model=model)).path)
+    return str(pretrain(plan_base_config(plan)).path)
 
 
 def run_ablation(config: AblationConfig, *, log: Callable[[str], Any] = print) -> dict[str, Any]:
@@ -205,9 +205,9 @@ def run_ablation(config: AblationConfig, *, log: Callable[[str], Any] = print) -
             for s in specs]
     # refused in the ablation's own words before any base policy is trained
     states = run_states(runs, resume=config.resume, where="ablation", folder=config.out_dir)
-    bases = {m: resolve_base_policy(config, m) for m in sorted({p.model for p in plans.values()})}
-    runs = [dataclasses.replace(r, base_policy=bases[plans[s.fleet].model]) for r, s in zip(runs, specs, strict=True)]
-    base_policy = bases[plans[config.fleets[0]].model]
+    bases = {f: resolve_base_policy(config, plans[f]) for f in config.fleets}    # cached: one training per base
+    runs = [dataclasses.replace(r, base_policy=bases[s.fleet]) for r, s in zip(runs, specs, strict=True)]
+    base_policy = bases[config.fleets[0]]
     extra = {"format": "mixfleet-ablation", "format_version": 1,
              "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in asdict(config).items()},
              "variants": {v.key: {"label": v.label, "overrides": v.overrides(config.top_p)}

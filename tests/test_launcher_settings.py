@@ -27,7 +27,7 @@ def test_none_is_the_plans_and_zero_or_false_is_the_runs() -> None:
     plan = load_plan("tiny-cpu")
     cfg = RunConfig(**BASE).resolved(plan)
     assert (cfg.lr, cfg.lr_warmup_steps, cfg.loss_agg, cfg.advantage_std, cfg.eval_problems, cfg.eval_every,
-            cfg.max_new_tokens, cfg.task) == (3e-4, 3, "seq_mean_token_mean", True, 32, 10, 24, "guess")
+            cfg.max_new_tokens, cfg.task) == (1.5e-4, 3, "seq_mean_token_mean", True, 32, 10, 24, "guess")
     own = RunConfig(**BASE, eval_every=0, lr_warmup_steps=0, top_k_record=0, advantage_std=False,
                     eval_at_start=False, trainer_threads=2).resolved(plan)
     assert (own.eval_every, own.lr_warmup_steps, own.top_k_record, own.advantage_std, own.eval_at_start,
@@ -37,8 +37,10 @@ def test_none_is_the_plans_and_zero_or_false_is_the_runs() -> None:
 
 
 def test_the_overridable_settings_are_the_plans_own() -> None:
-    # derived, not a hand-written list: every [embedded] setting but the fleet's scale-down is a run setting
-    assert set(PLAN_SETTINGS) == {f.name for f in dataclasses.fields(EmbeddedPlan)} - {"max_replicas_per_group"}
+    # derived, not a hand-written list: every [embedded] setting but the fleet's scale-down and the base policy's
+    # pretraining (a run is given its base: --init) is a run setting
+    assert set(PLAN_SETTINGS) == ({f.name for f in dataclasses.fields(EmbeddedPlan)}
+                                  - {"max_replicas_per_group", "base_steps"})
 
 
 def test_a_legacy_extra_table_is_lifted_into_embedded() -> None:
@@ -82,3 +84,20 @@ def test_no_shipped_plan_has_a_free_form_table() -> None:
         raw = tomllib.loads(path.read_text())
         assert "extra" not in raw.get("embedded", {}), f"{path.name}: [embedded.extra] (migrate it into [embedded])"
         load_plan(path.stem)
+
+
+def test_a_plan_names_the_base_it_starts_from() -> None:
+    """`mixfleet run` without --init pretrains (or reuses) the base of the plan's model, task and base_steps: the
+    MoE plans learn from a 300-step base (docs/learning.md), the dense ones from pretrain's default, the same cache
+    entry `mixfleet pretrain` makes with its defaults."""
+    from mixfleet.runner.orchestration.pretrain import PretrainConfig, cache_key, plan_base_config
+
+    dense, moe = plan_base_config(load_plan("tiny-cpu")), plan_base_config(load_plan("tiny-moe-cpu"))
+    assert cache_key(dense) == cache_key(PretrainConfig())                        # the existing cache entry
+    assert (moe.model, moe.steps, moe.demos.task) == ("tiny-qwen3-moe", 300, "guess")
+    assert plan_base_config(load_plan("tiny-cpu"), task="calc").demos.task == "calc"   # --task: that task's demos
+
+
+def test_a_bad_base_steps_names_the_field() -> None:
+    with pytest.raises(ValueError, match=r"base_steps.*-1"):
+        EmbeddedPlan(base_steps=-1)

@@ -21,21 +21,21 @@ from typer.testing import CliRunner
 def test_lr_goes_into_the_plan_and_the_runs_settings() -> None:
     plan = load_plan("tiny-cpu")
     assert with_lr(plan, None) is plan
-    lowered = with_lr(plan, 1.5e-4)
-    assert (plan.embedded.lr, lowered.embedded.lr) == (3e-4, 1.5e-4)
-    assert RunConfig(out_dir="/nonexistent", init_checkpoint="/nonexistent").resolved(lowered).lr == 1.5e-4
+    lowered = with_lr(plan, 7.5e-5)
+    assert (plan.embedded.lr, lowered.embedded.lr) == (1.5e-4, 7.5e-5)
+    assert RunConfig(out_dir="/nonexistent", init_checkpoint="/nonexistent").resolved(lowered).lr == 7.5e-5
     assert plan_from_dict(lowered.to_dict()) == lowered                 # as the run log records it
     assert lowered.groups == plan.groups and lowered.policies == plan.policies
 
 
 def test_a_resume_at_another_lr_is_refused_naming_the_field(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    lowered = with_lr(load_plan("tiny-cpu"), 1.5e-4)
+    lowered = with_lr(load_plan("tiny-cpu"), 7.5e-5)
     with RunLogWriter(run, {"source": "runner", "plan": lowered.to_dict()}):
         pass
     assert prepare_resume(run, lowered, apply=False) is not None         # the same lr continues
-    with pytest.raises(SpecError, match=r"embedded\.lr: 0\.00015 -> 0\.0003"):
-        prepare_resume(run, load_plan("tiny-cpu"), apply=False)         # --resume without --lr 1.5e-4
+    with pytest.raises(SpecError, match=r"embedded\.lr: 7\.5e-05 -> 0\.00015"):
+        prepare_resume(run, load_plan("tiny-cpu"), apply=False)         # --resume without --lr 7.5e-5
 
 
 @pytest.mark.parametrize("bad", ["0", "-1e-4"])

@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.limits import (
+    MAX_BASE_STEPS,
     MAX_GPUS,
     MAX_LOCAL_REPLICAS,
     MAX_NEW_TOKENS,
@@ -240,6 +241,9 @@ class EmbeddedPlan:
     advantage_std: bool = False      # GRPO advantages divided by their prompt-group's std
     top_k_record: int = 16           # top-K log-probs recorded per sampled token (the corrections' head)
     trainer_threads: int = 1         # torch threads of the trainer
+    base_steps: int = 0              # the base policy's pretraining steps when a run is given none (`mixfleet run`
+                                     # without --init pretrains or reuses `mixfleet pretrain --steps N` on the plan's
+                                     # model and task); 0 = pretrain's default. Not a run setting: --init replaces it
 
     def __post_init__(self) -> None:
         w = "plan embedded"
@@ -250,6 +254,7 @@ class EmbeddedPlan:
         check_count(w, "eval_every", self.eval_every, 0, 1_000_000)
         check_count(w, "lr_warmup_steps", self.lr_warmup_steps, 0, 1_000_000)
         check_count(w, "top_k_record", self.top_k_record, 0, 1024)
+        check_count(w, "base_steps", self.base_steps, 0, MAX_BASE_STEPS)
         _need(w, "temperature", _number(self.temperature) and 0 < self.temperature <= 100, self.temperature,
               "a number in (0, 100]")
         _need(w, "lr", _number(self.lr) and self.lr > 0, self.lr, "a number > 0")

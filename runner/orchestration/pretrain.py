@@ -231,6 +231,20 @@ def pretrain(config: PretrainConfig | None = None, *, cache_dir: str | Path | No
     return PretrainResult(path=Path(out) if out is not None else final, key=key, reused=reused, meta=meta)
 
 
+def plan_base_config(plan: Any, *, task: str | None = None) -> PretrainConfig:
+    """The base policy a run of `plan` starts from when it is given none: `mixfleet pretrain` on the plan's model,
+    on demonstrations of the plan's task (its options included) or `task`, for the plan's [embedded] base_steps
+    (0: pretrain's default). A plan without [embedded] settings gets pretrain's defaults on its model."""
+    emb = getattr(plan, "embedded", None)
+    kw: dict[str, Any] = {"model": plan.model}
+    name = task or (emb.task if emb is not None and emb.task else "guess")
+    options = dict(emb.task_options) if emb is not None and not task else {}
+    kw["demos"] = DemoConfig(task=name, task_options=tuple(sorted(options.items())))
+    if emb is not None and emb.base_steps:
+        kw["steps"] = emb.base_steps
+    return PretrainConfig(**kw)
+
+
 @dataclass(frozen=True, kw_only=True)
 class RewardReport:
     task: str

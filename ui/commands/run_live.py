@@ -131,13 +131,16 @@ def _check_task(plan: Any, task: str | None) -> None:
     check_task(name, options, where="--task" if task else f"plan '{plan.name}' [embedded] task")
 
 
-def default_base_policy(progress: bool = True, model: str = "tiny") -> str:
-    """The cached `mixfleet pretrain --model MODEL` checkpoint (trained now if missing: minutes on a CPU)."""
-    from mixfleet.runner.orchestration.pretrain import PretrainConfig, pretrain
+def default_base_policy(plan: Any, progress: bool = True, task: str | None = None) -> str:
+    """The cached `mixfleet pretrain` checkpoint of the plan's model, task and [embedded] base_steps (trained now
+    if missing: minutes on a CPU)."""
+    from mixfleet.runner.orchestration.pretrain import plan_base_config, pretrain
 
+    cfg = plan_base_config(plan, task=task)
     if progress:
-        typer.echo(f"base policy: the cached `mixfleet pretrain --model {model}` checkpoint (trained if missing)...")
-    return str(pretrain(PretrainConfig(model=model)).path)
+        typer.echo(f"base policy: the cached `mixfleet pretrain --model {cfg.model} --task {cfg.demos.task} "
+                   f"--steps {cfg.steps}` checkpoint (trained if missing)...")
+    return str(pretrain(cfg).path)
 
 
 def with_lr(plan: Any, lr: float | None) -> Any:
@@ -190,7 +193,7 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
         # one writer per run folder, held until this command ends (the run takes it again, re-entrantly); the
         # folder is checked again under the lock, and a resume checked before the base policy and Ray start
         lock = launcher.prepare(out, plan, resume=resume, force=force)
-        init_path = init or default_base_policy(progress=not quiet, model=plan.model)
+        init_path = init or default_base_policy(plan, progress=not quiet, task=task)
         cfg = RunConfig(out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
                         fleet_mode=fleet_mode, attach=attach_map, address=address, resume=resume,
                         task=task, eval_every=eval_every, trainer_threads=trainer_threads,  # None: the plan's
