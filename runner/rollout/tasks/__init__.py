@@ -22,6 +22,7 @@ from mixfleet.runner.rollout.tasks.base import (
 )
 from mixfleet.runner.rollout.tasks.calc import CalcTask
 from mixfleet.runner.rollout.tasks.guess import GuessTask
+from mixfleet.runner.rollout.tasks.repo import RepoTask
 
 TASKS: dict[str, type[Task]] = {}
 
@@ -60,7 +61,8 @@ def make_task(name: str, **options: Any) -> Task:
 
 register_task(GuessTask)
 register_task(CalcTask)
+register_task(RepoTask)
 
-__all__ = ["EVAL_SEED_START", "SPLITS", "TASKS", "CalcTask", "GuessTask", "StepResult", "Task", "ToolCall",
+__all__ = ["EVAL_SEED_START", "SPLITS", "TASKS", "CalcTask", "GuessTask", "RepoTask", "StepResult", "Task", "ToolCall",
            "make_task", "register_task", "split_of", "split_seeds", "task_config", "task_names",
            "unknown_tool_message"]
