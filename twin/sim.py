@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from mixfleet.costmodel.records.outdir import lock_output_dir
 from mixfleet.costmodel.records.runlog import RunLogWriter
 from mixfleet.costmodel.records.runsummary import RunSummary, summarize
 from mixfleet.policies.plan import Plan, load_plan
@@ -96,6 +97,8 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
     wall0 = time.perf_counter()
     gc_thresholds = gc.get_threshold()
     gc.set_threshold(100_000, 50, 100)  # the run holds ~1e6 small live objects: collect cycles less often
+    # one writer per run-log folder, as a real run (re-entrant: `mixfleet simulate` took it before its check)
+    lock = lock_output_dir(folder, where="mixfleet simulate") if out is not None else None
     try:
         header = {"source": "twin", "plan": plan.to_dict(), "seed": seed, "clock": "simulated",
                   **({"warm_start": True} if warm_start else {}),
@@ -117,6 +120,8 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
             writer.update_header(wall_s=wall_s, simulated_s=world.env.now, events=events)
     finally:
         gc.set_threshold(*gc_thresholds)
+        if lock is not None:
+            lock.release()
     summary = summarize(folder)
     trained = world.trajectories_written - world.trajectories_dropped
     buffered = sum(len(p.samples) for p in world.prompts.complete.values())

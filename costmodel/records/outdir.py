@@ -310,3 +310,58 @@ def lock_output_dir(path: str | os.PathLike[str], *, where: str, flag: str = "--
     os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
     _HELD[key] = [fd, 1]
     return OutputLock(p, key)
+
+
+
+def claim_output_dir(path: str | os.PathLike[str], kind: str, *, where: str, flag: str = "--out",
+                     resume: bool = False, force: bool = False) -> OutputLock:
+    """Check `path` for `kind` output, take its writer lock, and check it again under the lock (then a replaced
+    folder is cleared): what every writer of a run-log folder does first (`mixfleet run`, `mixfleet simulate`),
+    so two writers never both pass the check of one new folder. Returns the lock (release it when the log is
+    closed); raises SpecError, the lock released."""
+    prepare_output_dir(path, kind, where=where, flag=flag, resume=resume, force=force, clear=False)
+    lock = lock_output_dir(path, where=where, flag=flag)
+    try:
+        prepare_output_dir(path, kind, where=where, flag=flag, resume=resume, force=force)
+    except BaseException:
+        lock.release()
+        raise
+    return lock
+
+# ---- single output files and the run-log folders nothing else writes into ----------------------------------
+def enclosing_run_log(path: str | os.PathLike[str]) -> Path | None:
+    """The run-log folder `path` is, or lies inside (any depth: `RUN/eval.json`, `RUN/updates/x`); None when none.
+    A run log is a folder whose run.json is a mixfleet run-log header (a run's or a twin's)."""
+    p = Path(path).absolute()
+    for d in (p, *p.parents):
+        with contextlib.suppress(OSError):
+            if d.is_dir() and _header(d) is not None:
+                return d
+    return None
+
+
+def check_outside_run_logs(path: str | os.PathLike[str], *, where: str, flag: str, what: str) -> None:
+    """Refuse a destination inside any run log's folder (a run log holds only what its run writes: a foreign
+    file there makes `--resume` refuse it and its tables unreadable by plain readers)."""
+    run = enclosing_run_log(path)
+    if run is not None:
+        raise SpecError(where, flag, str(path), f"{what} outside every run-log folder ({run} is a run log, which holds "
+                                                f"only what its run writes): write it beside it, e.g. "
+                                                f"{run.parent / (run.name + '-' + Path(path).name)}")
+
+
+def prepare_output_file(path: str | os.PathLike[str], *, where: str, flag: str = "--out", force: bool = False) -> None:
+    """May one output file be written at `path`? Refused (SpecError): a folder; a path under a file; a path
+    inside a run log's folder; an existing file without `force` (never silently replaced)."""
+    p = Path(path)
+    if p.is_dir():
+        raise SpecError(where, flag, str(p), "a file path (this is a folder)")
+    for parent in p.absolute().parents:
+        if parent.exists() or parent.is_symlink():
+            if not parent.is_dir():
+                raise SpecError(where, flag, str(p), f"a file path ({parent} is not a folder, so nothing can be "
+                                                     "created under it)")
+            break
+    check_outside_run_logs(p, where=where, flag=flag, what="a file")
+    if (p.exists() or p.is_symlink()) and not force:
+        raise SpecError(where, flag, str(p), "a new file, or pass --force to replace it (it already exists)")

@@ -71,13 +71,11 @@ def prepare(out: Path, plan: Any, *, resume: bool, force: bool = False, where: s
     lock: a new or empty folder, `force` to replace what an earlier run wrote, or with `resume` the run it
     continues (its plan the log's, its checkpoint readable; nothing is changed yet). Returns the lock (release
     it when the run ends); raises SpecError / ValueError naming the problem, the lock released."""
-    from mixfleet.costmodel.records.outdir import lock_output_dir, prepare_output_dir
+    from mixfleet.costmodel.records.outdir import claim_output_dir
     from mixfleet.runner.orchestration.orchestrator import prepare_resume
 
-    prepare_output_dir(out, "run", where=where, resume=resume, force=force, clear=False)
-    lock = lock_output_dir(out, where=where)
+    lock = claim_output_dir(out, "run", where=where, resume=resume, force=force)
     try:
-        prepare_output_dir(out, "run", where=where, resume=resume, force=force)
         if resume:
             prepare_resume(out, plan, apply=False)
     except BaseException:

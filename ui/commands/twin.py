@@ -378,15 +378,19 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Dry-run a plan in the twin: run log + summary."""
         from mixfleet.costmodel.errors import SpecError
-        from mixfleet.costmodel.records.outdir import prepare_output_dir
+        from mixfleet.costmodel.records.outdir import claim_output_dir
 
-        try:
+        lock = None
+        try:                  # one writer per run-log folder, as `mixfleet run`: held until the log is closed
             if out is not None:
-                prepare_output_dir(out, "twin_runlog", where="mixfleet simulate", force=force)
+                lock = claim_output_dir(out, "twin_runlog", where="mixfleet simulate", force=force)
             r = _simulate(plan, updates, seed, str(out) if out else None, price_table, "simulating", calibration,
                           warm_start=warm_start, truth=truth)
         except (SpecError, FileNotFoundError) as e:
             _fail(e)
+        finally:
+            if lock is not None:
+                lock.release()
         if as_json:
             typer.echo(json.dumps(r.to_dict(), indent=2))
             return
