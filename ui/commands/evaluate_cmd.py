@@ -1,8 +1,8 @@
 """`mixfleet evaluate PATH`: a run's last policy (or a checkpoint) on the held-out split, as many problems as asked.
 
 The library is `mixfleet.runner.orchestration.evaluate_run` (module doc: settings, common random numbers). Bad input
-(not a run folder nor a checkpoint, a run without a checkpoint, an out-of-range problem count) prints one line and
-exits with 2.
+(not a run folder nor a checkpoint, a run without a checkpoint, an out-of-range problem count, an `--out` that exists
+without `--force` or lies inside a run folder) prints one line and exits with 2.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def register_evaluate(app: typer.Typer) -> None:
         max_turns: int = typer.Option(None, "--max-turns", help="Default: the run's own evaluation's."),
         max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="Default: the run's own evaluation's."),
         out: Path = typer.Option(None, "--out", "-o", help="Also write the result (with each problem's reward) "
-                                 "to this JSON file."),
+                                 "to this JSON file (a new file outside every run folder)."),
+        force: bool = typer.Option(False, "--force", help="Replace the file --out names if it exists."),
         as_json: bool = typer.Option(False, "--json", help="Print the result as JSON."),
     ) -> None:
         """Evaluate a run's last policy (its trainer_state, exported as the samplers load it) with the run's own
@@ -37,9 +38,12 @@ def register_evaluate(app: typer.Typer) -> None:
         error, pass@k. With the run's problem count, k and seed it reproduces the run's last evaluation."""
         from mixfleet.costmodel.errors import SpecError
         from mixfleet.costmodel.jsonsafe import json_safe
+        from mixfleet.costmodel.records.outdir import prepare_output_file
         from mixfleet.runner.orchestration.evaluate_run import evaluate_policy
 
         try:
+            if out is not None:                 # checked before anything is built: never replaced, never in a run
+                prepare_output_file(out, where="mixfleet evaluate", force=force)
             res = evaluate_policy(path, problems=problems, k=k, seed=seed, temperature=temperature, top_p=top_p,
                                   max_turns=max_turns, max_new_tokens=max_new_tokens)
         except (SpecError, ValueError, FileNotFoundError) as e:
@@ -48,7 +52,9 @@ def register_evaluate(app: typer.Typer) -> None:
         doc = json_safe(res.to_dict())
         if out is not None:
             out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(doc, indent=1) + "\n")
+            tmp = out.with_name(f".{out.name}.tmp")
+            tmp.write_text(json.dumps(doc, indent=1) + "\n")
+            tmp.replace(out)
         if as_json:
             typer.echo(json.dumps(doc, indent=1))
             return
