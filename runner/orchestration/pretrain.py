@@ -35,7 +35,7 @@ from typing import Any
 
 from mixfleet.costmodel.specs.model import ModelSpec, load_model_spec
 from mixfleet.runner.rollout.agent import AgentConfig, Episode, engine_generate, run_episode
-from mixfleet.runner.rollout.demos import DemoConfig, demo_stats, generate_demos
+from mixfleet.runner.rollout.demos import DEMO_REPLY_TOKENS, DemoConfig, demo_stats, generate_demos
 from mixfleet.runner.rollout.tasks import make_task, split_seeds
 from mixfleet.runner.sampler.engine_api import SamplingParams
 
@@ -258,9 +258,10 @@ class RewardReport:
 
 def measure_reward(checkpoint: str | Path, *, task: str = "guess", task_options: dict[str, Any] | None = None,
                    episodes: int = 64, split: str = "eval", offset: int = 0, precision: str = "bf16",
-                   temperature: float = 1.0, seed: int = 0, max_new_tokens: int = 48) -> RewardReport:
+                   temperature: float = 1.0, seed: int = 0, max_new_tokens: int | None = None) -> RewardReport:
     """Mean reward of the checkpoint's policy over `episodes` problems of a split, sampled concurrently
-    with the embedded engine (full vocabulary at `temperature`; per-request seeds, so repeatable)."""
+    with the embedded engine (full vocabulary at `temperature`; per-request seeds, so repeatable). `max_new_tokens`
+    per reply: None = 48, or the task's demonstrations' reply cap when larger (demos.DEMO_REPLY_TOKENS: repo 128)."""
     from mixfleet.runner.sampler.engine import Engine
 
     engine = Engine(checkpoint, precision=precision, kernel="fp32" if precision == "fp32" else None, seed=seed,
@@ -269,6 +270,8 @@ def measure_reward(checkpoint: str | Path, *, task: str = "guess", task_options:
     thread = threading.Thread(target=engine.run_forever, args=(stop,), name="pretrain-eval-engine", daemon=True)
     thread.start()
     options = task_options or {}
+    if max_new_tokens is None:
+        max_new_tokens = max(48, DEMO_REPLY_TOKENS.get(task, 0))
     generate = engine_generate(engine)
     seeds = split_seeds(split, episodes, offset=offset)
 

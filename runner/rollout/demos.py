@@ -12,7 +12,13 @@ policy starts with a reward that is clearly nonzero but improvable:
 - calc: `calc EXPR` with the expression copied from the prompt, then `answer` with the calculator's
   value; with probability `noise` it answers at once, without the calculator, with a "mental" value
   that is right only `mental_accuracy` of the time (off by 1..10 otherwise).
-- both: with probability `no_call_rate` a reply is a short remark without a tool call (the loop
+- repo: the fix of a generated repository (the demonstrator reads the generator's ground truth): look
+  (`grep -n -A5 "def NAME" lib.py` or `cat lib.py`), run the tests (`python3 -m unittest -q 2>&1 | tail -n 6`),
+  edit (`sed -i 's|BUGGY|FIX|' lib.py`, or a one-line `python3 -c` replace 1 time in 4), run the tests again,
+  `submit`; with probability `noise` each: the look skipped, the first test run skipped, the final test run
+  skipped, a wrong edit first (a mistyped pattern that changes nothing; then the tests, and half of those
+  episodes submit right away: reward 0).
+- all: with probability `no_call_rate` a reply is a short remark without a tool call (the loop
   then nudges, and the next reply calls a tool), so the base policy knows how to recover.
 Every draw comes from one seeded RNG: the same DemoConfig gives the same episodes.
 """
@@ -23,7 +29,7 @@ import asyncio
 import random
 import re
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from mixfleet.runner.rollout.agent import (
@@ -62,8 +68,9 @@ class DemoConfig:
     def __post_init__(self) -> None:
         if self.task not in task_names():
             raise ValueError(f"demos.task: {self.task!r} is not one of {', '.join(task_names())}")
-        if self.task not in DEMONSTRATORS:
-            raise ValueError(f"demos.task: no demonstrator for {self.task!r}; have {', '.join(sorted(DEMONSTRATORS))}")
+        if self.task not in DEMONSTRATORS and self.task not in EPISODE_DEMONSTRATORS:
+            have = ", ".join(sorted({*DEMONSTRATORS, *EPISODE_DEMONSTRATORS}))
+            raise ValueError(f"demos.task: no demonstrator for {self.task!r}; have {have}")
         task_config(self.task, **dict(self.task_options))   # validates the options
         if not isinstance(self.num_episodes, int) or self.num_episodes < 1:
             raise ValueError(f"demos.num_episodes: {self.num_episodes!r} must be an integer >= 1")
@@ -125,6 +132,61 @@ def calc_demonstrator(transcript: str, rng: random.Random, config: DemoConfig) -
 
 DEMONSTRATORS: dict[str, Demonstrator] = {"guess": guess_demonstrator, "calc": calc_demonstrator}
 
+REPO_TEST = "python3 -m unittest -q 2>&1 | tail -n 6"
+_SED_RE_SPECIAL = set("\\.*[]^$|")
+_SED_REPL_SPECIAL = set("\\&|")
+
+
+def _sed_escape(text: str, special: set[str]) -> str:
+    return "".join("\\" + c if c in special else c for c in text)
+
+
+def repo_edit_command(buggy: str, fix: str, *, python: bool = False) -> str:
+    """A one-line edit of lib.py replacing `buggy` with `fix`: `sed -i 's|..|..|' lib.py` or a `python3 -c`."""
+    if python:
+        return (f"python3 -c \"import pathlib;p=pathlib.Path('lib.py');"
+                f"p.write_text(p.read_text().replace('{buggy}','{fix}'))\"")
+    return f"sed -i 's|{_sed_escape(buggy, _SED_RE_SPECIAL)}|{_sed_escape(fix, _SED_REPL_SPECIAL)}|' lib.py"
+
+
+def repo_demonstrator(task: Any, rng: random.Random, config: DemoConfig) -> Callable[[str], str]:
+    """The scripted fixer of one repo episode (see the module docstring); its plan is drawn up front."""
+    problem = getattr(task, "problem", None)
+    if problem is None:
+        raise ValueError("repo demonstrator: needs a generated repository (a task set has no ground truth)")
+    buggy, fix = problem.buggy_text.rstrip("\n"), problem.fix_text.rstrip("\n")
+    python = rng.random() < 0.25
+    look = f'grep -n -A5 "def {problem.function}" lib.py' if rng.random() < 0.5 else "cat lib.py"
+    plan: list[str] = []
+    if rng.random() >= config.noise:
+        plan.append(_call("bash", look))
+    if rng.random() >= config.noise:
+        plan.append(_call("bash", REPO_TEST))
+    if rng.random() < config.noise:
+        wrong = buggy.replace(" ", "  ", 1) if " " in buggy else buggy.replace("(", "( ", 1) if "(" in buggy \
+            else "_" + buggy
+        plan += [_call("bash", repo_edit_command(wrong, fix, python=python)), _call("bash", REPO_TEST)]
+        if rng.random() < 0.5:
+            plan.append(_call("submit", ""))
+    plan.append(_call("bash", repo_edit_command(buggy, fix, python=python)))
+    if rng.random() >= config.noise:
+        plan.append(_call("bash", REPO_TEST))
+    plan.append(_call("submit", ""))
+
+    def demonstrate(transcript: str) -> str:
+        if rng.random() < config.no_call_rate and not _last_reply_had_no_call(transcript):
+            return rng.choice(_REMARKS) + "<|eos|>"
+        done = transcript.count("<|endcall|><|tool|>")
+        return plan[min(done, len(plan) - 1)]
+
+    return demonstrate
+
+
+# demonstrators that need the episode's task (its ground truth): factory(task, rng, config) -> transcript -> reply
+EPISODE_DEMONSTRATORS: dict[str, Callable[[Any, random.Random, DemoConfig], Callable[[str], str]]] = {
+    "repo": repo_demonstrator}
+DEMO_REPLY_TOKENS: dict[str, int] = {"repo": 128}   # reply cap of a task's demonstrations (an edit is ~60-110 bytes)
+
 
 def reply_ids(reply: str) -> list[int]:
     """A demonstrator's reply text to ids: `<|call|>`, `<|endcall|>` and `<|eos|>` as specials, the rest bytes."""
@@ -141,12 +203,19 @@ def reply_ids(reply: str) -> list[int]:
     return ids
 
 
-def demonstrator_generate(config: DemoConfig, rng: random.Random):
-    """A GenerateFn (runner/rollout/agent.py) that answers with the task's demonstrator."""
-    demonstrator = DEMONSTRATORS[config.task]
+def demonstrator_generate(config: DemoConfig, rng: random.Random, task: Any = None):
+    """A GenerateFn (runner/rollout/agent.py) that answers with the task's demonstrator (an episode demonstrator
+    is made for `task`, the episode's task)."""
+    if config.task in EPISODE_DEMONSTRATORS:
+        demonstrate = EPISODE_DEMONSTRATORS[config.task](task, rng, config)
+    else:
+        demonstrator = DEMONSTRATORS[config.task]
+
+        def demonstrate(transcript: str) -> str:
+            return demonstrator(transcript, rng, config)
 
     async def generate(input_ids: list[int], sampling_params: SamplingParams, session_id: str) -> RequestResult:
-        ids = reply_ids(demonstrator(decode_plain(input_ids), rng, config))[: sampling_params.max_new_tokens]
+        ids = reply_ids(demonstrate(decode_plain(input_ids)))[: sampling_params.max_new_tokens]
         stopped = ids[-1] in (ENDCALL_ID, EOS_ID)
         finish = {"type": "stop", "matched": ids[-1]} if stopped else {"type": "length", "length": len(ids)}
         return RequestResult(rid=session_id, output_ids=ids,
@@ -163,11 +232,15 @@ async def agenerate_demos(config: DemoConfig, *, agent: AgentConfig | None = Non
     rng = random.Random(config.seed)
     first = rng.randrange(0, 10**8)
     seeds = split_seeds("train", config.num_episodes, offset=first)
-    generate = demonstrator_generate(config, rng)
     options = dict(config.task_options)
+    agent = agent or AgentConfig()
+    if agent.sampling.max_new_tokens < DEMO_REPLY_TOKENS.get(config.task, 0):
+        agent = replace(agent, sampling=replace(agent.sampling, max_new_tokens=DEMO_REPLY_TOKENS[config.task]))
     episodes = []
     for i, seed in enumerate(seeds):   # sequential: one RNG, reproducible order
-        ep = await run_episode(make_task(config.task, **options), seed, generate, config=agent,
+        task = make_task(config.task, **options)
+        generate = demonstrator_generate(config, rng, task)
+        ep = await run_episode(task, seed, generate, config=agent,
                                session_id=f"demo-{config.task}-{i}", clock=lambda: 0.0)
         if ep.finish_reason == "error":
             raise RuntimeError(f"demonstration {i} (seed {seed}) failed: {ep.error}")

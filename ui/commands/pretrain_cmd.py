@@ -24,7 +24,7 @@ def register_pretrain(app: typer.Typer) -> None:
     @app.command("pretrain")
     def pretrain_cmd(
         model: str = typer.Option("tiny", "--model", "-m", help="Model spec name (data/models) or TOML path."),
-        task: str = typer.Option("guess", "--task", "-t", help="Task to imitate: guess | calc."),
+        task: str = typer.Option("guess", "--task", "-t", help="Task to imitate: guess | calc | repo."),
         steps: int = typer.Option(None, "--steps", help="Optimizer steps (default: the recipe's, 150)."),
         out: str = typer.Option(None, "--out", "-o", help="Also copy the checkpoint folder here (new or empty)."),
         force: bool = typer.Option(False, "--force", help="Retrain even if the cache has this base policy (and "

@@ -1,0 +1,4 @@
+def median(xs):
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2]

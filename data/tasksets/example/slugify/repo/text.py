@@ -1,0 +1,3 @@
+def slugify(title):
+    words = title.split()
+    return "-".join(words)

@@ -1,0 +1,2 @@
+def count_words(text):
+    return len(text.split(" "))
