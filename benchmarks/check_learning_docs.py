@@ -1,0 +1,610 @@
+"""Check docs/learning.md and the README's learning rows against the results files they quote.
+
+    python benchmarks/check_learning_docs.py            # exit 1 and one line per disagreement
+    python benchmarks/check_learning_docs.py --write    # regenerate the generated blocks, then check
+
+Two kinds of check:
+- **Generated blocks**: text between `<!-- generated: NAME -->` and `<!-- end -->` is made here from the results
+  files (the ladder table, the collapse signs per seed, the 512 x 2 re-evaluation, the seed's three findings with
+  their verdicts and intervals). The check re-makes each block and fails when the page's copy differs.
+- **Inline figures**: CLAIMS lists (file, regex, fact names). Every figure a regex captures must equal its fact,
+  rounded as written (0.573 checks to 3 decimals, 12 % to the percent, an update number exactly). A regex that
+  no longer matches fails too, so rewording a sentence means re-pointing its claim here.
+
+Facts come from benchmarks/results/learning.json (the ladder), learning_b-lr_same_base.json (b-lr re-run from
+c-grpo-lr's base), learning_final_eval.json (final policies on 512 x 2 episodes). The verdict rules and the
+collapse signs are defined once, below (FINDINGS_RULES, collapse_signs), and applied by code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from scipy import stats
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+LADDER = "learning.json"
+SAME_BASE = "learning_b-lr_same_base.json"
+FINAL = "learning_final_eval.json"
+DOC = "docs/learning.md"
+README = "README.md"
+EQUIVALENCE_MARGIN = 0.05          # the seed's "within 0.05"
+CONFIDENCE = 0.95
+
+FINDINGS_RULES = """\
+Verdict rules (applied by code, benchmarks/check_learning_docs.py): an interval is the 95 % t-interval over seeds
+(df = seeds - 1) of the per-seed values named. *learns*: shown if the gain's interval lies above 0. *collapses*:
+a seed collapses when all three of the seed's signs occur (k3 above 3x its level of updates 2-6; more than half
+the episodes ending on three replies without a tool call; the 5-update mean training reward below half its
+first 5); shown on every seed, partly on some, not on none. *sooner on mixed*: per seed and sign, the update on
+the homogeneous fleet minus the update on the mixed fleet; shown if every difference is > 0, partly if none is
+< 0 and some is > 0. *within 0.05*: shown only if the difference's interval lies inside +-0.05; refuted if it lies
+wholly outside (beyond +0.05 or below -0.05); otherwise not shown, and not refuted either."""
+
+
+# ---------------------------------------------------------------------------------------------- the data
+
+def load(results: Path = RESULTS) -> dict[str, Any]:
+    out = {}
+    for key, name in (("ladder", LADDER), ("same", SAME_BASE), ("final", FINAL)):
+        path = results / name
+        try:
+            out[key] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"{path}: cannot read the results file the docs quote ({e})") from e
+    return out
+
+
+def runs_of(doc: dict[str, Any], rung: str) -> list[dict[str, Any]]:
+    return sorted((r for r in doc["runs"] if r["rung"] == rung and r["status"] == "finished"),
+                  key=lambda r: r["seed"])
+
+
+def t_interval(values: list[float]) -> tuple[float, float, float, float]:
+    """(mean, se, low, high): the 95 % t-interval over the values (seeds)."""
+    m = statistics.fmean(values)
+    se = statistics.stdev(values) / math.sqrt(len(values))
+    h = float(stats.t.ppf(0.5 + CONFIDENCE / 2, len(values) - 1)) * se
+    return m, se, m - h, m + h
+
+
+def _mean5(xs: list[float], i: int) -> float:
+    return statistics.fmean(xs[i:i + 5])
+
+
+@dataclass(frozen=True)
+class Signs:
+    """A run's collapse signs (FINDINGS_RULES): update numbers are 1-based; None = never."""
+    k3_peak_x: float          # the largest k3 over its level at updates 2-6
+    k3_3x: int | None         # the first update with k3 above 3x that level
+    ntc_50: int | None        # the first update with more than half the episodes ending without a tool call
+    ntc_max_pct: float
+    halved: int | None        # the last update of the first 5-update window whose mean is < half the first 5's
+    train_first5: float
+    train_last5: float
+
+    @property
+    def collapsed(self) -> bool:
+        return self.k3_3x is not None and self.ntc_50 is not None and self.halved is not None
+
+
+def collapse_signs(run: dict[str, Any]) -> Signs:
+    k3, ntc, tr = run["kl_k3"], run["no_tool_call_share"], run["train_reward"]
+    level = statistics.fmean(k3[1:6])
+    k3_3x = next((i + 1 for i, k in enumerate(k3) if k > 3 * level), None)
+    ntc_50 = next((i + 1 for i, s in enumerate(ntc) if s > 0.5), None)
+    start = _mean5(tr, 0)
+    halved = next((i + 5 for i in range(len(tr) - 4) if _mean5(tr, i) < start / 2), None)
+    return Signs(max(k3) / level, k3_3x, ntc_50, 100 * max(ntc), halved, start, _mean5(tr, len(tr) - 5))
+
+
+def facts(data: dict[str, Any]) -> dict[str, float]:
+    """Every figure a claim may quote, by name: `RUNG.start|end|min|max|gain` (means over seeds of the held-out
+    reward), `RUNG.sS.vV` (seed S at version V), `RUNG.sS.ntc_last` (%), `RUNG.sS.k3_3x` etc.; `b-lr@same.*` from
+    the same-base file; `final.*` from the re-evaluation; `f.*` the findings' figures."""
+    f: dict[str, float] = {}
+    for prefix, doc in (("", data["ladder"]), ("@same", data["same"])):
+        for rung in sorted({r["rung"] for r in doc["runs"]}):
+            rs = runs_of(doc, rung)
+            name = rung + prefix
+            start = [r["evals"][0]["reward"] for r in rs]
+            end = [r["evals"][-1]["reward"] for r in rs]
+            f[f"{name}.start"], f[f"{name}.end"] = statistics.fmean(start), statistics.fmean(end)
+            f[f"{name}.min"], f[f"{name}.max"] = min(end), max(end)
+            f[f"{name}.gain"] = f[f"{name}.end"] - f[f"{name}.start"]
+            f[f"{name}.seeds"] = len(rs)
+            for r in rs:
+                s = f"{name}.s{r['seed']}"
+                for e in r["evals"]:
+                    f[f"{s}.v{e['version']}"] = e["reward"]
+                f[f"{s}.ntc_last"] = 100 * r["no_tool_call_share"][-1]
+                f[f"{s}.k3_growth"] = _mean5(r["kl_k3"], len(r["kl_k3"]) - 5) / _mean5(r["kl_k3"], 0)
+                if len(r["train_reward"]) >= 10 and len(r["kl_k3"]) >= 6:
+                    sg = collapse_signs(r)
+                    for k, v in vars(sg).items():
+                        f[f"{s}.{k}"] = math.nan if v is None else float(v)
+            f[f"{name}.ntc_last_max"] = max(100 * r["no_tool_call_share"][-1] for r in rs)
+            long = [r for r in rs if len(r["train_reward"]) >= 10]
+            if long:
+                f[f"{name}.tr_first5"] = statistics.fmean(_mean5(r["train_reward"], 0) for r in long)
+                f[f"{name}.tr_last5"] = statistics.fmean(_mean5(r["train_reward"], len(r["train_reward"]) - 5)
+                                                          for r in long)
+            for v in sorted({e["version"] for r in rs for e in r["evals"]}):
+                vals = [e["reward"] for r in rs for e in r["evals"] if e["version"] == v]
+                if len(vals) == len(rs):
+                    f[f"{name}.v{v}"] = statistics.fmean(vals)
+    f.update({k: v for k, v in data["ladder"]["summary"].items() if not isinstance(v, dict)})  # end differences
+    fin = data["final"]
+    for name, s in fin["summary"].items():
+        key = "base" if name.startswith("base/") else name
+        f[f"final.{key}.mean"] = s["mean"]
+        if s.get("se") is not None:
+            f[f"final.{key}.se"] = s["se"]
+        f[f"final.{key}.gain"] = s["gain_over_base"]
+    trained = [e for e in fin["evaluations"].values() if e["rung"] != "base"]
+    for e in trained:
+        f[f"final.{e['rung']}.s{e['seed']}"] = e["reward"]
+    f["f.final.smallest_gain"] = min(e["reward"] for e in trained if e["rung"] != "d-b300") - f["final.base.mean"]
+    for p in fin["versus"]:
+        k = f"final.{p['a']}-{p['b']}"
+        f[f"{k}.diff"], f[f"{k}.se"] = p["difference"], p["se"]
+        for s, d in p["per_seed_paired"].items():
+            f[f"{k}.s{s}"], f[f"{k}.s{s}.se"] = d["difference"], d["se"]
+    f.update(findings(data)[1])
+    return f
+
+
+# ---------------------------------------------------------------------------------------------- the findings
+
+def _verdict_within(lo: float, hi: float) -> str:
+    if -EQUIVALENCE_MARGIN <= lo and hi <= EQUIVALENCE_MARGIN:
+        return "shown"
+    if lo > EQUIVALENCE_MARGIN or hi < -EQUIVALENCE_MARGIN:
+        return "refuted"
+    return "not shown (not refuted either)"
+
+
+def _verdict_count(k: int, n: int) -> str:
+    return "shown" if k == n else ("partly shown" if k else "not shown")
+
+
+def _ci(m: float, lo: float, hi: float) -> str:
+    return f"{m:+.3f}, 95 % interval [{lo:+.3f}, {hi:+.3f}]"
+
+
+def findings(data: dict[str, Any]) -> tuple[list[tuple[str, str, str, str]], dict[str, float]]:
+    """The seed's three findings as rows (finding, evidence, figures, verdict) and their figures as facts."""
+    lad, same, fin = data["ladder"], data["same"], data["final"]
+    rows: list[tuple[str, str, str, str]] = []
+    fx: dict[str, float] = {}
+
+    def gain_row(rung: str, what: str, doc: dict[str, Any] = lad) -> None:
+        g = [r["evals"][-1]["reward"] - r["evals"][0]["reward"] for r in runs_of(doc, rung)]
+        m, _, lo, hi = t_interval(g)
+        fx.update({f"f.{rung}.gain": m, f"f.{rung}.gain_lo": lo, f"f.{rung}.gain_hi": hi})
+        rows.append(("1. SC + MIS + top-p learns on a mixed fleet", what,
+                     f"gain {_ci(m, lo, hi)} ({len(g)} seeds)", "shown" if lo > 0 else "not shown"))
+
+    gain_row("c-lr", "c-lr: dense, mixed fleet, async, lr 1.5e-4, 40 updates")
+    gain_row("d-c300", "d-c300: MoE, mixed fleet, async, 300-step base, lr 1.5e-4, 30 updates")
+    c_start = [r["evals"][0]["reward"] for r in runs_of(lad, "c-lr")]
+    g_start = [r["evals"][0]["reward"] for r in runs_of(lad, "c-grpo-lr")]
+    same_base = c_start == g_start
+    rows.append(("1. ... where GRPO on the same mixed fleet does not", "c-lr vs c-grpo-lr",
+                 f"held-out start {statistics.fmean(c_start):.3f} vs {statistics.fmean(g_start):.3f}: "
+                 + ("one base" if same_base else "two bases (two machines' `mixfleet pretrain`), no same-base pair"),
+                 "partly shown" if not same_base else "see the rungs"))
+
+    for mixed_rung, mixed_doc, homog_rung, homog_doc, label in (
+            ("c-grpo-lr", lad, "b-lr", same, "dense, lr 1.5e-4, 40 updates, one base"),):
+        mixed, homog = runs_of(mixed_doc, mixed_rung), runs_of(homog_doc, homog_rung)
+        sm = [collapse_signs(r) for r in mixed]
+        sh = [collapse_signs(r) for r in homog]
+        km, kh = sum(s.collapsed for s in sm), sum(s.collapsed for s in sh)
+        fx.update({"f.c-grpo-lr.collapsed": km, "f.b-lr@same.collapsed": kh, "f.c-grpo-lr.n": len(sm)})
+        rows.append(("2. GRPO collapses on a mixed fleet", f"{mixed_rung} ({label})",
+                     f"all three signs on {km} of {len(sm)} seeds (one fp32 group, {homog_rung}: {kh} of {len(sh)})",
+                     _verdict_count(km, len(sm))))
+        diffs: list[int] = []
+        per_seed = []
+        for a, b, r in zip(sm, sh, mixed, strict=True):
+            d = [hb - ha for ha, hb in ((a.k3_3x, b.k3_3x), (a.ntc_50, b.ntc_50), (a.halved, b.halved))
+                 if ha is not None and hb is not None]
+            diffs += d
+            per_seed.append(f"seed {r['seed']}: {', '.join(f'{x:+d}' for x in d)}")
+        end_m = [r["evals"][-1]["reward"] for r in mixed]
+        end_h = [r["evals"][-1]["reward"] for r in homog]
+        higher = sum(m > h for m, h in zip(end_m, end_h, strict=True))
+        fx.update({"f.sooner.min": min(diffs), "f.sooner.max": max(diffs), "f.sooner.mixed_higher_end": higher})
+        verdict = "shown" if min(diffs) > 0 else ("partly shown" if min(diffs) >= 0 < max(diffs) else "not shown")
+        rows.append(("2. ... sooner than on a homogeneous fleet", f"{mixed_rung} vs {homog_rung}, same base",
+                     f"updates sooner on mixed (k3 3x, no tool call > 50 %, reward halved): {'; '.join(per_seed)}; "
+                     f"at the last update the mixed fleet's held-out reward is higher on {higher} of {len(end_m)} "
+                     "seeds", verdict))
+    dm = [collapse_signs(r).collapsed for r in runs_of(lad, "d-c300-grpo")]
+    fx["f.d-c300-grpo.collapsed"] = sum(dm)
+    fx["f.d-b300.collapsed"] = sum(collapse_signs(r).collapsed for r in runs_of(lad, "d-b300"))
+    rows.append(("2. GRPO collapses on a mixed fleet", "d-c300-grpo (MoE, mixed, 40 updates; another base than "
+                 "d-b300's)", f"all three signs on {sum(dm)} of {len(dm)} seeds (one fp32 group, d-b300, other base, "
+                 f"30 updates: {int(fx['f.d-b300.collapsed'])} of 3)", _verdict_count(sum(dm), len(dm))))
+
+    def within_row(key: str, what: str, diffs: list[float]) -> None:
+        m, se, lo, hi = t_interval(diffs)
+        fx.update({f"f.{key}.diff": m, f"f.{key}.se": se, f"f.{key}.lo": lo, f"f.{key}.hi": hi})
+        fx.update({f"f.{key}.d{i}": d for i, d in enumerate(diffs)})
+        rows.append(("3. a mixed fleet does as well as a homogeneous one (within 0.05)", what,
+                     f"{_ci(m, lo, hi)}, per seed {', '.join(f'{d:+.3f}' for d in diffs)}", _verdict_within(lo, hi)))
+
+    c = {r["seed"]: r["evals"][-1]["reward"] for r in runs_of(lad, "c-lr")}
+    b = {r["seed"]: r["evals"][-1]["reward"] for r in runs_of(lad, "b-c-lr")}
+    within_row("dense", "c-lr minus b-c-lr at update 40 (64 x 2 evaluation, same base)",
+               [c[s] - b[s] for s in sorted(c)])
+    vs = {(p["a"], p["b"]): p for p in fin["versus"]}
+    moe = vs[("d-c300", "d-b300-c")]["per_seed_paired"]
+    within_row("moe", "d-c300 minus d-b300-c, final policies on 512 x 2 (paired draws)",
+               [moe[s]["difference"] for s in sorted(moe)])
+    rep = vs[("d-c300-replay", "d-c300")]["per_seed_paired"]
+    within_row("replay", "d-c300-replay minus d-c300 (routing replayed vs free), 512 x 2",
+               [rep[s]["difference"] for s in sorted(rep)])
+
+    kr = [statistics.fmean(a["kl_k3"][1:6]) / statistics.fmean(h["kl_k3"][1:6])
+          for a, h in zip(runs_of(lad, "c-grpo-lr"), runs_of(same, "b-lr"), strict=True)]
+    fx.update({"f.kl_ratio.min": min(kr), "f.kl_ratio.max": max(kr)})
+    rows.append(("the treatment: the mixed fleet's mismatch exceeds the homogeneous one's", "c-grpo-lr vs b-lr, "
+                 "same base: run k3, mean of updates 2-6", f"mixed / homogeneous {min(kr):.2f}-{max(kr):.2f}x per seed",
+                 "not shown (needs >= 3x)" if min(kr) < 3 else "shown"))
+    return rows, fx
+
+
+# ---------------------------------------------------------------------------------------------- generated blocks
+
+def _ladder_module() -> Any:
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import learning  # benchmarks/learning.py: the ladder table is its markdown_table, not a second copy
+    finally:
+        sys.path.pop(0)
+    return learning
+
+
+def block_ladder(data: dict[str, Any]) -> str:
+    lad = data["ladder"]
+    return _ladder_module().markdown_table(lad["summary"], lad["runs"])
+
+
+def block_signs(data: dict[str, Any]) -> str:
+    lines = ["| run | seed | held-out at each evaluation | training reward (first 5 -> last 5) | k3 peak (first "
+             "> 3x) | no tool call > 50 % (max) | reward halved | all three |", "|---|---|---|---|---|---|---|---|"]
+    for rung, doc, what in (("c-grpo-lr", data["ladder"], "mixed, dense"),
+                            ("b-lr", data["same"], "one fp32 group, dense, c-grpo-lr's base"),
+                            ("b-lr", data["ladder"], "one fp32 group, dense, another base"),
+                            ("d-c300-grpo", data["ladder"], "mixed, MoE"),
+                            ("d-b300", data["ladder"], "one fp32 group, MoE, another base")):
+        for r in runs_of(doc, rung):
+            s = collapse_signs(r)
+            ev = ", ".join(f"{e['reward']:.3f}" for e in r["evals"])
+            def at(u: int | None) -> str:
+                return "never" if u is None else str(u)
+            lines.append(f"| {rung} ({what}) | {r['seed']} | {ev} | {s.train_first5:.2f} -> {s.train_last5:.2f} | "
+                         f"x{s.k3_peak_x:.0f} ({at(s.k3_3x)}) | {at(s.ntc_50)} ({s.ntc_max_pct:.0f} %) | "
+                         f"{at(s.halved)} | {'yes' if s.collapsed else 'no'} |")
+    return "\n".join(lines)
+
+
+def block_final(data: dict[str, Any]) -> str:
+    fin = data["final"]
+    names = {"d-b300-c": "one fp32 group, async, SC+MIS+top-p", "d-c300": "mixed fleet, routing free",
+             "d-c300-replay": "mixed fleet, routing replayed", "d-b300": "one fp32 group, async, GRPO"}
+    lines = ["| policy | per seed | mean (se over seeds) | over the base |", "|---|---|---|---|"]
+    for name, s in fin["summary"].items():
+        if name.startswith("base/"):
+            lines.append(f"| base ({name.split('/')[-1]}-step MoE pretraining) | {s['mean']:.3f} | | |")
+            continue
+        per = sorted((e for e in fin["evaluations"].values() if e["rung"] == name), key=lambda e: e["seed"])
+        seeds = ", ".join(f"{e['reward']:.3f}" for e in per)
+        lines.append(f"| {name}, {names.get(name, '')} | {seeds} | "
+                     f"{s['mean']:.3f} ({s['se']:.3f}) | {s['gain_over_base']:+.3f} |")
+    return "\n".join(lines)
+
+
+def block_findings(data: dict[str, Any]) -> str:
+    rows, _ = findings(data)
+    lines = ["| finding | evidence | figures | verdict |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | **{d}** |" for a, b, c, d in rows]
+    return "\n".join(lines) + "\n\n" + FINDINGS_RULES
+
+
+BLOCKS = {"learning-table": block_ladder, "learning-signs": block_signs, "learning-final-eval": block_final,
+          "learning-findings": block_findings}
+BLOCK_RE = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end -->)", re.S)
+
+
+# ---------------------------------------------------------------------------------------------- inline claims
+
+@dataclass(frozen=True)
+class Claim:
+    file: str
+    pattern: str              # one capture group per fact, in order
+    facts: tuple[str, ...]
+
+
+NUMBER = r"([+-]?\d+(?:\.\d+)?)"         # a quoted figure
+
+
+def q(template: str, *names: str, file: str = DOC) -> Claim:
+    """A claim written as the page's text: each `{}` is a quoted figure checked against the fact named in the same
+    place; the rest matches literally, any run of spaces or line breaks matching any other."""
+    parts = template.split("{}")
+    if len(parts) - 1 != len(names):
+        raise ValueError(f"claim {template!r}: {len(parts) - 1} figures for {len(names)} facts")
+    lit = [r"\s+".join(re.escape(w) for w in re.split(r"\s+", p)) for p in parts]
+    return Claim(file, NUMBER.join(lit), names)
+
+
+def curve(rung: str, seed: int, versions: range | tuple[int, ...]) -> tuple[str, ...]:
+    return tuple(f"{rung}.s{seed}.v{v}" for v in versions)
+
+
+def spread(rung: str) -> tuple[str, ...]:
+    return (f"{rung}.start", f"{rung}.end", f"{rung}.min", f"{rung}.max")
+
+
+V40, V30, V60 = range(0, 41, 10), range(0, 31, 10), range(0, 61, 10)
+SPREAD = "{} -> {} ({}..{})"
+CLAIMS: list[Claim] = [
+    # docs/learning.md, the summary
+    q("held-out reward {} -> {} over 3 seeds (end {}..{})", *spread("a-lr")),
+    q("0.419 -> {} in process (d-a0, 60 updates) and 0.419 -> {} through the runner (d-a300, 60 updates)",
+      "d-a0.end", "d-a300.end"),
+    # the ladder
+    q("seeds 0 and 1 go {} -> {} -> {} -> {} -> {} and {} -> {} -> {} -> {} -> {} (versions 0, 10, 20, 30, 40), "
+      "but seed 2 reaches {} at version 20 and then falls to {} / {}, with no no-tool-call collapse ({} % at the last",
+      *curve("a", 0, V40), *curve("a", 1, V40), "a.s2.v20", "a.s2.v30", "a.s2.v40", "a.s2.ntc_last"),
+    q("all three seeds rise steadily: {} -> {}, {} -> {}, {} -> {}; **mean {} -> {} ({})**",
+      "a-lr.s0.v0", "a-lr.s0.v40", "a-lr.s1.v0", "a-lr.s1.v40", "a-lr.s2.v0", "a-lr.s2.v40", "a-lr.start",
+      "a-lr.end", "a-lr.gain"),
+    q("held-out reward to 0, k3 up to x{} its level at updates 2-6, {} % of episodes ending without a tool call at "
+      "the last update", "b.s0.k3_peak_x", "b.s0.ntc_last"),
+    q("{} -> {} -> {} -> ... -> {} at version 40", *curve("b-c", 0, (0, 10, 20, 40))),
+    q("b-c-drain (no in-flight weight update) {} -> {} at 20", "b-c-drain.start", "b-c-drain.end"),
+    q("ends at {}, {} and {} (from {}, {}, {}; mean {} -> {})", "c.s0.v40", "c.s1.v40", "c.s2.v40", "c.s0.v0",
+      "c.s1.v0", "c.s2.v0", "c.start", "c.end"),
+    q("c - b-c = {} at the end", "c_minus_b-c_end"),
+    *[q(f"| {rung}, {what} | " + "{}, {}, {}, {}, {} | " * 3 + f"{SPREAD}, {{}} |",
+        *curve(rung, 0, V40), *curve(rung, 1, V40), *curve(rung, 2, V40), *spread(rung),
+        f"{rung}.gain")
+      for rung, what in (("b-c-lr", "one fp32 group"), ("c-lr", "mixed fleet (bf16 / fp8 / nvfp4)"))],
+    q("**Mixed minus homogeneous at the end: {}**; per seed {}, {}, {} (se over seeds {}, 95 % interval [{}, {}])",
+      "f.dense.diff", "f.dense.d0", "f.dense.d1", "f.dense.d2", "f.dense.se", "f.dense.lo", "f.dense.hi"),
+    q("The start values ({}-{}) are below a-lr's ({}-{})", "b-c-lr.s1.v0", "b-c-lr.s0.v0", "a-lr.s1.v0",
+      "a-lr.s0.v0"),
+    q("+0.20 and +0.19 here against {} on-policy", "a-lr.gain"),
+    q("held-out {} -> {} ({}..{}), where the same fleet with SC + MIS + top-p (c-lr) rises to {}",
+      *spread("c-grpo-lr"), "c-lr.end"),
+    q("Seed 2 rises on held-out and only its KL grows (x{} at its peak)", "c-grpo-lr.s2.k3_peak_x"),
+    q("seed for seed** ({} -> {}), each sign {}-{} updates later", "b-lr@same.start", "b-lr@same.end",
+      "f.sooner.min", "f.sooner.max"),
+    q("by {}-{} updates out of ~17, on 3 seeds, and at update 40 the mixed fleet's held-out reward is the higher "
+      "one on {} of 3 seeds", "f.sooner.min", "f.sooner.max", "f.sooner.mixed_higher_end"),
+    q("the mixed fleet's run k3 over updates 2-6 is {}-{}x the homogeneous one's", "f.kl_ratio.min",
+      "f.kl_ratio.max"),
+    # the MoE
+    *[q(f"- seed {s}: {{}}, {{}}, {{}}, {{}}, {{}}, {{}}, {{}}", *curve("d-a0", s, V60)) for s in range(3)],
+    q("**Mean {} -> {} (end {}..{}), gain {}**", *spread("d-a0"), "d-a0.gain"),
+    *[q(f"| {rung}, {what} | {{}}, {{}}, {{}}, {{}} | {{}}, {{}}, {{}}, {{}} | {{}}, {{}}, {{}}, {{}} | {SPREAD} |",
+        *curve(rung, 0, V30), *curve(rung, 1, V30), *curve(rung, 2, V30), *spread(rung))
+      for rung, what in (("d-c300", "routing free"), ("d-c300-replay", "routing replayed"))],
+    q("| d-a0 (on-policy, in process) at version 30 | {} | {} | {} | {} -> {} ({}..{}) |", "d-a0.s0.v30",
+      "d-a0.s1.v30", "d-a0.s2.v30", "d-a0.start", "d-a0.v30", "d-a0.s2.v30", "d-a0.s0.v30"),
+    q("held-out reward rises on every seed: {} (free) and {} (replay) in 30 updates", "d-c300.gain",
+      "d-c300-replay.gain"),
+    q("d-c300 ends 0.008 below d-a0's version 30 ({} vs {};", "d-c300.end", "d-a0.v30"),
+    q("versions 0, 10, 20, 30: {}, {}, {}, {}; {}, {}, {}, {}; {}, {}, {}, {}. **Mean {} -> {} ({}..{}, {})**",
+      *curve("d-b300-c", 0, V30), *curve("d-b300-c", 1, V30), *curve("d-b300-c", 2, V30), *spread("d-b300-c"),
+      "d-b300-c.gain"),
+    q("the mixed fleet ends {} *above*", "d-c300_minus_d-b300-c_end"),
+    q("homogeneous {} -> {}, mixed {} -> {})", "d-b300-c.tr_first5", "d-b300-c.tr_last5", "d-c300.tr_first5",
+      "d-c300.tr_last5"),
+    q("the gap is {} (se {}), 95 % interval [{}, {}]", "final.d-c300-d-b300-c.diff", "final.d-c300-d-b300-c.se",
+      "f.moe.lo", "f.moe.hi"),
+    q("**Mixed minus homogeneous (c - b): {} (se {}), 95 % interval over the 3 seed pairs [{}, {}]**",
+      "final.d-c300-d-b300-c.diff", "final.d-c300-d-b300-c.se", "f.moe.lo", "f.moe.hi"),
+    q("paired over the same draws: {} ({}), {} ({}), {} ({})", "final.d-c300-d-b300-c.s0",
+      "final.d-c300-d-b300-c.s0.se", "final.d-c300-d-b300-c.s1", "final.d-c300-d-b300-c.s1.se",
+      "final.d-c300-d-b300-c.s2", "final.d-c300-d-b300-c.s2.se"),
+    q("seed 2 of d-b300-c reads {} there and {} here; seed 1 of d-c300 {} and {}", "d-b300-c.s2.v30",
+      "final.d-b300-c.s2", "d-c300.s1.v30", "final.d-c300.s1"),
+    q("Replayed minus free routing: {} (se {}, 95 % interval [{}, {}])", "final.d-c300-replay-d-c300.diff",
+      "final.d-c300-replay-d-c300.se", "f.replay.lo", "f.replay.hi"),
+    q("Every policy trained with SC + MIS + top-p is above the base ({}): the smallest gain is d-b300-c seed 1, {}",
+      "final.base.mean",
+      "f.final.smallest_gain"),
+    q("- d-a300 (`--mode sync`, on-policy GRPO through the runner): {}, {}, {}, {}; {}, {}, {}, {}; {}, {}, {}, {}. "
+      "**Mean {} -> {} at version 30 ({}..{})**, level with the mixed fleet's {} and the in-process d-a0's {}",
+      *curve("d-a300", 0, V30), *curve("d-a300", 1, V30), *curve("d-a300", 2, V30), "d-a300.start", "d-a300.v30",
+      "d-a300.s2.v30", "d-a300.s1.v30", "d-c300.end", "d-a0.v30"),
+    q("GRPO without correction): {}, {}, {}, {}; {}, {}, {}, {}; {}, {}, {}, **{}**. **Mean {} -> {} ({}..{})**",
+      *curve("d-b300", 0, V30), *curve("d-b300", 1, V30), *curve("d-b300", 2, V30), *spread("d-b300")),
+    q("k3 grows {}x, {}x and {}x", "d-b300.s0.k3_growth", "d-b300.s1.k3_growth", "d-b300.s2.k3_growth"),
+    q("the training reward falls on seed 2 only ({} -> {}; seeds 0, 1: {} -> {}, {} -> {})",
+      "d-b300.s2.train_first5", "d-b300.s2.train_last5", "d-b300.s0.train_first5", "d-b300.s0.train_last5",
+      "d-b300.s1.train_first5", "d-b300.s1.train_last5"),
+    q("reach {} % on seed 2", "d-b300.s2.ntc_max_pct"),
+    q("all three of the seed's signs together on {} of 3", "f.d-b300.collapsed"),
+    q("versions 40, 50, 60 read {}, {}, {}; {}, {}, {}; {}, {}, {}. **Mean {} -> {} ({}..{})**",
+      *curve("d-a300", 0, (40, 50, 60)), *curve("d-a300", 1, (40, 50, 60)), *curve("d-a300", 2, (40, 50, 60)),
+      *spread("d-a300")),
+    q("level with d-a0 in process ({}); {}, short of +0.25. Training reward {} -> {}", "d-a0.end", "d-a300.gain",
+      "d-a300.tr_first5", "d-a300.tr_last5"),
+    q("(held-out starts {}, {}, {} against {}, {}, {};", "d-c300-grpo.s0.v0", "d-c300-grpo.s1.v0",
+      "d-c300-grpo.s2.v0", "d-c300.s0.v0", "d-c300.s1.v0", "d-c300.s2.v0"),
+    q("**All three of the seed's signs on {} of 3 seeds** (seed 1", "f.d-c300-grpo.collapsed"),
+    q("mean held-out {} -> {} at 30 and {} ({}..{}) at 40", "d-c300-grpo.start", "d-c300-grpo.v30",
+      "d-c300-grpo.end", "d-c300-grpo.min", "d-c300-grpo.max"),
+    q("GRPO showed all three signs on {} of 3 seeds in 30 updates, its KL crossing 3x at updates {}-{} against {} "
+      "and {} here", "f.d-b300.collapsed", "d-b300.s2.k3_3x", "d-b300.s1.k3_3x", "d-c300-grpo.s1.k3_3x",
+      "d-c300-grpo.s2.k3_3x"),
+    q("**Free vs replayed routing:** {} vs {}, within the seed spread (512 x 2: {}, 95 % interval [{}, {}]",
+      "d-c300.end", "d-c300-replay.end", "final.d-c300-replay-d-c300.diff", "f.replay.lo", "f.replay.hi"),
+    q("(d-c) fell {} -> {}", "d-c.start", "d-c.end"),
+    q("The runner's d-a (lr 3e-4, one seed, 20 updates): {} -> {}", "d-a.start", "d-a.end"),
+    # A smaller step, Open
+    q("rung a-lr above: {} over 3 seeds at version 40 against {} at 3e-4, with the spread {}..{} against {}..{}",
+      "a-lr.end", "a.end", "a-lr.min", "a-lr.max", "a.min", "a.max"),
+    q("(d-a0, {} at 60 updates) and through the runner (d-a300, {} at 30 updates, {} at 60)", "d-a0.end",
+      "d-a300.v30", "d-a300.end"),
+    q("and ends {} (se {}) above the homogeneous asynchronous fleet with the same loss on the 512 x 2 "
+      "re-evaluation, 95 % interval [{}, {}]", "final.d-c300-d-b300-c.diff", "final.d-c300-d-b300-c.se",
+      "f.moe.lo", "f.moe.hi"),
+    q("asynchronous GRPO on that homogeneous fleet falls (d-b300, {})", "d-b300.end"),
+    # README: the learning paragraph
+    q("held-out reward **{} -> {}** (ends {}..{}), the issue's bar; at 3e-4 (rung a) {} -> {}, two seeds at {} / {} "
+      "and one falling back to {}", *spread("a-lr"), "a.start", "a.end", "a.s0.v40", "a.s1.v40", "a.s2.v40",
+      file=README),
+    q("(c-grpo-lr) held-out **{} -> {}**, all three signs on {} of 3 seeds; on one fp32 group from the same base "
+      "(b-lr) {} -> {}, the same 2 seeds collapsing {}-{} updates later", "c-grpo-lr.start", "c-grpo-lr.end",
+      "f.c-grpo-lr.collapsed", "b-lr@same.start", "b-lr@same.end", "f.sooner.min", "f.sooner.max", file=README),
+    q("(0-3 updates, and at update 40 the mixed fleet is the higher one on {} of 3 seeds)",
+      "f.sooner.mixed_higher_end", file=README),
+    q("one fp32 group (b-c-lr) **{} -> {}**, the mixed bf16 / fp8 / nvfp4 fleet (c-lr) **{} -> {}**: mixed minus "
+      "homogeneous {} (se {}, 95 % interval [{}, {}])", "b-c-lr.start", "b-c-lr.end", "c-lr.start", "c-lr.end",
+      "f.dense.diff", "f.dense.se", "f.dense.lo", "f.dense.hi", file=README),
+    q("At 3e-4 the same rungs stay flat ({} -> {}, {} -> {})", "b-c.start", "b-c.end", "c.start", "c.end",
+      file=README),
+    q("on-policy in process (d-a0) **{} -> {}** over 3 seeds in 60 updates, through the real runner (d-a300) "
+      "**{} -> {}**; the mixed asynchronous fleet with SC + MIS + top-p (d-c300) {} -> {} in 30 (routing replayed "
+      "{}), level with on-policy at 30 ({} in process, {} through the runner) and, re-evaluated on 512 x 2 "
+      "episodes, {} (se {}, 95 % interval [{}, {}])", "d-a0.start", "d-a0.end", "d-a300.start", "d-a300.end",
+      "d-c300.start", "d-c300.end", "d-c300-replay.end", "d-a0.v30", "d-a300.v30", "final.d-c300-d-b300-c.diff",
+      "final.d-c300-d-b300-c.se", "f.moe.lo", "f.moe.hi", file=README),
+    q("(d-b300, {} -> {}; all three signs together on {} of 3 seeds)", "d-b300.start", "d-b300.end",
+      "f.d-b300.collapsed", file=README),
+    q("it collapses by all three of the seed's signs on {} of 3 seeds in 40 updates (held-out {} -> {})",
+      "f.d-c300-grpo.collapsed", "d-c300-grpo.start", "d-c300-grpo.end", file=README),
+    q("the mixed fleet's KL at the start is {}-{}x the homogeneous one's", "f.kl_ratio.min", "f.kl_ratio.max",
+      file=README),
+    # README: the measured-figures rows
+    q("**{} -> {}, {} -> {}, {} -> {} (mean {} -> {}): stable, not learning at lr 3e-4", "c.s0.v0", "c.s0.v40",
+      "c.s1.v0", "c.s1.v40", "c.s2.v0", "c.s2.v40", "c.start", "c.end", file=README),
+    q("(rung c-lr, 3 seeds, 40 updates, 12-13 min each) {} -> {} ({}..{}); one fp32 group at that rate (b-c-lr) "
+      "{}, mixed minus homogeneous {}, 95 % interval [{}, {}]", *spread("c-lr"), "b-c-lr.end", "f.dense.diff",
+      "f.dense.lo", "f.dense.hi", file=README),
+    q("with no no-tool-call episodes at the end ({} % in all three c-lr seeds)", "c-lr.ntc_last_max", file=README),
+    q("(c-grpo-lr) **{} -> {}**, collapsing by all three of the seed's signs on {} of 3 seeds (no-tool-call share at "
+      "the last update {} %, {} %, {} %)", "c-grpo-lr.start", "c-grpo-lr.end", "f.c-grpo-lr.collapsed",
+      "c-grpo-lr.s0.ntc_last", "c-grpo-lr.s1.ntc_last", "c-grpo-lr.s2.ntc_last", file=README),
+    q("rung a-lr {} -> {} over 3 seeds in 40 updates", "a-lr.start", "a-lr.end", file=README),
+    q("**{} -> {} ({}..{}) with routing free, {} -> {} ({}..{}) with routing replayed**", *spread("d-c300"),
+      *spread("d-c300-replay"), file=README),
+    q("on-policy in process (d-a0) {} at the same 30 updates and **{} ({}..{}) at 60**", "d-a0.v30", "d-a0.end",
+      "d-a0.min", "d-a0.max", file=README),
+    q("same loss (d-b300-c) {} -> {} ({}..{})", *spread("d-b300-c"), file=README),
+    q("(`mixfleet evaluate`, base {}): **mixed {}, homogeneous {}, difference {} (se {}, 95 % interval [{}, {}]",
+      "final.base.mean", "final.d-c300.mean", "final.d-b300-c.mean", "final.d-c300-d-b300-c.diff",
+      "final.d-c300-d-b300-c.se", "f.moe.lo", "f.moe.hi", file=README),
+    q("replayed {}; on-policy through the runner (d-a300) {} -> {} at 30 updates and **{} ({}..{}) at 60**",
+      "final.d-c300-replay.mean", "d-a300.start", "d-a300.v30", "d-a300.end", "d-a300.min", "d-a300.max",
+      file=README),
+    q("(d-b300) **{} -> {}** (one seed to {}, k3 x{}..x{} from its first 5 updates to its last 5, all three "
+      "collapse signs together on {} of 3 seeds)", "d-b300.start", "d-b300.end", "d-b300.min",
+      "d-b300.s0.k3_growth", "d-b300.s2.k3_growth", "f.d-b300.collapsed", file=README),
+    q("**{} -> {}**, all three collapse signs on {} of 3 seeds (one seed to {})", "d-c300-grpo.start",
+      "d-c300-grpo.end", "f.d-c300-grpo.collapsed", "d-c300-grpo.min", file=README),
+    q("the same fleet fell {} -> {}", "d-c.start", "d-c.end", file=README),
+]
+
+
+def check_claims(root: Path, f: dict[str, float]) -> list[str]:
+    errors = []
+    for c in CLAIMS:
+        text = (root / c.file).read_text()
+        ms = list(re.finditer(c.pattern, text))
+        if not ms:
+            errors.append(f"{c.file}: no text matches the claim /{c.pattern}/ (reworded? re-point it in CLAIMS)")
+            continue
+        for m in ms:
+            if len(m.groups()) != len(c.facts):
+                errors.append(f"CLAIMS: /{c.pattern}/ has {len(m.groups())} groups for {len(c.facts)} facts")
+                break
+            for quoted, name in zip(m.groups(), c.facts, strict=True):
+                if name not in f:
+                    errors.append(f"CLAIMS: no fact {name!r} in the results (quoted {quoted!r})")
+                    continue
+                want = f[name]
+                decimals = len(quoted.split(".")[1]) if "." in quoted else 0
+                got = float(quoted.replace("+", ""))
+                if math.isnan(want) or abs(got - want) > 0.5 * 10 ** -decimals + 1e-9:
+                    line = text.count("\n", 0, m.start()) + 1
+                    errors.append(f"{c.file}:{line}: quotes {quoted} for {name}, the results say {want:.{decimals}f} "
+                                  f"({want!r})")
+    return errors
+
+
+def check_blocks(root: Path, data: dict[str, Any], write: bool) -> list[str]:
+    errors = []
+    seen = set()
+    for rel in (DOC, README):
+        path = root / rel
+        text = path.read_text()
+
+        def redo(m: re.Match[str], rel: str = rel, text: str = text) -> str:
+            name = m.group(2)
+            if name not in BLOCKS:
+                errors.append(f"{rel}: unknown generated block {name!r}; known: {', '.join(BLOCKS)}")
+                return m.group(0)
+            seen.add(name)
+            want = BLOCKS[name](data) + "\n"
+            if m.group(3) != want and not write:
+                line = text.count("\n", 0, m.start()) + 2
+                have, new = m.group(3).splitlines(), want.splitlines()
+                diff = next((i for i, (a, b) in enumerate(zip(have, new, strict=False)) if a != b),
+                            min(len(have), len(new)))
+                errors.append(f"{rel}:{line + diff}: generated block {name!r} differs from the results "
+                              f"(page: {have[diff] if diff < len(have) else '<end>'!r}; results: "
+                              f"{new[diff] if diff < len(new) else '<end>'!r}); `--write` regenerates it")
+            return m.group(1) + want + m.group(4)
+
+        new_text = BLOCK_RE.sub(redo, text)
+        if write and new_text != text:
+            path.write_text(new_text)
+    for name in BLOCKS:
+        if name not in seen:
+            errors.append(f"{DOC}: the generated block {name!r} is missing (`<!-- generated: {name} -->` ... "
+                          "`<!-- end -->`)")
+    return errors
+
+
+def check(root: Path = ROOT, results: Path = RESULTS, write: bool = False) -> list[str]:
+    data = load(results)
+    return check_blocks(root, data, write) + check_claims(root, facts(data))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--write", action="store_true", help="regenerate the generated blocks before checking")
+    ap.add_argument("--facts", action="store_true", help="print every fact a claim may quote")
+    args = ap.parse_args(argv)
+    if args.facts:
+        for k, v in sorted(facts(load()).items()):
+            print(f"{k} = {v:.4f}")
+        return 0
+    errors = check(write=args.write)
+    for e in errors:
+        print(e)
+    n = len(CLAIMS)
+    print(f"{len(errors)} disagreement(s); {len(BLOCKS)} generated blocks, {n} inline claims checked" if errors
+          else f"ok: {len(BLOCKS)} generated blocks and {n} inline claims agree with the results files")
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
