@@ -173,6 +173,8 @@ def test_missing_pieces_are_named(tmp_path: Path) -> None:
 @pytest.fixture(scope="module")
 def sandbox_ok() -> None:
     sandbox = pytest.importorskip("mixfleet.runner.rollout.sandbox", reason="the sandbox module (issue 40 item 1)")
+    if not hasattr(sandbox, "check_sandbox"):
+        pytest.skip("the sandbox module (issue 40 item 1) is not complete yet")
     sandbox.check_sandbox()       # raises SandboxUnavailable (names the install step) rather than skipping
 
 

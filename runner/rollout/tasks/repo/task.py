@@ -45,6 +45,16 @@ MAX_SANDBOXES = 64
 TOOLS_LINE = "Tools: bash CMD, submit."
 
 
+@functools.lru_cache(maxsize=8)
+def _task_set(path: str) -> tuple[RepoSpec, ...]:
+    return load_task_set(path)
+
+
+def task_set_specs(path: str) -> tuple[RepoSpec, ...]:
+    """The tasks of a task-set folder, loaded once per process (the folder is read when first configured)."""
+    return _task_set(str(Path(path).resolve()))
+
+
 @dataclass(frozen=True, kw_only=True)
 class RepoConfig:
     max_turns: int = 10                  # replies per episode
@@ -69,7 +79,7 @@ class RepoConfig:
              f"an integer in [0, {MAX_DISTRACTORS}]")
         need("task_set", isinstance(self.task_set, str), "a folder path string (\"\" = generated repositories)")
         if self.task_set:
-            load_task_set(self.task_set)   # a malformed set is refused when the task is configured
+            task_set_specs(self.task_set)   # a malformed set is refused when the task is configured
 
 
 def clip_output(text: str, budget: int) -> str:
@@ -105,11 +115,6 @@ def pool_stats() -> dict[str, Any]:
     """SandboxPool.stats() of every pool of the running loop, keyed 'max_live=N,timeout_s=T'."""
     pools = _POOLS.get(asyncio.get_running_loop(), {})
     return {f"max_live={k[0]},timeout_s={k[1]:g}": p.stats() for k, p in pools.items()}
-
-
-@functools.lru_cache(maxsize=8)
-def _task_set(path: str) -> tuple[RepoSpec, ...]:
-    return load_task_set(path)
 
 
 def problem_spec(problem: RepoProblem) -> RepoSpec:
@@ -183,7 +188,7 @@ class RepoTask(Task):
 
     async def areset(self, seed: int) -> str:
         if self.config.task_set:
-            specs = _task_set(str(Path(self.config.task_set).resolve()))
+            specs = task_set_specs(self.config.task_set)
             self.spec = specs[seed % len(specs)]
             prompt = f"{self.spec.issue}\nTests: {self.spec.test_command}. {TOOLS_LINE}"
         else:
