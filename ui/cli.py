@@ -8,7 +8,19 @@ libraries (torch, simpy, streamlit) inside the command functions, so `mixfleet -
 from __future__ import annotations
 
 import typer
-from mixfleet.ui.commands import calibrate, catalog, engine, experiment, export, runner, sampler, twin, validate, webapp
+from mixfleet.ui.commands import (
+    calibrate,
+    catalog,
+    cleanup_cmd,
+    engine,
+    experiment,
+    export,
+    runner,
+    sampler,
+    twin,
+    validate,
+    webapp,
+)
 
 app = typer.Typer(
     name="mixfleet",
@@ -33,7 +45,8 @@ def version() -> None:
     typer.echo(f"mixfleet {_v('mixfleet')}")
 
 
-for _module in (catalog, twin, engine, sampler, runner, calibrate, validate, experiment, export, webapp):
+for _module in (catalog, twin, engine, sampler, runner, calibrate, validate, experiment, export, webapp,
+                cleanup_cmd):
     _module.register(app)
 
 
