@@ -229,7 +229,7 @@ def test_example_task_set_through_the_sandbox(sandbox_ok: None) -> None:
         "median": "python3 -c \"import pathlib;p=pathlib.Path('stats.py');p.write_text(p.read_text().replace("
                   "'return s[n // 2]','return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2'))\"",
         "slugify": "sed -i 's/title.split()/title.lower().split()/' text.py",
-        "fizzbuzz": "sed -i 's/n % 3 == 0/n % 3 == 0 and n % 5/' fizz.py",
+        "fizzbuzz": "sed -i 's/^    if n % 3 == 0:/    if n % 15 == 0:\\n        return \"FizzBuzz\"\\n&/' fizz.py",
         "wordcount": "sed -i 's/split(\" \")/split()/' words.py",
     }
     names = [s.name for s in load_task_set(EXAMPLE)]

@@ -149,11 +149,8 @@ def repo_edit_command(buggy: str, fix: str, *, python: bool = False) -> str:
     return f"sed -i 's|{_sed_escape(buggy, _SED_RE_SPECIAL)}|{_sed_escape(fix, _SED_REPL_SPECIAL)}|' lib.py"
 
 
-def repo_demonstrator(task: Any, rng: random.Random, config: DemoConfig) -> Callable[[str], str]:
-    """The scripted fixer of one repo episode (see the module docstring); its plan is drawn up front."""
-    problem = getattr(task, "problem", None)
-    if problem is None:
-        raise ValueError("repo demonstrator: needs a generated repository (a task set has no ground truth)")
+def _repo_plan(problem: Any, rng: random.Random, config: DemoConfig) -> list[str]:
+    """The replies of one repo demonstration, drawn up front (see the module docstring)."""
     buggy, fix = problem.buggy_text.rstrip("\n"), problem.fix_text.rstrip("\n")
     python = rng.random() < 0.25
     look = f'grep -n -A5 "def {problem.function}" lib.py' if rng.random() < 0.5 else "cat lib.py"
@@ -172,8 +169,20 @@ def repo_demonstrator(task: Any, rng: random.Random, config: DemoConfig) -> Call
     if rng.random() >= config.noise:
         plan.append(_call("bash", REPO_TEST))
     plan.append(_call("submit", ""))
+    return plan
+
+
+def repo_demonstrator(task: Any, rng: random.Random, config: DemoConfig) -> Callable[[str], str]:
+    """The scripted fixer of one repo episode: reads the generator's ground truth (`task.problem`, set by
+    areset) at its first reply and plays the plan drawn then."""
+    plan: list[str] = []
 
     def demonstrate(transcript: str) -> str:
+        if not plan:
+            problem = getattr(task, "problem", None)
+            if problem is None:
+                raise ValueError("repo demonstrator: needs a generated repository (a task set has no ground truth)")
+            plan.extend(_repo_plan(problem, rng, config))
         if rng.random() < config.no_call_rate and not _last_reply_had_no_call(transcript):
             return rng.choice(_REMARKS) + "<|eos|>"
         done = transcript.count("<|endcall|><|tool|>")
