@@ -35,6 +35,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 LADDER = "learning.json"
 SAME_BASE = "learning_b-lr_same_base.json"
 FINAL = "learning_final_eval.json"
+ABLATIONS = ("moe", "moe-base300")          # docs/ablation/<dir>/verdicts.json, the MoE ablation reports quoted
 DOC = "docs/learning.md"
 README = "README.md"
 EQUIVALENCE_MARGIN = 0.05          # the seed's "within 0.05"
@@ -61,6 +62,12 @@ def load(results: Path = RESULTS) -> dict[str, Any]:
             out[key] = json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise SystemExit(f"{path}: cannot read the results file the docs quote ({e})") from e
+    for name in ABLATIONS:
+        path = results.parents[1] / "docs" / "ablation" / name / "verdicts.json"
+        try:
+            out[f"ablation/{name}"] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"{path}: cannot read the ablation report's verdicts the docs quote ({e})") from e
     return out
 
 
@@ -127,17 +134,43 @@ def facts(data: dict[str, Any]) -> dict[str, float]:
                 for e in r["evals"]:
                     f[f"{s}.v{e['version']}"] = e["reward"]
                 f[f"{s}.ntc_last"] = 100 * r["no_tool_call_share"][-1]
-                f[f"{s}.k3_growth"] = _mean5(r["kl_k3"], len(r["kl_k3"]) - 5) / _mean5(r["kl_k3"], 0)
+                k3, tr = r["kl_k3"], r["train_reward"]
+                f[f"{s}.k3_growth"] = _mean5(k3, len(k3) - 5) / _mean5(k3, 0)
+                f[f"{s}.k3_max"], f[f"{s}.k3_max20"], f[f"{s}.k3_min20"] = max(k3), max(k3[:20]), min(k3[1:20])
+                f[f"{s}.ntc_max"] = 100 * max(r["no_tool_call_share"])
+                for i, (k, t) in enumerate(zip(k3, tr, strict=True)):
+                    f[f"{s}.k3.u{i + 1}"], f[f"{s}.tr.u{i + 1}"] = k, t
+                f[f"{s}.k3_first5"], f[f"{s}.k3_last5"] = _mean5(k3, 0), _mean5(k3, len(k3) - 5)
+                for g, gk in r.get("kl_k3_by_group", {}).items():
+                    f[f"{s}.grp.{g}.u1"] = gk[0]
+                    f[f"{s}.grp.{g}.first5"], f[f"{s}.grp.{g}.last5"] = _mean5(gk, 0), _mean5(gk, len(gk) - 5)
+                zero = next((i for i in range(len(tr)) if not any(tr[i:])), None)
+                if zero is not None:
+                    f[f"{s}.tr_zero_from"] = zero + 1
                 if len(r["train_reward"]) >= 10 and len(r["kl_k3"]) >= 6:
                     sg = collapse_signs(r)
                     for k, v in vars(sg).items():
                         f[f"{s}.{k}"] = math.nan if v is None else float(v)
             f[f"{name}.ntc_last_max"] = max(100 * r["no_tool_call_share"][-1] for r in rs)
+            f[f"{name}.ntc_max_all"] = max(100 * max(r["no_tool_call_share"]) for r in rs)
+            for stat in ("grp.{}.u1", "grp.{}.first5", "grp.{}.last5"):   # over seeds and groups, per group
+                groups = sorted({g for r in rs for g in r.get("kl_k3_by_group", {})})
+                for g in [*groups, "*"]:
+                    vals = [f[f"{name}.s{r['seed']}.{stat.format(h)}"] for r in rs for h in groups
+                            if g in ("*", h) and f"{name}.s{r['seed']}.{stat.format(h)}" in f]
+                    if vals:
+                        f[f"{name}.{stat.format(g)}_min"], f[f"{name}.{stat.format(g)}_max"] = min(vals), max(vals)
+            if all("staleness_mean" in r for r in rs):
+                f[f"{name}.staleness"] = statistics.fmean(x for r in rs for x in r["staleness_mean"])
             long = [r for r in rs if len(r["train_reward"]) >= 10]
             if long:
                 f[f"{name}.tr_first5"] = statistics.fmean(_mean5(r["train_reward"], 0) for r in long)
                 f[f"{name}.tr_last5"] = statistics.fmean(_mean5(r["train_reward"], len(r["train_reward"]) - 5)
                                                           for r in long)
+                first5 = [_mean5(r["train_reward"], 0) for r in long]
+                last5 = [_mean5(r["train_reward"], len(r["train_reward"]) - 5) for r in long]
+                f[f"{name}.tr_first5_min"], f[f"{name}.tr_first5_max"] = min(first5), max(first5)
+                f[f"{name}.tr_last5_min"], f[f"{name}.tr_last5_max"] = min(last5), max(last5)
             for v in sorted({e["version"] for r in rs for e in r["evals"]}):
                 vals = [e["reward"] for r in rs for e in r["evals"] if e["version"] == v]
                 if len(vals) == len(rs):
@@ -159,6 +192,23 @@ def facts(data: dict[str, Any]) -> dict[str, float]:
         f[f"{k}.diff"], f[f"{k}.se"] = p["difference"], p["se"]
         for s, d in p["per_seed_paired"].items():
             f[f"{k}.s{s}"], f[f"{k}.s{s}.se"] = d["difference"], d["se"]
+    for name in ABLATIONS:          # `abl.DIR.FLEET.VARIANT.heldout_end` (mean), `..._min`, `.kl_peak_max`, `.rkt`
+        rows = data[f"ablation/{name}"]
+        for fleet, var in sorted({(r["fleet"], r["variant"]) for r in rows}):
+            mine = [r for r in rows if (r["fleet"], r["variant"]) == (fleet, var)]
+            k = f"abl.{name}.{fleet}.{var}"
+            for col, short in (("heldout_start", "heldout_start"), ("heldout_end", "heldout_end"),
+                               ("kl_peak_growth", "kl_peak")):
+                vals = [r[col] for r in mine]
+                f[k + "." + short] = statistics.fmean(vals)
+                f[k + "." + short + "_min"], f[k + "." + short + "_max"] = min(vals), max(vals)
+            f[k + ".n"] = len(mine)
+            f[k + ".rkt"] = sum(r["signs"] == "RKT" for r in mine)
+            f[k + ".stable"] = sum(r["verdict"] == "stable" for r in mine)
+            f[k + ".collapsed"] = sum(r["verdict"] == "collapsed" for r in mine)
+        f[f"abl.stable_{name.replace('moe-', '')}"] = sum(r["verdict"] == "stable" for r in rows)
+    f["abl.unstable_moe_grpo"] = sum(r["verdict"] == "unstable" for r in data["ablation/moe"]
+                                     if r["variant"] == "grpo" and r["fleet"] == "mixed-moe")
     f.update(findings(data)[1])
     return f
 
@@ -337,7 +387,7 @@ class Claim:
     facts: tuple[str, ...]
 
 
-NUMBER = r"([+-]?\d+(?:\.\d+)?)"         # a quoted figure
+NUMBER = r"([+-]?\d+(?:\.\d+)?(?:e[+-]?\d+)?)"         # a quoted figure: 0.573, +0.036, 12, 1.7e-3
 
 
 def q(template: str, *names: str, file: str = DOC) -> Claim:
@@ -359,6 +409,7 @@ def spread(rung: str) -> tuple[str, ...]:
 
 
 V40, V30, V60 = range(0, 41, 10), range(0, 31, 10), range(0, 61, 10)
+ABL300, ABL150 = "abl.moe-base300.mixed-moe", "abl.moe.mixed-moe"     # the MoE ablation reports' facts
 SPREAD = "{} -> {} ({}..{})"
 CLAIMS: list[Claim] = [
     # docs/learning.md, the summary
@@ -374,6 +425,14 @@ CLAIMS: list[Claim] = [
       "a-lr.end", "a-lr.gain"),
     q("held-out reward to 0, k3 up to x{} its level at updates 2-6, {} % of episodes ending without a tool call at "
       "the last update", "b.s0.k3_peak_x", "b.s0.ntc_last"),
+    q("training reward {} -> 0 by update {}, sampler-trainer k3 {} -> {} (the on-policy part is {}), episodes ending "
+      "on three replies without a tool call 0 % -> {} %; held-out reward {} -> {}", "b.s0.tr.u1", "b.s0.tr_zero_from",
+      "b.s0.k3.u2", "b.s0.k3_max", "b.s0.k3.u1", "b.s0.ntc_last", "b.s0.v0", "b.s0.v20"),
+    q("(rung c, seed 0) the KL stays at {}..{} (no sustained growth), but from update 13 the no-tool-call share "
+      "climbs to 61-{} % and the held-out reward reads {} at update 20 (from {}; continued to 40 updates it came "
+      "back to {}", "c.s0.k3_min20", "c.s0.k3_max20", "c.s0.ntc_max", "c.s0.v20", "c.s0.v0", "c.s0.v40"),
+    q("(rung b-c), stays stable (k3 {}..{} and no no-tool-call episodes over its first 20 updates) but does not "
+      "learn in 20 updates (held-out {} -> {})", "b-c.s0.k3_min20", "b-c.s0.k3_max20", "b-c.s0.v0", "b-c.s0.v20"),
     q("{} -> {} -> {} -> ... -> {} at version 40", *curve("b-c", 0, (0, 10, 20, 40))),
     q("b-c-drain (no in-flight weight update) {} -> {} at 20", "b-c-drain.start", "b-c-drain.end"),
     q("ends at {}, {} and {} (from {}, {}, {}; mean {} -> {})", "c.s0.v40", "c.s1.v40", "c.s2.v40", "c.s0.v0",
@@ -385,6 +444,16 @@ CLAIMS: list[Claim] = [
       for rung, what in (("b-c-lr", "one fp32 group"), ("c-lr", "mixed fleet (bf16 / fp8 / nvfp4)"))],
     q("**Mixed minus homogeneous at the end: {}**; per seed {}, {}, {} (se over seeds {}, 95 % interval [{}, {}])",
       "f.dense.diff", "f.dense.d0", "f.dense.d1", "f.dense.d2", "f.dense.se", "f.dense.lo", "f.dense.hi"),
+    q("(mean of updates 1-5 -> last 5: b-c-lr {} -> {}, {} -> {}, {} -> {}; c-lr per group {}..{} -> {}..{}, bf16, "
+      "fp8 and nvfp4 alike), no episode ends on three replies without a tool call on any update ({} % max), "
+      "staleness {}. The training reward at their own top-p 0.95 rises, b-c-lr {}-{} -> {}-{}, c-lr {}-{} -> {}-{}",
+      *(f"b-c-lr.s{i}.k3_{w}" for i in range(3) for w in ("first5", "last5")),
+      "c-lr.grp.*.first5_min", "c-lr.grp.*.first5_max", "c-lr.grp.*.last5_min", "c-lr.grp.*.last5_max",
+      "c-lr.ntc_max_all", "c-lr.staleness",
+      *(f"{r}.tr_{w}5_{m}" for r in ("b-c-lr", "c-lr") for w in ("first", "last") for m in ("min", "max"))),
+    q("(staleness-0 k3 per group at update 1: bf16 {}..{}, fp8 {}..{}, nvfp4 {}..{}, against ~{} at staleness 2 by "
+      "update 5", *(f"c-grpo-lr.grp.cpu-{g}.u1_{m}" for g in ("bf16", "fp8", "nvfp4") for m in ("min", "max")),
+      "c-grpo-lr.s0.k3.u5"),
     q("The start values ({}-{}) are below a-lr's ({}-{})", "b-c-lr.s1.v0", "b-c-lr.s0.v0", "a-lr.s1.v0",
       "a-lr.s0.v0"),
     q("+0.20 and +0.19 here against {} on-policy", "a-lr.gain"),
@@ -457,6 +526,34 @@ CLAIMS: list[Claim] = [
       "d-c300.end", "d-c300-replay.end", "final.d-c300-replay-d-c300.diff", "f.replay.lo", "f.replay.hi"),
     q("(d-c) fell {} -> {}", "d-c.start", "d-c.end"),
     q("The runner's d-a (lr 3e-4, one seed, 20 updates): {} -> {}", "d-a.start", "d-a.end"),
+    # the MoE ablation reports (docs/ablation/moe-base300/, docs/ablation/moe/: verdicts.json)
+    q("weight noise 0.3 / 0.6 on two groups): all {} runs stable by the rule, GRPO included: held-out GRPO {} -> {} "
+      "({}..{}), SC + MIS + top-p {} ({}..{}), with routing replayed {} ({}..{}); KL peak over start {}x, {}x, {}x",
+      "abl.stable_base300", *(f"{ABL300}.grpo.{c}" for c in ("heldout_start", "heldout_end", "heldout_end_min",
+                                                              "heldout_end_max")),
+      *(f"{ABL300}.sc_mis_topp.{c}" for c in ("heldout_end", "heldout_end_min", "heldout_end_max")),
+      *(f"{ABL300}-replay.sc_mis_topp.{c}" for c in ("heldout_end", "heldout_end_min", "heldout_end_max")),
+      *(f"{ABL300}{v}.kl_peak" for v in (".grpo", ".sc_mis_topp", "-replay.sc_mis_topp"))),
+    q("GRPO's collapse signs: {} of 3 seeds in 30 updates", f"{ABL300}.grpo.rkt"),
+    q("GRPO's held-out reward falls {} -> {} on average (KL peak x{}-x{} in 3 of 3 seeds; all three signs together "
+      "at the end window on {} of 3", *(f"{ABL150}.grpo.{c}" for c in ("heldout_start", "heldout_end",
+                                                                        "kl_peak_min", "kl_peak_max", "rkt"))),
+    q("collapses ({} of 3 by the stated rule, held-out {} -> {}); with routing replayed its KL stays flat but its "
+      "reward still falls (held-out {} -> {}, {} seeds)",
+      *(f"{ABL150}.sc_mis_topp.{c}" for c in ("collapsed", "heldout_start", "heldout_end")),
+      *(f"{ABL150}-replay.sc_mis_topp.{c}" for c in ("heldout_start", "heldout_end", "n"))),
+    q("(3 seeds: held-out GRPO {} -> {}, SC + MIS + top-p {}, with routing replayed {}; KL peak {}x, {}x, {}x;",
+      f"{ABL300}.grpo.heldout_start", f"{ABL300}.grpo.heldout_end", f"{ABL300}.sc_mis_topp.heldout_end",
+      f"{ABL300}-replay.sc_mis_topp.heldout_end",
+      *(f"{ABL300}{v}.kl_peak" for v in (".grpo", ".sc_mis_topp", "-replay.sc_mis_topp")), file=README),
+    q("routing free, GRPO {} -> {} (\"unstable\" {}/3 by the report's rule) and SC+MIS+top-p {} -> {} held-out "
+      "(collapsed {}/3); routing replayed, SC+MIS+top-p {} -> {} with flat KL ({} seeds)",
+      f"{ABL150}.grpo.heldout_start", f"{ABL150}.grpo.heldout_end", "abl.unstable_moe_grpo",
+      *(f"{ABL150}.sc_mis_topp.{c}" for c in ("heldout_start", "heldout_end", "collapsed")),
+      *(f"{ABL150}-replay.sc_mis_topp.{c}" for c in ("heldout_start", "heldout_end", "n")), file=README),
+    q("nothing collapses: held-out GRPO {} -> {}, SC+MIS+top-p {}, replayed {}", f"{ABL300}.grpo.heldout_start",
+      f"{ABL300}.grpo.heldout_end", f"{ABL300}.sc_mis_topp.heldout_end", f"{ABL300}-replay.sc_mis_topp.heldout_end",
+      file=README),
     # A smaller step, Open
     q("rung a-lr above: {} over 3 seeds at version 40 against {} at 3e-4, with the spread {}..{} against {}..{}",
       "a-lr.end", "a.end", "a-lr.min", "a-lr.max", "a.min", "a.max"),
@@ -503,6 +600,8 @@ CLAIMS: list[Claim] = [
       "the last update {} %, {} %, {} %)", "c-grpo-lr.start", "c-grpo-lr.end", "f.c-grpo-lr.collapsed",
       "c-grpo-lr.s0.ntc_last", "c-grpo-lr.s1.ntc_last", "c-grpo-lr.s2.ntc_last", file=README),
     q("rung a-lr {} -> {} over 3 seeds in 40 updates", "a-lr.start", "a-lr.end", file=README),
+    q("mean staleness {}; staleness-0 KL k3 (update 1, rung c seed 0) bf16 {} < fp8 {} < nvfp4 {}", "c-lr.staleness",
+      "c.s0.grp.cpu-bf16.u1", "c.s0.grp.cpu-fp8.u1", "c.s0.grp.cpu-nvfp4.u1", file=README),
     q("**{} -> {} ({}..{}) with routing free, {} -> {} ({}..{}) with routing replayed**", *spread("d-c300"),
       *spread("d-c300-replay"), file=README),
     q("on-policy in process (d-a0) {} at the same 30 updates and **{} ({}..{}) at 60**", "d-a0.v30", "d-a0.end",
@@ -540,12 +639,14 @@ def check_claims(root: Path, f: dict[str, float]) -> list[str]:
                     errors.append(f"CLAIMS: no fact {name!r} in the results (quoted {quoted!r})")
                     continue
                 want = f[name]
-                decimals = len(quoted.split(".")[1]) if "." in quoted else 0
+                mantissa, _, exponent = quoted.partition("e")
+                decimals = len(mantissa.split(".")[1]) if "." in mantissa else 0
+                tolerance = 0.5 * 10 ** (-decimals + int(exponent or 0))       # rounded as written
                 got = float(quoted.replace("+", ""))
-                if math.isnan(want) or abs(got - want) > 0.5 * 10 ** -decimals + 1e-9:
+                if math.isnan(want) or abs(got - want) > tolerance * (1 + 1e-9):
                     line = text.count("\n", 0, m.start()) + 1
-                    errors.append(f"{c.file}:{line}: quotes {quoted} for {name}, the results say {want:.{decimals}f} "
-                                  f"({want!r})")
+                    said = f"{want:.{decimals}e}" if exponent else f"{want:.{decimals}f}"
+                    errors.append(f"{c.file}:{line}: quotes {quoted} for {name}, the results say {said} ({want!r})")
     return errors
 
 
