@@ -136,6 +136,8 @@ def facts(data: dict[str, Any]) -> dict[str, float]:
                 f[f"{s}.ntc_last"] = 100 * r["no_tool_call_share"][-1]
                 k3, tr = r["kl_k3"], r["train_reward"]
                 f[f"{s}.k3_growth"] = _mean5(k3, len(k3) - 5) / _mean5(k3, 0)
+                if f"{s}.v10" in f:
+                    f[f"{s}.gain10"] = f[f"{s}.v10"] - f[f"{s}.v0"]
                 f[f"{s}.k3_max"], f[f"{s}.k3_max20"], f[f"{s}.k3_min20"] = max(k3), max(k3[:20]), min(k3[1:20])
                 f[f"{s}.ntc_max"] = 100 * max(r["no_tool_call_share"])
                 for i, (k, t) in enumerate(zip(k3, tr, strict=True)):
@@ -176,6 +178,9 @@ def facts(data: dict[str, Any]) -> dict[str, float]:
                 if len(vals) == len(rs):
                     f[f"{name}.v{v}"] = statistics.fmean(vals)
     f.update({k: v for k, v in data["ladder"]["summary"].items() if not isinstance(v, dict)})  # end differences
+    for tag, rungs in (("topp", ("b-c", "b-c-drain", "c")), ("top1", ("a", "a-lr", "b"))):   # the top-p note
+        first5 = [_mean5(r["train_reward"], 0) for g in rungs for r in runs_of(data["ladder"], g)]
+        f[f"x.{tag}_first5_min"], f[f"x.{tag}_first5_max"] = min(first5), max(first5)
     fin = data["final"]
     for name, s in fin["summary"].items():
         key = "base" if name.startswith("base/") else name
@@ -434,6 +439,19 @@ CLAIMS: list[Claim] = [
     q("(rung b-c), stays stable (k3 {}..{} and no no-tool-call episodes over its first 20 updates) but does not "
       "learn in 20 updates (held-out {} -> {})", "b-c.s0.k3_min20", "b-c.s0.k3_max20", "b-c.s0.v0", "b-c.s0.v20"),
     q("{} -> {} -> {} -> ... -> {} at version 40", *curve("b-c", 0, (0, 10, 20, 40))),
+    q("| the recipe | {} -> {} | {} |", "a0.s0.v0", "a0.s0.v10", "a0.s0.gain10"),
+    q("20 updates of the recipe: {} -> {} -> {} (versions 0, 10, 20)", *curve("a0", 0, (0, 10, 20))),
+    q("whose `mixfleet pretrain` built another base, start {})", "b-lr.start"),
+    q("against {} at version 30 of the kept runs", "d-a0.v30"),
+    q("(a-lr: {} in 40)", "a-lr.gain"),
+    q("fleet's {} ({}..{}): on this evaluation the mixed fleet ends {} *above*", "d-c300.end", "d-c300.min",
+      "d-c300.max", "d-c300_minus_d-b300-c_end"),
+    q("The {} of the 128-episode evaluation was mostly its noise", "d-c300_minus_d-b300-c_end"),
+    q("Their training reward starts at {}-{} over the first 5 updates, against {}-{} for the top-p-1 rungs",
+      "x.topp_first5_min", "x.topp_first5_max", "x.top1_first5_min", "x.top1_first5_max"),
+    q("b-c {} -> {}, b-c-drain {} -> {}, c {} -> {}, {} -> {} and {} -> {}",
+      *(f"{r}.s{i}.train_{w}5" for r, i in (("b-c", 0), ("b-c-drain", 0), ("c", 0), ("c", 1), ("c", 2))
+        for w in ("first", "last"))),
     q("b-c-drain (no in-flight weight update) {} -> {} at 20", "b-c-drain.start", "b-c-drain.end"),
     q("ends at {}, {} and {} (from {}, {}, {}; mean {} -> {})", "c.s0.v40", "c.s1.v40", "c.s2.v40", "c.s0.v0",
       "c.s1.v0", "c.s2.v0", "c.start", "c.end"),
@@ -600,6 +618,10 @@ CLAIMS: list[Claim] = [
       "the last update {} %, {} %, {} %)", "c-grpo-lr.start", "c-grpo-lr.end", "f.c-grpo-lr.collapsed",
       "c-grpo-lr.s0.ntc_last", "c-grpo-lr.s1.ntc_last", "c-grpo-lr.s2.ntc_last", file=README),
     q("rung a-lr {} -> {} over 3 seeds in 40 updates", "a-lr.start", "a-lr.end", file=README),
+    q("training reward {} -> 0 by update {}, k3 {} -> {}, {} % of episodes ending without a tool call", "b.s0.tr.u1",
+      "b.s0.tr_zero_from", "b.s0.k3.u2", "b.s0.k3_max", "b.s0.ntc_last", file=README),
+    q("`guess` held-out reward {} at T = 1 (256 episodes, bf16 engine, 8 replies; the runner's 128-episode evaluation "
+      "reads {}-{} by seed)", "a0.s0.v0", "a.s1.v0", "a.s0.v0", file=README),
     q("mean staleness {}; staleness-0 KL k3 (update 1, rung c seed 0) bf16 {} < fp8 {} < nvfp4 {}", "c-lr.staleness",
       "c.s0.grp.cpu-bf16.u1", "c.s0.grp.cpu-fp8.u1", "c.s0.grp.cpu-nvfp4.u1", file=README),
     q("**{} -> {} ({}..{}) with routing free, {} -> {} ({}..{}) with routing replayed**", *spread("d-c300"),
