@@ -254,14 +254,14 @@ def test_example_task_set_through_the_sandbox(sandbox_ok: None) -> None:
 
 
 def test_repo_demonstrations_run_and_mostly_succeed(sandbox_ok: None) -> None:
-    eps = generate_demos(DemoConfig(task="repo", num_episodes=12, seed=5, noise=0.25))
+    eps = generate_demos(DemoConfig(task="repo", num_episodes=8, seed=5, noise=0.25))
     stats = demo_stats(eps)
     assert all(e.finish_reason in ("done", "max_turns", "no_tool_call_3x") for e in eps)
     assert 0.5 <= stats["reward"] <= 1.0
     assert all(len(e.tokens) <= 1024 for e in eps)
     calls = [t.call.name for e in eps for t in e.turns if t.call is not None]
     assert "bash" in calls and "submit" in calls
-    again = generate_demos(DemoConfig(task="repo", num_episodes=12, seed=5, noise=0.25))
+    again = generate_demos(DemoConfig(task="repo", num_episodes=8, seed=5, noise=0.25))
     assert [[t.call for t in e.turns] for e in again] == [[t.call for t in e.turns] for e in eps]
 
 

@@ -109,7 +109,7 @@ def test_calculator_refuses_anything_else(expr: str) -> None:
 
 
 def test_registry_and_config_errors() -> None:
-    assert task_names() == ("calc", "guess")
+    assert task_names() == ("calc", "guess", "repo")
     with pytest.raises(ValueError, match="task: 'chess' is not one of calc, guess"):
         make_task("chess")
     with pytest.raises(ValueError, match="unknown option 'n'; known: max_turns, n_max"):
