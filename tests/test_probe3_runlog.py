@@ -84,3 +84,34 @@ def test_simulate_locks_its_out_as_run_does(tmp_path: Path) -> None:
     versions = list(RunLog.open(both).updates.version)
     assert versions == list(range(1, 31))
     assert runner.invoke(app, ["simulate", "tiny-cpu", "-n", "2", "--out", str(both), "--force"]).exit_code == 0
+
+
+def test_export_never_writes_under_a_file_or_into_any_run_log(tmp_path: Path) -> None:
+    a, other = _run_log(tmp_path / "a", "twin"), _run_log(tmp_path / "other", "runner")
+    before = _tree(other)
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    res = runner.invoke(app, ["export", str(a), "--to", "tensorboard", "--out", str(f / "sub")])
+    assert res.exit_code == 2 and "not a folder" in res.output and len(res.output.strip().splitlines()) == 1, \
+        res.output
+    assert not isinstance(res.exception, NotADirectoryError)
+    for dest in (other / "updates", other / "events" / "tb", other):
+        res = runner.invoke(app, ["export", str(a), "--to", "tensorboard", "--out", str(dest)])
+        assert res.exit_code == 2 and str(other) in res.output and "run log" in res.output, res.output
+    assert _tree(other) == before and len(RunLog.open(other).updates) == 1
+    ok = runner.invoke(app, ["export", str(a), "--to", "tensorboard", "--out", str(tmp_path / "tb" / "a")])
+    assert ok.exit_code == 0, ok.output
+
+
+def test_run_tracker_under_a_file_is_refused_before_the_run_starts(tmp_path: Path) -> None:
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["run", "tiny-cpu", "--out", str(out), "--updates", "1",
+                              "--tracker", f"tensorboard={f / 'sub'}"])
+    assert res.exit_code == 2 and "--tracker" in res.output and "not a folder" in res.output, res.output
+    assert not out.exists()
+    other = _run_log(tmp_path / "other")
+    res = runner.invoke(app, ["run", "tiny-cpu", "--out", str(out), "--updates", "1",
+                              "--tracker", f"tensorboard={other / 'groups'}"])
+    assert res.exit_code == 2 and f"{other} is a run log" in res.output and not out.exists(), res.output

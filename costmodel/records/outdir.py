@@ -201,10 +201,15 @@ def _check_path(p: Path, where: str, flag: str) -> None:
         raise SpecError(where, flag, str(p), "a new or empty folder (this path is a file)")
     if p.is_symlink() and not p.exists():
         raise SpecError(where, flag, str(p), f"a folder (this is a link to {os.readlink(p)}, which does not exist)")
-    for parent in p.absolute().parents:
+    check_parent_is_folder(p, where=where, flag=flag)
+
+
+def check_parent_is_folder(p: Path, *, where: str, flag: str, what: str = "a folder path") -> None:
+    """A path under a file (`FILE/sub`) is refused here, in one line, not by a NotADirectoryError later."""
+    for parent in Path(p).absolute().parents:
         if parent.exists() or parent.is_symlink():
             if not parent.is_dir():
-                raise SpecError(where, flag, str(p), f"a folder path ({parent} is not a folder, so nothing can be "
+                raise SpecError(where, flag, str(p), f"{what} ({parent} is not a folder, so nothing can be "
                                                      "created under it)")
             return
 
@@ -356,12 +361,7 @@ def prepare_output_file(path: str | os.PathLike[str], *, where: str, flag: str =
     p = Path(path)
     if p.is_dir():
         raise SpecError(where, flag, str(p), "a file path (this is a folder)")
-    for parent in p.absolute().parents:
-        if parent.exists() or parent.is_symlink():
-            if not parent.is_dir():
-                raise SpecError(where, flag, str(p), f"a file path ({parent} is not a folder, so nothing can be "
-                                                     "created under it)")
-            break
+    check_parent_is_folder(p, where=where, flag=flag, what="a file path")
     check_outside_run_logs(p, where=where, flag=flag, what="a file")
     if (p.exists() or p.is_symlink()) and not force:
         raise SpecError(where, flag, str(p), "a new file, or pass --force to replace it (it already exists)")

@@ -41,6 +41,7 @@ from typing import Any, Protocol
 
 import pandas as pd
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.records.outdir import check_outside_run_logs, check_parent_is_folder
 from mixfleet.costmodel.records.runlog import RunLog
 
 TRACKERS = ("tensorboard", "wandb")
@@ -261,11 +262,13 @@ def check_dest(tracker: str, dest: Path, run_dir: Path, *, where: str, flag: str
     TensorBoard folder that already has event files only when `replace` (a resumed run, which purges the
     replayed steps) or `force` (they are removed when writing starts)."""
     d, r = Path(dest).resolve(), Path(run_dir).resolve()
-    if d == r or r in d.parents or RunLog.is_run_log(d):
+    if d == r or r in d.parents:
         raise SpecError(where, flag, str(dest), "a folder outside the run folder (a run folder holds only what "
                                                 "the run writes)")
     if d.exists() and not d.is_dir():
         raise SpecError(where, flag, str(dest), "a folder (this is a file)")
+    check_parent_is_folder(Path(dest), where=where, flag=flag, what="a folder")           # FILE/sub
+    check_outside_run_logs(d, where=where, flag=flag, what="a folder")      # another run's `updates/`, ...
     if tracker == "tensorboard" and event_files(d) and not (replace or force):
         raise SpecError(where, flag, str(dest), f"a folder without TensorBoard event files (it has "
                                                 f"{len(event_files(d))}); --force replaces them")
