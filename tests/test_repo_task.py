@@ -287,3 +287,14 @@ def test_demo_episode_through_run_episode_is_repeatable(sandbox_ok: None) -> Non
 
     a = asyncio.run(one())
     assert a[0] == 1.0 and a[1] == "done" and a[2][-1].name == "submit"
+
+
+def test_the_repo_plan_pretrains_on_repo_demonstrations() -> None:
+    from mixfleet.policies.plan import load_plan
+    from mixfleet.runner.orchestration.pretrain import plan_base_config
+
+    plan = load_plan("repo-cpu")
+    assert plan.embedded.task == "repo" and plan.embedded.max_new_tokens >= 128
+    demos = plan_base_config(plan).demos
+    assert demos.task == "repo" and dict(demos.task_options)["sandboxes"] == 4
+    make_task("repo", **plan.embedded.task_options)      # the plan's options configure the task
