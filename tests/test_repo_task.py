@@ -298,3 +298,12 @@ def test_the_repo_plan_pretrains_on_repo_demonstrations() -> None:
     demos = plan_base_config(plan).demos
     assert demos.task == "repo" and dict(demos.task_options)["sandboxes"] == 4
     make_task("repo", **plan.embedded.task_options)      # the plan's options configure the task
+
+
+def test_every_demonstration_reply_fits_the_reply_cap() -> None:
+    from mixfleet.runner.rollout.demos import DEMO_REPLY_TOKENS, _repo_plan, reply_ids
+
+    config = DemoConfig(task="repo", noise=0.5)
+    longest = max(len(reply_ids(r)) for s in [*split_seeds("train", 200), *split_seeds("eval", 200)]
+                  for r in _repo_plan(generate(s), random.Random(s), config))
+    assert longest <= DEMO_REPLY_TOKENS["repo"]

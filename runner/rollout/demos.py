@@ -14,10 +14,10 @@ policy starts with a reward that is clearly nonzero but improvable:
   that is right only `mental_accuracy` of the time (off by 1..10 otherwise).
 - repo: the fix of a generated repository (the demonstrator reads the generator's ground truth): look
   (`grep -n -A5 "def NAME" lib.py` or `cat lib.py`), run the tests (`python3 -m unittest -q 2>&1 | tail -n 6`),
-  edit (`sed -i 's|BUGGY|FIX|' lib.py`, or a one-line `python3 -c` replace 1 time in 4), run the tests again,
-  `submit`; with probability `noise` each: the look skipped, the first test run skipped, the final test run
-  skipped, a wrong edit first (a mistyped pattern that changes nothing; then the tests, and half of those
-  episodes submit right away: reward 0).
+  edit (`sed -i 's|BUGGY|FIX|' lib.py`, or 1 time in 4 a one-line `python3 -c` replace where it is <= 110
+  bytes), run the tests again, `submit`; with probability `noise` each: the look skipped, the first test
+  run skipped, the final test run skipped, a wrong edit first (a mistyped pattern that changes nothing;
+  then the tests, and half of those episodes submit right away: reward 0).
 - all: with probability `no_call_rate` a reply is a short remark without a tool call (the loop
   then nudges, and the next reply calls a tool), so the base policy knows how to recover.
 Every draw comes from one seeded RNG: the same DemoConfig gives the same episodes.
@@ -133,6 +133,7 @@ def calc_demonstrator(transcript: str, rng: random.Random, config: DemoConfig) -
 DEMONSTRATORS: dict[str, Demonstrator] = {"guess": guess_demonstrator, "calc": calc_demonstrator}
 
 REPO_TEST = "python3 -m unittest -q 2>&1 | tail -n 6"
+REPO_MAX_EDIT_BYTES = 110     # longer python edits are written as sed (the longest sed edit is ~75 bytes)
 _SED_RE_SPECIAL = set("\\.*[]^$|")
 _SED_REPL_SPECIAL = set("\\&|")
 
@@ -144,15 +145,15 @@ def _sed_escape(text: str, special: set[str]) -> str:
 def repo_edit_command(buggy: str, fix: str, *, python: bool = False) -> str:
     """A one-line edit of lib.py replacing `buggy` with `fix`: `sed -i 's|..|..|' lib.py` or a `python3 -c`."""
     if python:
-        return (f"python3 -c \"import pathlib;p=pathlib.Path('lib.py');"
-                f"p.write_text(p.read_text().replace('{buggy}','{fix}'))\"")
+        return f"python3 -c \"s=open('lib.py').read();open('lib.py','w').write(s.replace('{buggy}','{fix}'))\""
     return f"sed -i 's|{_sed_escape(buggy, _SED_RE_SPECIAL)}|{_sed_escape(fix, _SED_REPL_SPECIAL)}|' lib.py"
 
 
 def _repo_plan(problem: Any, rng: random.Random, config: DemoConfig) -> list[str]:
     """The replies of one repo demonstration, drawn up front (see the module docstring)."""
     buggy, fix = problem.buggy_text.rstrip("\n"), problem.fix_text.rstrip("\n")
-    python = rng.random() < 0.25
+    # the python edit only where it is short: every reply must fit DEMO_REPLY_TOKENS with its call markers
+    python = rng.random() < 0.25 and len(repo_edit_command(buggy, fix, python=True)) <= REPO_MAX_EDIT_BYTES
     look = f'grep -n -A5 "def {problem.function}" lib.py' if rng.random() < 0.5 else "cat lib.py"
     plan: list[str] = []
     if rng.random() >= config.noise:
