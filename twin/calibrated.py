@@ -52,6 +52,31 @@ def plan_as_run(plan: Plan, log: RunLog) -> Plan:
     return with_overrides(plan, over)
 
 
+def rehearsal_not_modelled(header: dict[str, Any]) -> str:
+    """Why the twin cannot predict this run log, or "": an embedded rehearsal (runner fleet_mode "embedded") of a
+    plan whose samplers name accelerators other than CPUs ran those samplers on this machine's CPU cores, while
+    the run log's plan (runner/orchestration/rehearsal.py keeps each group's accelerator, for its prices) still
+    names the GPUs; the twin would simulate the GPUs (issue 44: tokens/s +146,405 %, time/update +1247 %)."""
+    from mixfleet.costmodel.specs.catalog import load_catalog
+
+    runner = header.get("runner") or {}
+    plan = header.get("plan") or {}
+    if header.get("source") != "runner" or runner.get("fleet_mode") != "embedded" or not isinstance(plan, dict):
+        return ""
+    try:
+        cat = load_catalog(plan.get("price_table") or None)
+        gpus = sorted({str(g.get("accelerator")) for g in plan.get("groups", [])
+                       if cat.accelerator(str(g.get("accelerator"))).kind != "cpu"})
+    except (SpecError, KeyError, ValueError):
+        return ""
+    if not gpus:
+        return ""
+    return (f"this run is an embedded rehearsal on this machine's CPU cores of a plan whose samplers are "
+            f"{', '.join(gpus)}; the twin simulates {', '.join(gpus)} replicas, not the CPU samplers that ran, so "
+            "its predictions (fidelity, overlays, predicted vs measured) do not apply to this run (a run of a CPU "
+            "plan, e.g. tiny-cpu, or a real run on the plan's accelerators can be checked)")
+
+
 # ---- the comparison -------------------------------------------------------------------------------
 
 @dataclass(frozen=True, kw_only=True)
@@ -188,6 +213,8 @@ def fidelity(plan: Plan | str | Path | None, runlog: str | Path, calibration: Ca
     n = len(log.updates)
     if n < 1:
         raise SpecError("fidelity", "runlog", str(runlog), "a run log with at least one finished update")
+    if why := rehearsal_not_modelled(log.header):
+        raise SpecError("fidelity", "runlog", str(runlog), f"a run the twin models ({why})")
     notes: list[str] = []
     ran = log.header.get("plan")
     if plan is None:

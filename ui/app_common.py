@@ -361,8 +361,12 @@ def find_runs(root: Path) -> list[tuple[Path, dict[str, Any]]]:
 def twin_predictions_for(header: dict[str, Any], root: Path, exclude: Path | None = None) -> list[Path]:
     """Twin run logs under `root` for the same plan as `header`: the fidelity checks of the run `exclude` first
     (another run's fidelity log is never offered), then the same groups, then the same name."""
+    from mixfleet.twin.calibrated import rehearsal_not_modelled
+
     plan = header.get("plan") or {}
     name = plan.get("name")
+    if rehearsal_not_modelled(header):      # the twin of a GPU plan is not a prediction of its CPU rehearsal
+        return []
 
     def groups_key(p: dict[str, Any]) -> list[tuple[Any, ...]]:
         return sorted((g.get("name"), g.get("accelerator"), g.get("precision"), g.get("replicas"))
@@ -373,8 +377,8 @@ def twin_predictions_for(header: dict[str, Any], root: Path, exclude: Path | Non
         if h.get("source") != "twin" or (exclude is not None and p.resolve() == exclude.resolve()):
             continue
         hp = h.get("plan") or {}
-        if hp.get("name") != name:
-            continue
+        if hp.get("name") != name or (hp.get("model"), hp.get("workload")) != (plan.get("model"), plan.get("workload")):
+            continue                # another model or workload under the same name is not this run's prediction
         of = fidelity_of(p)
         if of is not None:          # a fidelity check's twin log: the prediction of the run it checked only
             if exclude is not None and of and Path(of).resolve() == exclude.resolve():

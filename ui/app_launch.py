@@ -55,6 +55,19 @@ def rehearsal_text(plan_toml: str) -> tuple[list[str], str]:
         return [], error_text(e)
 
 
+def rehearsal_task(pt: PlanText) -> str:
+    """The task a run of this plan trains on: the plan's [embedded] task, else the runner's default (what
+    `mixfleet run` without --task runs, ui/commands/run_live.py)."""
+    from mixfleet.runner.orchestration.config import DEFAULT_TASK
+    from mixfleet.ui.app_common import plan_object
+
+    try:
+        emb = plan_object(pt).embedded
+    except ValueError:
+        return DEFAULT_TASK
+    return (emb.task if emb is not None and emb.task else DEFAULT_TASK)
+
+
 def _rehearsal_note(pt: PlanText) -> str:
     """The rehearsal said on the page before Start (issue 26: the page started a 35B plan on CPU, then called the
     failure "starting"); the reason it cannot run here when it cannot."""
@@ -63,7 +76,7 @@ def _rehearsal_note(pt: PlanText) -> str:
         st.warning(f"An embedded rehearsal of this plan cannot run on this machine: {why}")
         return why
     head, *groups = lines
-    st.markdown(f"**Embedded rehearsal here**: {head}")
+    st.markdown(f"**Embedded rehearsal here**: {head}; task **{rehearsal_task(pt)}**")
     if groups:
         st.code("\n".join(g.strip() for g in groups), language=None)
     return ""

@@ -16,6 +16,7 @@ from pathlib import Path
 import pandas as pd
 import streamlit as st
 from mixfleet.costmodel.records.runlog import FIND_MAX_DEPTH, FIND_MAX_DIRS
+from mixfleet.twin.calibrated import rehearsal_not_modelled
 from mixfleet.ui import app_charts as charts
 from mixfleet.ui import app_launch as launch
 from mixfleet.ui import run_manager as rm
@@ -241,6 +242,9 @@ def _fidelity_section(path: Path, header: dict) -> None:
     """Issue 8's comparison: `twin.calibrated.fidelity` simulates the plan as this run ran it (seed, updates,
     replica counts, workload; optionally calibrated) and lays predicted next to measured."""
     st.subheader("Twin fidelity")
+    if why := rehearsal_not_modelled(header):
+        st.info(f"Twin fidelity does not apply: {why}.")
+        return
     files = calibration_files()
     c1, c2 = st.columns([3, 1])
     cal = c1.selectbox("Calibration", [PRIORS] + files, key="runs_cal",
@@ -346,6 +350,8 @@ def render() -> None:
                         on_change=launch.unfollow)
     path, header = by_path.get(str(pick), runs[0])
     preds = twin_predictions_for(header, root, exclude=path) if header.get("source") != "twin" else []
+    if why := rehearsal_not_modelled(header):
+        st.info(f"No twin overlay or predicted-vs-measured table: {why}.")
     for g, why in (header.get("lost_groups") or {}).items():      # given up under --allow-group-loss
         st.warning(f"Sampler group `{g}` never started and the run went on without it: {why}")
     c1, c2 = st.columns([3, 1])
@@ -356,7 +362,7 @@ def render() -> None:
             pick = st.selectbox("Overlay the twin's prediction", options, index=1,
                                 format_func=lambda s: s if s == "none" else Path(s).name)
             overlay = None if pick == "none" else pick
-        elif header.get("source") != "twin":
+        elif header.get("source") != "twin" and not rehearsal_not_modelled(header):
             st.caption("No twin prediction for this plan in the folder yet (see Twin fidelity below).")
     with c2:
         # live: the log says running, or the app's own process for it is (a resume not yet in the log)
