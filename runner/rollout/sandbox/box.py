@@ -21,6 +21,7 @@ How (docs/sandbox.md says why):
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import functools
 import os
 import shutil
@@ -42,7 +43,7 @@ INSIDE = "/work/repo"                # the copy, as seen inside (cwd of every co
 PATH = "/usr/local/bin:/usr/bin:/bin"
 _ETC = ("/etc/passwd", "/etc/group", "/etc/nsswitch.conf", "/etc/ld.so.cache", "/etc/ld.so.conf",
         "/etc/ld.so.conf.d", "/etc/localtime", "/etc/python3", "/etc/python3.11", "/etc/alternatives")
-_CHUNK = 1 << 16
+_PIPE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -175,16 +176,38 @@ def _tree_bytes(root: Path) -> int:
     return total
 
 
-async def _read_capped(stream: asyncio.StreamReader, cap: int) -> tuple[bytes, bool]:
-    kept = bytearray()
-    truncated = False
-    while chunk := await stream.read(_CHUNK):
-        room = cap - len(kept)
+class _CappedOutput(asyncio.Protocol):
+    """Keeps the first `cap` bytes of a pipe and drops the rest as it arrives (memory stays bounded)."""
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.kept = bytearray()
+        self.truncated = False
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def data_received(self, data: bytes) -> None:
+        room = self.cap - len(self.kept)
         if room > 0:
-            kept += chunk[:room]
-        if len(chunk) > room:
-            truncated = True
-    return bytes(kept), truncated
+            self.kept += data[:room]
+        if len(data) > room:
+            self.truncated = True
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_result(None)
+
+
+async def _output_pipe(cap: int) -> tuple[int, asyncio.ReadTransport, _CappedOutput]:
+    """A pipe for a command's stdout + stderr: the write end's fd, and the transport + protocol reading the other.
+    The pipe is enlarged (1 MiB where allowed) so that a flood of output costs fewer wake-ups."""
+    r, w = os.pipe()
+    try:
+        fcntl.fcntl(w, fcntl.F_SETPIPE_SZ, _PIPE_BYTES)
+    except OSError:
+        pass
+    proto = _CappedOutput(cap)
+    transport, _ = await asyncio.get_running_loop().connect_read_pipe(lambda: proto, os.fdopen(r, "rb", buffering=0))
+    return w, transport, proto
 
 
 def _kill_group(proc: asyncio.subprocess.Process) -> None:
@@ -254,14 +277,18 @@ class Sandbox:
             raise ValueError(f"Sandbox.exec timeout_s={timeout_s!r}: must be > 0")
         await asyncio.to_thread(_chown_tree, self.workdir)
         t0 = time.perf_counter()
-        proc = await asyncio.create_subprocess_exec(
-            *bwrap_argv(self.workdir, cmd, self.limits), stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
-            **_user_kwargs())
+        w, transport, out = await _output_pipe(self.limits.output_bytes)
+        try:
+            proc = await asyncio.create_subprocess_exec(
+                *bwrap_argv(self.workdir, cmd, self.limits), stdin=asyncio.subprocess.DEVNULL, stdout=w, stderr=w,
+                start_new_session=True, **_user_kwargs())
+        except BaseException:
+            transport.close()
+            raise
+        finally:
+            os.close(w)
         self._procs.add(proc)
         runtime.add_pid(self.home, proc.pid)
-        assert proc.stdout is not None
-        reader = asyncio.ensure_future(_read_capped(proc.stdout, self.limits.output_bytes))
         timed_out = False
         try:
             await asyncio.wait_for(proc.wait(), timeout)
@@ -272,15 +299,17 @@ class Sandbox:
         finally:
             if proc.returncode is None:       # cancelled: leave nothing behind
                 _kill_group(proc)
+                transport.close()
                 await proc.wait()
             self._procs.discard(proc)
             runtime.drop_pid(self.home, proc.pid)
         # bwrap is gone, so its PID namespace is too: the pipe closes once the reader has drained it
         try:
-            data, truncated = await asyncio.wait_for(reader, 10.0)
+            await asyncio.wait_for(asyncio.shield(out.done), 10.0)
         except TimeoutError:
-            reader.cancel()
-            data, truncated = b"", True
+            out.truncated = True
+        transport.close()
+        data, truncated = bytes(out.kept), out.truncated
         elapsed = time.perf_counter() - t0
         code = 124 if timed_out else proc.returncode
         code = 128 - code if code < 0 else code
