@@ -52,6 +52,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.records import writepoints
 
 FORMAT_NAME = "mixfleet-runlog"
 FORMAT_VERSION = 1
@@ -510,6 +511,7 @@ class RunLogWriter:
         os.replace(tmp, final)
         _fsync_dir(folder)
         self._next_part[table] = n + 1
+        writepoints.reached(f"part:{table}")
         return final
 
     def update_header(self, **kw: Any) -> None:

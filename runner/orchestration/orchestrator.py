@@ -30,6 +30,7 @@ import math
 import os
 import re
 import shutil
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from typing import Any
 
 import pandas as pd
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.records import writepoints
 from mixfleet.costmodel.records.ledger import GroupTotals, trainer_usd_per_hour
 from mixfleet.costmodel.records.outdir import STAGING_SUFFIX, is_our_temp, lock_output_dir
 from mixfleet.costmodel.records.runlog import EventRecord, RunLog, plan_differences
@@ -116,6 +118,7 @@ class Orchestrator:
         self.trainer_busy_s = 0.0
         self.last_pass_at_k = math.nan
         self._loop_start_s = math.nan                 # run clock when the first prompts started
+        self._saved_version = 0                       # the version of the run folder's checkpoint (0: none)
         self._busy_at_loop_start_s = 0.0
 
     def _make_batcher(self, batcher: Any) -> Any:
@@ -274,13 +277,26 @@ class Orchestrator:
         the renames set aside."""
         state_dir = self.out / STATE_DIR
         staged = staging_dir(state_dir)
-        if staged.exists():                                      # a killed checkpoint's: ours, unfinished
-            shutil.rmtree(staged)
-        await self.trainer.save_state.remote(str(staged))
-        _write_json_durably(staged / ORCH_STATE_FILE, {
-            "version": self.version, **self.prompts.state(), "restarts": self.restarts,
-            "trainer_busy_s": self.trainer_busy_s, "elapsed_s": self.now(), **self.recorder.state(self._totals())})
-        replace_dir_atomically(staged, state_dir)
+        try:
+            if staged.exists():                                  # a killed checkpoint's: ours, unfinished
+                shutil.rmtree(staged)
+            await self.trainer.save_state.remote(str(staged))
+            writepoints.reached("state")
+            _write_json_durably(staged / ORCH_STATE_FILE, {
+                "version": self.version, **self.prompts.state(), "restarts": self.restarts,
+                "trainer_busy_s": self.trainer_busy_s, "elapsed_s": self.now(),
+                **self.recorder.state(self._totals())})
+            writepoints.reached("orchestrator")
+            replace_dir_atomically(staged, state_dir)
+            self._saved_version = self.version
+        except Exception as e:                 # no space, an I/O error: one line, and the run stays resumable
+            if actor_died(e) is not None:
+                raise
+            cause = write_failure(e, staged)
+            with contextlib.suppress(OSError):                   # the cut write's space back; resume would too
+                shutil.rmtree(staged)
+            raise RunFailed(f"the checkpoint of update {self.version} could not be written to {state_dir}: {cause}; "
+                            f"{resume_hint(self._saved_version)}") from None
 
     # ---- the loop --------------------------------------------------------------------------------------
     async def run(self) -> dict[str, Any]:
@@ -289,6 +305,7 @@ class Orchestrator:
         status = "failed"
         try:
             await self._start()
+            self._saved_version = self.version                         # what the folder's checkpoint holds
             if ctx.fatal is not None:                                  # e.g. a planned group cannot start
                 raise ctx.fatal
             ctx.spawn(self.fleet.monitor())
@@ -302,6 +319,8 @@ class Orchestrator:
                 batch, metrics, train_s = await self.train(prompts)    # train (samplers keep sampling)
                 sync_s = await self.weights.publish(self.trainer, batch.trained_version, self.fleet)
                 ctx.version = batch.trained_version
+                writepoints.begin(self.version)                        # the update's writes (tests die at one)
+                writepoints.reached("published")
                 ctx.wake.set()
                 pak = math.nan
                 if self.eval_every and self.version % self.eval_every == 0:
@@ -314,12 +333,25 @@ class Orchestrator:
                     replicas_up={g: sum(1 for r in reps if r.up) for g, reps in self.replicas.items()},
                     trainer_idle_share=1.0 - self.trainer_busy_s / max(now, 1e-9))
                 await self._checkpoint()
+                writepoints.reached("checkpoint")
+                writepoints.begin(None)
                 if self.on_update is not None:
                     r = self.on_update(view, self)
                     if asyncio.iscoroutine(r):
                         await r
             status = "stopped" if self.version < self.target else "finished"
+        except Exception as e:                  # an actor died (the trainer, a sampler): one line, not Ray's 150
+            died = actor_died(e)
+            if died is None and isinstance(e, OSError):        # the run log's own write (no space, I/O error)
+                died = f"writing the run log in {self.out} failed: {write_failure(e, self.out)}"
+            if died is None:
+                raise
+            raise RunFailed(f"{died}; {resume_hint(self._saved_version)}") from None
+        except (SystemExit, KeyboardInterrupt, asyncio.CancelledError):
+            status = "stopped"          # a signal ended it (a SIGTERM in Ray's start-up): resumable, not "running"
+            raise
         finally:
+            writepoints.begin(None)
             await self._stop(status)
         return {"version": self.version, "elapsed_s": self.now(), "restarts": self.restarts,
                 "on_policy_kl_by_group": self.recorder.on_policy_kl(),
@@ -344,22 +376,28 @@ class Orchestrator:
         return {**out, **await self.fleet.cpu_seconds()}
 
     async def _stop(self, status: str) -> None:
-        await self.ctx.cancel_tasks()
-        cpu = await self._cpu_seconds() if self.trainer is not None else {}
-        await self.fleet.close()
-        await self.weights.close()
-        if self.trainer is not None:
-            import ray
+        cpu: dict[str, float] = {}
+        try:             # a SIGTERM in Ray's start-up (its handler exits) can fail these: the log is closed anyway
+            await self.ctx.cancel_tasks()
+            cpu = await self._cpu_seconds() if self.trainer is not None else {}
+            await self.fleet.close()
+            await self.weights.close()
+            if self.trainer is not None:
+                import ray
 
-            with contextlib.suppress(Exception):
-                ray.kill(self.trainer, no_restart=True)
-        self.recorder.close(status, wall_s=self.now(), trainer_busy_s=self.trainer_busy_s,
-                            trainer_idle_share=1.0 - self.trainer_busy_s / max(self.now(), 1e-9),
-                            on_policy_kl_by_group=self.recorder.on_policy_kl(), cpu_s=cpu,
-                            lost_groups=dict(self.fleet.lost_groups),
-                            cpu_s_total=sum(cpu.values()), **self.loop_stats())
-        if getattr(self, "_out_lock", None) is not None:       # the run log is closed: the folder is free
-            self._out_lock.release()
+                with contextlib.suppress(Exception):
+                    ray.kill(self.trainer, no_restart=True)
+        finally:
+            # on a full disk the header may not be written: the run's own error (one line) is what is reported,
+            # and a resume reads the log as it is
+            with contextlib.suppress(OSError):
+                self.recorder.close(status, wall_s=self.now(), trainer_busy_s=self.trainer_busy_s,
+                                    trainer_idle_share=1.0 - self.trainer_busy_s / max(self.now(), 1e-9),
+                                    on_policy_kl_by_group=self.recorder.on_policy_kl(), cpu_s=cpu,
+                                    lost_groups=dict(self.fleet.lost_groups),
+                                    cpu_s_total=sum(cpu.values()), **self.loop_stats())
+            if getattr(self, "_out_lock", None) is not None:   # the run log is closed: the folder is free
+                self._out_lock.release()
 
 
 def run_plan(plan: Plan, config: RunConfig, *, on_update: Callable[[UpdateView, Orchestrator], Any] | None = None,
@@ -501,12 +539,14 @@ def prepare_resume(out: Path, plan: Plan, *, where: str = "mixfleet run --resume
     folder's lock): None when there is no run log yet (a new run). Refused (SpecError, nothing changed):
 
     - a different plan than the log's (the resolved plans are compared, not the file names);
-    - a trainer state that is gone while the log holds updates (its rows came from it: they cannot be
-      continued); a state set aside by a killed replace (`.trainer_state.old.<pid>`) is put back instead;
+    - a trainer state that is gone while the log holds updates after update 1 (their rows came from it: they
+      cannot be continued); a state set aside by a killed replace (`.trainer_state.old.<pid>`) is put back;
     - a trainer_meta.json or orchestrator.json that is unreadable, not JSON or of the wrong types (named).
 
-    A run log without a trainer state and without updates (killed before its first checkpoint) continues from
-    the base policy in the same log; nothing is deleted. `apply=False` changes nothing (a check before the
+    The log is rolled back to the checkpoint: a run log without a trainer state whose updates are none or
+    update 1 only (killed, or out of space, before its first checkpoint completed) continues from the base
+    policy in the same log, update 1's rows rolled back by the run (`truncate_after_version`), as a later
+    update's rows are after the checkpoint of the update before it. `apply=False` changes nothing (a check before the
     run starts: the run's own call then recovers and records it in its resume event)."""
     out = Path(out)
     state_dir = out / STATE_DIR
@@ -531,7 +571,7 @@ def prepare_resume(out: Path, plan: Plan, *, where: str = "mixfleet run --resume
     found, notes = _recover_state_dir(state_dir, apply=apply)
     up = log.updates
     if not _state_complete(found):
-        if len(up):
+        if len(up) and int(up["version"].max()) > 1:
             n_tr = int((log.trajectories["trained_version"] > 0).sum())
             raise SpecError(where, "--out", str(out), f"a run whose trainer state is there to continue from; "
                             f"{state_dir} is {'incomplete' if state_dir.exists() else 'missing'} (and no old copy is "
@@ -539,6 +579,8 @@ def prepare_resume(out: Path, plan: Plan, *, where: str = "mixfleet run --resume
                             f"{int(up['version'].max())} ({n_tr} trained trajectories) that came from it, so they "
                             "cannot be continued; nothing was changed. Put the trainer_state folder back, or start "
                             "over with --force (replaces this run) or another --out")
+        if len(up):           # update 1 logged, its checkpoint never completed (a kill, a full disk): rolled back
+            notes.append("update 1's checkpoint was never completed: its rows are rolled back")
         return ResumePoint(version=0, from_state=False, state=_state_from_log(log, 0), plan=dict(recorded or {}),
                            notes=(*notes, "no checkpoint yet: continues from the base policy"))
     meta = _read_json_file(found / "trainer_meta.json", "the trainer's checkpoint metadata")
@@ -570,6 +612,52 @@ def trainer_error(exc: BaseException) -> str:
         if m and not m.group(1).startswith(("RayTaskError", "ActorDiedError", "RayActorError")):
             return f"{m.group(1)}: {m.group(2)}".strip()
     return next((ln.strip() for ln in lines if ln.strip()), type(exc).__name__)
+
+
+def resume_hint(saved: int) -> str:
+    """What a failed run's message says about continuing it: the checkpoint it continues from."""
+    start = f"update {saved}'s checkpoint" if saved > 0 else "the base policy (no checkpoint was completed)"
+    return (f"--resume continues from {start}, rolling back the run log's rows after it, once the cause is gone")
+
+
+_CLASS_NAME = re.compile(r"class_name:\s*(\w+)")
+_WHY_DEAD = re.compile(r"(The actor (?:is dead|died)[^.]*\.)")
+
+
+def actor_died(exc: BaseException) -> str | None:
+    """One line for a Ray actor's death (the trainer's, a sampler's: ActorDiedError and kin, ~150 lines of
+    Ray's text); None for any other error."""
+    if not _is_ray_error(exc, "RayActorError"):
+        return None
+    text = str(exc)
+    m = _CLASS_NAME.search(text)
+    cls = m.group(1) if m else "an actor"
+    who = {"TrainerWorker": "the trainer", "SamplerWorker": "a sampler replica"}.get(cls, "a Ray actor")
+    why = _WHY_DEAD.search(text)
+    return f"{who} ({cls}) died ({type(exc).__name__}: {why.group(1) if why else 'its process ended'})"
+
+
+def write_failure(exc: BaseException, folder: Path) -> str:
+    """The cause of a failed write into `folder` in a few words: "no space left on device" when the error says
+    so or the filesystem is full (torch's writer reports only "file write failed"), else the writer's own error."""
+    import errno
+
+    text = str(exc)
+    full = (isinstance(exc, OSError) and exc.errno == errno.ENOSPC) or "No space left on device" in text
+    if not full:
+        here = next((p for p in (folder, *folder.parents) if p.exists()), None)
+        with contextlib.suppress(OSError):
+            full = here is not None and shutil.disk_usage(here).free < 1 << 20
+    if full:
+        return "no space left on device"
+    if _is_ray_error(exc):
+        return trainer_error(exc)
+    return f"{type(exc).__name__}: {text.splitlines()[0] if text else ''}".rstrip(": ")
+
+
+def _is_ray_error(exc: BaseException, kind: str = "RayError") -> bool:
+    ray_exc = sys.modules.get("ray.exceptions")         # loaded once a run has imported Ray
+    return ray_exc is not None and isinstance(exc, getattr(ray_exc, kind))
 
 
 async def _trainer_version(trainer: Any, state_dir: Path | None) -> int:

@@ -1,0 +1,32 @@
+"""The named writes of one update of a run, where a test kills the process to check that the run log and the
+trainer state stay consistent at every crash point (tests/test_probe3_crash.py).
+
+Set `MIXFLEET_DIE_AT=POINT@VERSION` and the process kills itself (SIGKILL: no handler, no flush, as a power cut
+or `kill -9`) right after that write of that update. The points, in order (runner/orchestration/orchestrator.py
+`Orchestrator.run`): `published` (the update's weights exported, nothing of it logged), `part:trajectories`,
+`part:updates`, `part:groups`, `part:events` (each table's part file of the update, costmodel/records/runlog.py),
+`state` (the trainer's state in the staging folder), `orchestrator` (orchestrator.json beside it), `checkpoint`
+(the staging folder has replaced trainer_state). Unset (always, outside tests): nothing happens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+ENV = "MIXFLEET_DIE_AT"
+POINTS = ("published", "part:trajectories", "part:updates", "part:groups", "part:events", "state", "orchestrator",
+          "checkpoint")
+_update: list[int | None] = [None]        # the update whose writes are under way (set by the orchestrator)
+
+
+def begin(version: int | None) -> None:
+    """The writes that follow belong to update `version` (None: to no update)."""
+    _update[0] = version
+
+
+def reached(point: str) -> None:
+    """`point` of the current update was written: die here if MIXFLEET_DIE_AT names it."""
+    want = os.environ.get(ENV)
+    if want and _update[0] is not None and want == f"{point}@{_update[0]}":
+        os.kill(os.getpid(), signal.SIGKILL)
