@@ -356,8 +356,8 @@ def calibrate_and_replan(run_path: Path, header: dict[str, Any], root: Path,
     """Fit a calibration from this run's log (and others picked), show it beside the priors, then open the
     Plan page with it selected."""
     st.subheader("Calibrate and re-plan")
-    if header.get("status") == "running":
-        st.caption("Available once the run has finished or stopped.")
+    if header.get("status") in ("running", "stopping"):     # the Runs page's status: a killed run's is "killed"
+        st.caption("Available once the run has finished, stopped or been killed (from its completed updates).")
         return
     same = [str(p) for p, h in others if p != run_path and h.get("source") == "runner"]
     extra = st.multiselect("Also fit on", same, key="runs_cal_extra", format_func=lambda s: Path(s).parent.name

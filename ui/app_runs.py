@@ -174,13 +174,13 @@ def _view(path: str, twin_path: str | None) -> None:
         return
     h = run.header
     plan = (h.get("plan") or {}).get("name", "?")
-    st.caption(f"source **{h.get('source')}** · status **{h.get('status')}** · plan **{plan}** · seed "
+    st.caption(f"source **{h.get('source')}** · status **{_status(Path(path), h)}** · plan **{plan}** · seed "
                f"{h.get('seed')} · clock {run.summary.get('clock')} · created {h.get('created_utc', '?')}"
                + (f" · overlay: twin run `{Path(twin_path).name}`" if twin_path else ""))
     _metrics(run)
     if len(run.updates) == 0:
         st.info("No update recorded yet" + (" (the run is going; this page refreshes)."
-                                           if h.get("status") == "running" else "."))
+                                           if _status(Path(path), h) == "running" else "."))
         return
     _charts(run, twin)
     _mix(run)
@@ -294,14 +294,16 @@ def _fidelity_section(path: Path, header: dict) -> None:
                + " ".join(rep.get("notes", [])))
 
 
-def _label(path: Path, header: dict) -> str:
-    """The run's name, source, plan and status; a managed run's status is its process's (a killed run's log
-    still says "running"; a stopped or finished one says so before the page rereads the list)."""
-    label = run_label(path, header)
+def _status(path: Path, header: dict) -> str:
+    """The run's status: a managed run's is its process's (a killed run's log still says "running", issue 44; a
+    stopped or finished one says so before the page rereads the list), any other run's its log's."""
     m = launch.managed_for(path)
-    if m is not None and header.get("status") != (state := m.state()):
-        label = label.rsplit(" · ", 1)[0] + f" · {state}"
-    return label
+    return m.state() if m is not None else str(header.get("status", "?"))
+
+
+def _label(path: Path, header: dict) -> str:
+    """The run's name, source, plan and status (`_status`)."""
+    return run_label(path, {**header, "status": _status(path, header)})
 
 
 def _folder(top: Path) -> Path | None:
@@ -349,6 +351,7 @@ def render() -> None:
     pick = st.selectbox("Run log", list(by_path), format_func=lambda k: _label(*by_path[k]), key=launch.PICK_KEY,
                         on_change=launch.unfollow)
     path, header = by_path.get(str(pick), runs[0])
+    header = {**header, "status": _status(path, header)}      # a killed run's log still says "running"
     preds = twin_predictions_for(header, root, exclude=path) if header.get("source") != "twin" else []
     if why := rehearsal_not_modelled(header):
         st.info(f"No twin overlay or predicted-vs-measured table: {why}.")

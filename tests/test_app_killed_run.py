@@ -1,0 +1,79 @@
+"""A killed run reads "killed" and can be calibrated from its completed updates (issue 44, the newcomer's walk).
+
+Kill sends SIGKILL: the run log's header is never closed and keeps "running". Before the fix the Runs page's
+run-log line read "status running" and "Calibrate and re-plan" said "Available once the run has finished or
+stopped" until the run was resumed. The managed record here is the one `run_manager.kill` leaves (killed_utc set,
+its process gone); the run log is written record by record as the runner writes it, never closed."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from mixfleet.costmodel.records.runlog import GroupRecord, RunLogWriter, TrajectoryRecord, UpdateRecord
+from mixfleet.policies.plan import load_plan
+from mixfleet.ui import run_manager as rm
+
+pytest.importorskip("streamlit.testing.v1")
+from streamlit.testing.v1 import AppTest  # noqa: E402
+
+APP = str(Path(__file__).resolve().parents[1] / "ui" / "app.py")
+
+
+def _killed_run(runs: Path, name: str = "killed-one", updates: int = 3) -> Path:
+    folder = runs / name
+    plan = load_plan("tiny-cpu").to_dict()
+    groups = [g["name"] for g in plan["groups"]]
+    header = {"source": "runner", "plan": plan, "seed": 0,
+              "runner": {"mode": "async", "fleet_mode": "embedded", "task": "guess", "updates": 5,
+                         "groups": {g: {"replicas": 1, "planned_replicas": 1} for g in groups}}}
+    w = RunLogWriter(folder / rm.RUN_SUBDIR, header, flush_every_s=None)
+    pid, end = 0, 3.0
+    for v in range(1, updates + 1):
+        for i, g in enumerate(groups):
+            for s in range(6):
+                w.append(TrajectoryRecord(run_id=w.run_id, prompt_id=pid, sample_index=s, group=g, replica=0,
+                                          version_start=v - 1, version_end=v - 1, turns=2, prompt_tokens=40,
+                                          generated_tokens=30 + 5 * i + 7 * s, start_s=end + s,
+                                          end_s=end + 4 + i + 1.1 * s,
+                                          reward=0.5, finish_reason="done", trained_version=v))
+            pid += 1
+        end += 12.0 + v
+        w.append(UpdateRecord(version=v, start_s=end - 3, end_s=end, train_step_s=2.0 + 0.1 * v, weight_sync_s=1.0,
+                              tokens=300, trajectories=6 * len(groups), staleness_mean=0.5, staleness_p50=0.0,
+                              staleness_p95=1.0, staleness_max=1, cost_sampler_usd=0.01 * v,
+                              cost_trainer_usd=0.002 * v, kl_k3=0.001, reward_mean=0.5))
+        for g in groups:
+            w.append(GroupRecord(version=v, group=g, replicas_up=1.0, utilization=0.9, tokens_generated=60,
+                                 samples=6, share_of_samples=1 / len(groups)))
+    w.flush()                 # never closed: SIGKILL leaves the header "running"
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    rm.save(rm.ManagedRun(folder=str(folder.resolve()), pid=gone.pid, pid_start="1", command=["mixfleet", "run"],
+                          started_utc="2026-12-05T10:00:00Z", updates=5, killed_utc="2026-12-05T10:01:00Z"))
+    return folder / rm.RUN_SUBDIR
+
+
+def test_a_killed_run_reads_killed_and_is_calibrated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("MIXFLEET_RUNS_DIR", str(runs))
+    monkeypatch.setenv("MIXFLEET_STATE_DIR", str(tmp_path / "state"))
+    run = _killed_run(runs)
+    assert '"status": "running"' in (run / "run.json").read_text().replace('":"', '": "')
+    assert rm.load(run.parent).state() == "killed"
+    at = AppTest.from_file(APP, default_timeout=240)
+    at.run()
+    at.switch_page("app_runs.py")
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    pick = at.selectbox(key="runs_pick")
+    assert pick.format_func(pick.value).endswith(" · killed"), pick.format_func(pick.value)
+    line = [c.value for c in at.caption if c.value.startswith("source **runner**")]
+    assert line and "status **killed**" in line[0], line
+    assert not any("Available once the run has finished or stopped" in c.value for c in at.caption)
+    at.button(key="runs_cal_fit").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert not at.error, [e.value for e in at.error]
+    assert any(c.value.startswith("written to `") for c in at.caption)
+    assert list((runs).rglob("*calibration*.toml"))
