@@ -194,6 +194,19 @@ def test_fork_bomb_is_bounded_and_leaves_nothing(repo: Path) -> None:
     assert not _my_live_children()
 
 
+def test_cpu_and_memory_limits(repo: Path) -> None:
+    limits = SandboxLimits(cpu_s=1, memory_mb=128, timeout_s=30)
+
+    async def go() -> None:
+        async with await Sandbox.create(repo, limits=limits) as box:
+            r = await box.exec("python3 -c 'while True: pass'")
+            assert r.exit_code == 128 + signal.SIGXCPU and not r.timed_out and r.elapsed_s < 20, r
+            r = await box.exec("python3 -c 'x = bytearray(512 << 20)'")
+            assert r.exit_code == 1 and "MemoryError" in r.output, r.output
+            assert (await box.exec("python3 -c 'x = bytearray(16 << 20); print(len(x))'")).output == "16777216\n"
+    run(go())
+
+
 def test_disk_fill_stops_at_the_cap(repo: Path) -> None:
     limits = SandboxLimits(disk_mb=8, file_size_mb=4)
     free_before = shutil.disk_usage("/tmp").free

@@ -116,8 +116,10 @@ def bwrap_argv(copy: Path, cmd: str, limits: SandboxLimits) -> list[str]:
              "--chdir", INSIDE, "--clearenv",
              "--setenv", "PATH", PATH, "--setenv", "HOME", "/tmp", "--setenv", "LANG", "C.UTF-8",
              "--setenv", "PYTHONDONTWRITEBYTECODE", "1", "--setenv", "TERM", "dumb"]
-    argv += [PRLIMIT, f"--nproc={limits.max_procs}", f"--cpu={limits.cpu_s}", f"--as={limits.memory_mb * mib}",
-             f"--fsize={limits.file_size_mb * mib}", "--core=0", "--", "/bin/bash", "-c", cmd]
+    # CPU: SIGXCPU at cpu_s (exit 152), SIGKILL one second later if it is caught
+    argv += [PRLIMIT, f"--nproc={limits.max_procs}", f"--cpu={limits.cpu_s}:{limits.cpu_s + 1}",
+             f"--as={limits.memory_mb * mib}", f"--fsize={limits.file_size_mb * mib}", "--core=0", "--",
+             "/bin/bash", "-c", cmd]
     return argv
 
 
