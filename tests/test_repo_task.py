@@ -296,7 +296,7 @@ def test_the_repo_plan_pretrains_on_repo_demonstrations() -> None:
     plan = load_plan("repo-cpu")
     assert plan.embedded.task == "repo" and plan.embedded.max_new_tokens >= 128
     demos = plan_base_config(plan).demos
-    assert demos.task == "repo" and dict(demos.task_options)["sandboxes"] == 4
+    assert demos.task == "repo" and dict(demos.task_options)["sandboxes"] == 24
     make_task("repo", **plan.embedded.task_options)      # the plan's options configure the task
 
 
