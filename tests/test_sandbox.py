@@ -402,3 +402,26 @@ def test_cleanup_after_the_driver_is_killed(repo: Path) -> None:
             else:
                 os.environ["MIXFLEET_SANDBOX_DIR"] = runtime_env
         shutil.rmtree(rt, ignore_errors=True)
+
+
+def test_cleanup_kills_what_still_runs_on_a_dead_drivers_copy(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    rt = Path(tempfile.mkdtemp(prefix="mixfleet-sandboxes-test-", dir="/tmp"))
+    monkeypatch.setenv("MIXFLEET_SANDBOX_DIR", str(rt))
+    try:
+        home = runtime.new_dir("box")
+        (home / "repo").mkdir()
+        dead = subprocess.Popen([sys.executable, "-c", "pass"])
+        dead.wait()
+        marker = json.loads((home / "owner.json").read_text())
+        (home / "owner.json").write_text(json.dumps({**marker, "owner_pid": dead.pid}))
+        live = runtime.new_dir("box")                     # owned by this (live) process: kept
+        straggler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)", str(home / "repo")],
+                                     start_new_session=True)
+        runtime.add_pid(home, straggler.pid)
+        removed = runtime.cleanup()
+        assert [r["path"] for r in removed] == [str(home)] and removed[0]["killed_pids"] == [straggler.pid]
+        straggler.wait(timeout=10)                        # (cleanup's psutil wait may have reaped it already)
+        assert not _live_with(str(home / "repo"))
+        assert not home.exists() and live.exists()
+    finally:
+        shutil.rmtree(rt, ignore_errors=True)
