@@ -346,6 +346,20 @@ def test_diff_and_apply_patch_round_trip(repo: Path, tmp_path: Path) -> None:
     assert (again / "test_calc.py").read_text() == (repo / "test_calc.py").read_text()
 
 
+def test_diff_does_not_follow_symlinks_out_of_the_copy(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "etc").mkdir(parents=True)
+    (src / "etc" / "passwd").write_text("mine\n")
+
+    async def go() -> str:
+        async with await Sandbox.create(src) as box:
+            r = await box.exec("rm -r etc && ln -s /etc etc && ln -s /etc/hostname host")
+            assert r.exit_code == 0, r.output
+            return await box.diff()
+    patch = run(go())
+    assert "root:" not in patch and patch.startswith("--- a/etc/passwd\n+++ /dev/null"), patch
+
+
 def test_apply_patch_refuses_escapes_and_bad_hunks(repo: Path, tmp_path: Path) -> None:
     outside = tmp_path / "outside.txt"
     outside.write_text("x\n")

@@ -37,13 +37,23 @@ def _text(path: Path) -> str | None:
         return None
 
 
+def _read_inside(root: Path, rel: str) -> bytes | None:
+    """The bytes of root/rel if it is a regular file whose path stays inside root (a folder replaced by a symlink
+    to a host path, e.g. `pkg -> /etc`, must not make the host read its own files into the diff)."""
+    path = root / rel
+    real = os.path.realpath(path)
+    if not real.startswith(os.path.realpath(root) + os.sep) or os.path.islink(path) or not os.path.isfile(real):
+        return None
+    return path.read_bytes()
+
+
 def tree_diff(source: Path, work: Path) -> str:
     """Unified diff of `work` against `source` (paths a/REL, b/REL); "" if they hold the same files."""
     chunks: list[str] = []
     for rel in sorted(_files(source) | _files(work)):
         a, b = source / rel, work / rel
-        a_bytes = a.read_bytes() if a.is_file() else None
-        b_bytes = b.read_bytes() if b.is_file() else None
+        a_bytes = _read_inside(source, rel)
+        b_bytes = _read_inside(work, rel)
         if a_bytes == b_bytes:
             continue
         a_text = "" if a_bytes is None else _text(a)
