@@ -126,7 +126,7 @@ def test_example_task_set_loads() -> None:
     assert [s.name for s in specs] == ["fizzbuzz", "median", "slugify", "wordcount"]
     by = {s.name: s for s in specs}
     assert by["median"].test_files == ("test_stats.py",)
-    assert by["slugify"].test_files == ("tests/__init__.py", "tests/test_text.py")
+    assert by["slugify"].test_files == ("tests/test_text.py",)
     assert by["wordcount"].test_files == ("check.py",)
     assert by["fizzbuzz"].setup_command.startswith("cp ")
 
