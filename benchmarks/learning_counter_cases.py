@@ -1,77 +1,61 @@
-"""The CI learning test's counter-cases, run by hand: the test must fail when RL cannot learn.
+"""The CI learning guard's counter-cases, run by hand through the test's own code path.
 
-    python benchmarks/learning_counter_cases.py [--case as-is|sign|lr0|all]
+    nice -n 10 python benchmarks/learning_counter_cases.py [--fault none|sign|...|all]
 
-Runs tests/test_learning.py's exact configuration as it is, then with the loss's sign flipped (the trainer
-ascends the GRPO loss) and with the learning rate at 0 (the optimizer's own check, lr > 0, is lifted for this
-run only).
-Prints each held-out reward start -> end and whether the test's assertion (gain >= MARGIN) would pass; writes
-benchmarks/results/learning_counter_cases.json. Neither case stays in the suite.
+Runs `pytest tests/test_learning_guard.py` once per fault with LEARNING_GUARD_FAULT=<fault> (the test injects it:
+a flipped loss sign, lr 0, shuffled rewards, the MIS weight inverted or its mask dropping every token, the score
+centering's sign flipped or taken against the trainer's p, a top-p replay that ignores the kept set). "none" must
+pass and every fault must fail. Writes each run's exit code and first assertion line to
+benchmarks/results/learning_counter_cases.json under "guard". No fault stays in the suite; the rates over many
+seeds are benchmarks/learning_guard_rates.py's.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-RESULTS = Path(__file__).resolve().parent / "results" / "learning_counter_cases.json"
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results" / "learning_counter_cases.json"
 
 
-def run_case(case: str) -> dict[str, Any]:
-    import mixfleet.runner.orchestration.onpolicy as onpolicy
-    import mixfleet.runner.trainer.trainer as trainer_mod
-    from mixfleet.runner.orchestration.pretrain import pretrain
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    import test_learning as t
-
-    cfg = onpolicy.OnPolicyConfig(updates=t.UPDATES, eval_every=0, eval_problems=128, eval_samples=2, seed=0)
-    original_fn, original_check = trainer_mod.policy_loss_fn, trainer_mod.OptimizerConfig.__post_init__
-    try:
-        if case == "sign":
-            def flipped(config: Any, **kw: Any) -> Any:
-                inner = original_fn(config, **kw)
-                return trainer_mod.OutputLayerLoss(lambda h, w, b: (lambda lm: (-lm[0], lm[1]))(inner(h, w, b)))
-
-            trainer_mod.policy_loss_fn = flipped
-        elif case == "as-is":
-            pass
-        elif case == "lr0":
-            trainer_mod.OptimizerConfig.__post_init__ = lambda self: None      # allow lr = 0 for this run
-            object.__setattr__(cfg, "lr", 0.0)
-        else:
-            raise ValueError(f"--case {case!r}; allowed: as-is, sign, lr0")
-        t0 = time.perf_counter()
-        with tempfile.TemporaryDirectory() as tmp:
-            res = onpolicy.train_on_policy(pretrain().path, cfg, out_dir=Path(tmp))
-    finally:
-        trainer_mod.policy_loss_fn, trainer_mod.OptimizerConfig.__post_init__ = original_fn, original_check
-    start, end = res.evals[0]["reward"], res.evals[-1]["reward"]
-    return {"case": case, "heldout_start": start, "heldout_end": end, "gain": end - start, "margin": t.MARGIN,
-            "test_passes": end - start >= t.MARGIN, "train_reward": [u["reward"] for u in res.updates],
-            "no_tool_call_share": [u["no_tool_call_share"] for u in res.updates],
-            "wall_s": time.perf_counter() - t0}
+def run_guard_fault(fault: str) -> dict[str, Any]:
+    """pytest tests/test_learning_guard.py with LEARNING_GUARD_FAULT=fault: exit code and the failing assertion."""
+    t0 = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "pytest", "tests/test_learning_guard.py", "-q", "-x", "-p",
+                           "no:cacheprovider"], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "LEARNING_GUARD_FAULT": fault})
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("E ")]
+    return {"fault": fault, "returncode": proc.returncode, "test_passes": proc.returncode == 0,
+            "assertion": lines[0][2:].strip()[:400] if lines else "", "wall_s": time.perf_counter() - t0}
 
 
 def main(argv: list[str] | None = None) -> int:
+    sys.path.insert(0, str(ROOT / "tests"))
+    import test_learning_guard as g
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--case", default="all", choices=("as-is", "sign", "lr0", "all"))
+    ap.add_argument("--fault", default="all", help=f"all, or one of {', '.join(g.FAULTS)}")
     args = ap.parse_args(argv)
-    cases = ("as-is", "sign", "lr0") if args.case == "all" else (args.case,)
+    if args.fault != "all" and args.fault not in g.FAULTS:
+        ap.error(f"--fault {args.fault!r}; allowed: all, {', '.join(g.FAULTS)}")
     out = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
-    for case in cases:
-        r = run_case(case)
-        out[case] = r
-        print(f"{case}: held-out reward {r['heldout_start']:.3f} -> {r['heldout_end']:.3f} (gain {r['gain']:+.3f}); "
-              f"the test {'passes' if r['test_passes'] else 'fails'} ({r['wall_s']:.0f} s)",
-              flush=True)
-    RESULTS.write_text(json.dumps(out, indent=1))
-    return 0
+    guard = out.setdefault("guard", {})
+    wrong = 0
+    for fault in g.FAULTS if args.fault == "all" else (args.fault,):
+        r = guard[fault] = run_guard_fault(fault)
+        ok = r["test_passes"] == (fault == "none")
+        wrong += not ok
+        print(f"{fault}: the test {'passes' if r['test_passes'] else 'fails'} ({'as it must' if ok else 'WRONG'}; "
+              f"{r['wall_s']:.0f} s) {r['assertion'][:160]}", flush=True)
+        RESULTS.write_text(json.dumps(out, indent=1) + "\n")
+    return 1 if wrong else 0
 
 
 if __name__ == "__main__":
