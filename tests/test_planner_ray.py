@@ -13,7 +13,7 @@ import functools
 import pytest
 from mixfleet.runner.orchestration import local_ray
 from mixfleet.runner.orchestration.ray_map import ray_map
-from mixfleet.twin.planner import PlannerConfig, plan_mix
+from mixfleet.twin.planner import PlannerConfig, plan_mix, sequential_map
 
 pytest.importorskip("ray")
 START_ATTEMPTS = 3
@@ -25,7 +25,7 @@ CFG = PlannerConfig(model="tiny", workload="tiny-cpu", accelerators=("H100", "A1
 
 @pytest.fixture(scope="module")
 def sequential():
-    r = plan_mix(CFG)
+    r = plan_mix(CFG, check_map=sequential_map)   # the reference path (the default runs them on the cores)
     assert r.checks["mode"] == "sequential" and r.checks["tasks"] == 4 and r.checks["workers"] == 1
     return r
 

@@ -28,7 +28,7 @@ def test_plan_spot_prints_both_mixes_lost_work_and_every_spot_figures_source(tmp
     assert "With and without spot" in r.output and "on-demand only" in r.output
     assert f"spot figures: {cat.spot_source} ({cat.spot_date})" in r.output
     assert "H100 $0.99/GPU-h (on-demand $3.29), 0.00031 preemptions/replica-h (estimates)" in r.output
-    assert "twin checks: 2 (2 candidates x 1 seeds) on 1 worker (in this process" in r.output
+    assert "twin checks: 2 (2 candidates x 1 seeds) on " in r.output
     plan = tomllib.loads(out.read_text())
     assert all(g["spot"] for g in plan["groups"]) and plan["faults"]["on_loss"] == "restart"
 
@@ -40,7 +40,7 @@ def test_plan_spot_prints_both_mixes_lost_work_and_every_spot_figures_source(tmp
     assert d["best"]["lost_work"]["preemptions_per_update"] > 0 and d["on_demand"]["lost_work"]["lost_share"] == 0
     assert d["spot_source"]["accelerators"]["H100"] == {"usd_per_gpu_hour": 0.99, "on_demand_usd_per_gpu_hour": 3.29,
                                                          "preemptions_per_hour": 0.00031, "estimate": True}
-    assert d["checks"]["mode"] == "sequential" and d["checks"]["tasks"] == 2
+    assert d["checks"]["tasks"] == 2   # run on this machine's cores, or read back from the check cache
 
 
 def test_plan_spot_bad_input_is_one_line_exit_2() -> None:

@@ -33,7 +33,9 @@
    `verify_seeds` seeds each, and re-rank them by it (those meeting the constraints in the twin first, then the
    objective); the chosen plan's figures are the twin's, the analytic ones beside them. Report the Pareto set
    (cost/update, time/update, staleness). The checks are independent jobs (`twin_check`) handed to a map
-   (`plan_mix(check_map=...)`): in this process one after another by default (`sequential_map`), or as Ray tasks
+   (`plan_mix(check_map=...)`): by default as processes on this machine's cores, each check's result kept on disk
+   under its inputs' digest and read back when asked again (`twin.checks.default_map`), or one after another in
+   this process (`sequential_map`, the reference), or as Ray tasks
    (`mixfleet.runner.orchestration.ray_map.ray_map`, which `mixfleet plan --workers N / --address` passes in),
    with the same results for the same seeds; `PlanResult.checks` says how many workers and nodes ran them and
    the wall time.
@@ -747,7 +749,8 @@ def sequential_map(fn: Callable[..., dict[str, Any]], jobs: list[tuple[Any, ...]
 def plan_mix(cfg: PlannerConfig, progress: Callable[[str], None] | None = None, *,
              check_map: CheckMap | None = None) -> PlanResult:
     """Screen, pick the best feasible candidate by the objective, verify the top few in the DES.
-    check_map: runs the twin checks (`twin_check` jobs) and says what ran them; default `sequential_map`
+    check_map: runs the twin checks (`twin_check` jobs) and says what ran them; default `twin.checks.default_map`
+    (this machine's cores, results cached on disk by their inputs' digest; the same results as `sequential_map`)
     (`mixfleet.runner.orchestration.ray_map.ray_map` runs them as Ray tasks, with the same results)."""
     say = progress or (lambda _m: None)
     say("group types")
@@ -862,7 +865,9 @@ def _verified(c: Candidate, runs: list[dict[str, Any]], cfg: PlannerConfig) -> C
 def verify_candidates(cands: list[Candidate], types: list[GroupType], cfg: PlannerConfig, *,
                       check_map: CheckMap | None = None) -> tuple[list[Candidate], dict[str, Any]]:
     """Every candidate verified on `cfg.verify_seeds` seeds (cfg.seed, cfg.seed + 1, ...): one `twin_check` job per
-    (candidate, seed), all handed to `check_map` at once (default `sequential_map`), then combined per candidate
+    (candidate, seed), all handed to `check_map` at once (default `twin.checks.default_map`: on this machine's
+    cores, each result kept on disk under its inputs' digest; the same results as `sequential_map`), then combined
+    per candidate
     (`_verified`). Returns the candidates in their order and what ran the checks (mode, tasks, workers, nodes,
     wall_s)."""
     import time
@@ -872,7 +877,11 @@ def verify_candidates(cands: list[Candidate], types: list[GroupType], cfg: Plann
     jobs = [(candidate_plan(c, types, cfg).to_dict(), verify_updates(c, cfg, ppu), seed, cfg.calibration)
             for c in cands for seed in seeds]
     wall0 = time.perf_counter()
-    runs, info = (check_map or sequential_map)(twin_check, jobs)
+    if check_map is None:   # this machine's cores, each check read back when its inputs were checked before
+        from mixfleet.twin.checks import default_map
+
+        check_map = default_map
+    runs, info = check_map(twin_check, jobs)
     info = {**info, "tasks": len(jobs), "wall_s": time.perf_counter() - wall0}
     per = len(seeds)
     return [_verified(c, runs[i * per:(i + 1) * per], cfg) for i, c in enumerate(cands)], info

@@ -190,9 +190,10 @@ def register(app: typer.Typer) -> None:
         verify_seeds: int = typer.Option(D.verify_seeds, "--verify-seeds", help="Seeds per verified candidate "
                                          "(--seed, --seed + 1, ...; the figures are their means)."),
         seed: int = typer.Option(D.seed, "--seed", min=0, help="The plan's seed and the first twin check seed."),
-        workers: int = typer.Option(D.workers, "--workers", min=0, help="Twin checks: 1 = one after another in this "
-                                    "process; N > 1 = N Ray workers on a local Ray (0: this machine's CPUs); the "
-                                    "same results."),
+        workers: int = typer.Option(D.workers, "--workers", min=0, help="Twin checks: 1 = this machine's cores as "
+                                    "processes, each check read back from ~/.cache/mixfleet when its inputs were "
+                                    "checked before (MIXFLEET_NO_CACHE=1: never); N > 1 = N Ray workers on a local "
+                                    "Ray (0: this machine's CPUs); the same results."),
         address: str = typer.Option(None, "--address", help="Run the twin checks as Ray tasks on this Ray cluster "
                                     "(e.g. 10.0.0.1:6379) instead of a local one."),
         spot: bool = typer.Option(False, "--spot", help="Offer every accelerator's spot capacity where the price "
@@ -352,7 +353,10 @@ def register(app: typer.Typer) -> None:
             typer.echo(f"twin checks: {ch['tasks']} ({n_cands} candidates x {cfg.verify_seeds} seeds) on "
                        f"{ch['workers']} worker{'s' if ch['workers'] != 1 else ''}"
                        + (f" ({ch['nodes']} nodes, Ray at {ch['address']})" if ch["mode"] == "ray" else
-                          " (in this process, one after another)") + f", {ch['wall_s']:,.1f} s wall")
+                          " (processes on this machine)" if ch["mode"] == "processes" else
+                          " (in this process, one after another)")
+                       + (f", {ch['cached']} read from the cache" if ch.get("cached") else "")
+                       + f", {ch['wall_s']:,.1f} s wall")
         typer.echo(f"planned in {wall_s:,.1f} s wall ({result.screened} candidates screened, "
                    f"{len(result.verified)} verified in the twin)")
         if out is not None:
