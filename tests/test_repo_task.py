@@ -307,3 +307,28 @@ def test_every_demonstration_reply_fits_the_reply_cap() -> None:
     longest = max(len(reply_ids(r)) for s in [*split_seeds("train", 200), *split_seeds("eval", 200)]
                   for r in _repo_plan(generate(s), random.Random(s), config))
     assert longest <= DEMO_REPLY_TOKENS["repo"]
+
+
+def test_run_task_set_flag_goes_into_the_plan_and_bad_sets_are_refused(tmp_path: Path) -> None:
+    from mixfleet.policies.plan import load_plan
+    from mixfleet.runner.orchestration.pretrain import plan_base_config
+    from mixfleet.ui.cli import app
+    from mixfleet.ui.commands.run_live import with_task_set
+    from typer.testing import CliRunner
+
+    plan = with_task_set(load_plan("repo-cpu"), str(EXAMPLE), None)
+    assert plan.embedded.task == "repo" and plan.embedded.task_options["task_set"] == str(EXAMPLE)
+    assert plan.embedded.task_options["sandboxes"] == 24
+    assert "task_set" not in dict(plan_base_config(plan).demos.task_options)   # demonstrations: generated repos
+    assert with_task_set(load_plan("tiny-cpu"), str(EXAMPLE), "repo").embedded.task_options == {
+        "task_set": str(EXAMPLE)}
+    runner = CliRunner()
+    bad = tmp_path / "set"
+    shutil.copytree(EXAMPLE / "median", bad / "median")
+    (bad / "median" / "task.toml").write_text("test_command = 1\n")
+    res = runner.invoke(app, ["run", "data/plans/repo-cpu.toml", "--out", str(tmp_path / "r1"), "--task-set", str(bad)])
+    assert res.exit_code == 2 and "task 'median': test_command = 1" in res.output
+    res = runner.invoke(app, ["run", "data/plans/tiny-cpu.toml", "--out", str(tmp_path / "r2"), "--task-set",
+                              str(EXAMPLE)])
+    assert res.exit_code == 2 and "--task-set" in res.output and "needs the repo task" in res.output
+    assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()

@@ -233,12 +233,14 @@ def pretrain(config: PretrainConfig | None = None, *, cache_dir: str | Path | No
 
 def plan_base_config(plan: Any, *, task: str | None = None) -> PretrainConfig:
     """The base policy a run of `plan` starts from when it is given none: `mixfleet pretrain` on the plan's model,
-    on demonstrations of the plan's task (its options included) or `task`, for the plan's [embedded] base_steps
-    (0: pretrain's default). A plan without [embedded] settings gets pretrain's defaults on its model."""
+    on demonstrations of the plan's task (its options included, but a repo `task_set`: the demonstrations use
+    generated repositories) or `task`, for the plan's [embedded] base_steps (0: pretrain's default). A plan
+    without [embedded] settings gets pretrain's defaults on its model."""
     emb = getattr(plan, "embedded", None)
     kw: dict[str, Any] = {"model": plan.model}
     name = task or (emb.task if emb is not None and emb.task else "guess")
     options = dict(emb.task_options) if emb is not None and not task else {}
+    options.pop("task_set", None)      # a task set has no ground truth to demonstrate: generated repos instead
     kw["demos"] = DemoConfig(task=name, task_options=tuple(sorted(options.items())))
     if emb is not None and emb.base_steps:
         kw["steps"] = emb.base_steps

@@ -157,10 +157,29 @@ def with_lr(plan: Any, lr: float | None) -> Any:
     return dataclasses.replace(plan, embedded=dataclasses.replace(plan.embedded or EmbeddedPlan(), lr=lr))
 
 
+def with_task_set(plan: Any, task_set: str | None, task: str | None) -> Any:
+    """The plan with `--task-set DIR` as its repo task's `task_set` option (None: the plan as it is); recorded in the
+    run's plan like --lr. Refused unless the task (--task, else the plan's) is `repo`."""
+    import dataclasses
+
+    from mixfleet.costmodel.plan.planspec import EmbeddedPlan
+
+    if task_set is None:
+        return plan
+    emb = plan.embedded or EmbeddedPlan()
+    name = task or emb.task or "guess"
+    if name != "repo":
+        raise ValueError(f"--task-set: {task_set!r} needs the repo task; the task is {name!r} (add --task repo)")
+    options = {} if task else dict(emb.task_options)
+    return dataclasses.replace(plan, embedded=dataclasses.replace(
+        emb, task="repo", task_options={**options, "task_set": task_set}))
+
+
 def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, embedded: bool, address: str | None,
                 init: str | None, mode: str, attach: list[str], kill_at: list[str], eval_every: int | None,
                 task: str | None, quiet: bool, trainer_threads: int | None = None, force: bool = False,
-                allow_group_loss: bool = False, tracker: list[str] | None = None, lr: float | None = None) -> None:
+                allow_group_loss: bool = False, tracker: list[str] | None = None, lr: float | None = None,
+                task_set: str | None = None) -> None:
     """Body of `mixfleet run` (see its help): the run's lifecycle is the launcher's
     (runner/orchestration/launcher.py). Exit codes: 0 done or stopped, 1 the run failed or stopped on an error
     (run log kept), 2 bad input, 3 done without a sampler group that could not start (--allow-group-loss)."""
@@ -176,7 +195,8 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
     torch.set_num_threads(1)
     lock = None
     try:
-        plan = with_lr(load_plan(plan_ref), lr)
+        plan = with_task_set(with_lr(load_plan(plan_ref), lr), task_set, task)
+        task = None if task_set is not None else task     # --task-set moved --task repo into the plan
         # everything that needs no folder is checked first: a bad flag or plan field changes nothing on disk
         kills = _parse_kill_at(kill_at, plan, updates or 30)
         _check_task(plan, task)
@@ -280,6 +300,8 @@ def register_run(app: typer.Typer) -> None:
         eval_every: int = typer.Option(None, "--eval-every", min=0, help="pass@k every N updates (0: never; "
                                                                          "default: the plan's)."),
         task: str = typer.Option(None, "--task", help="Task name (default: the plan's, else guess)."),
+        task_set: str = typer.Option(None, "--task-set", help="A folder of repository tasks of your own for the repo "
+                                     "task (docs/tasks.md); recorded in the run's plan."),
         trainer_threads: int = typer.Option(None, "--trainer-threads", min=1,
                                             help="Torch threads of the trainer (default: the plan's, else 1)."),
         lr: float = typer.Option(None, "--lr", help="The trainer's learning rate (AdamW), over the plan's "
@@ -300,4 +322,4 @@ def register_run(app: typer.Typer) -> None:
             typer.secho(f"error: --mode {mode!r}; allowed: async, sync", fg=typer.colors.RED, err=True)
             raise typer.Exit(2)
         run_command(plan, out, updates, resume, embedded, address, init, mode, attach, kill_at, eval_every, task,
-                    quiet, trainer_threads, force, allow_group_loss, tracker, lr)
+                    quiet, trainer_threads, force, allow_group_loss, tracker, lr, task_set)
