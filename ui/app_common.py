@@ -276,8 +276,9 @@ class RunData:
 
 def run_name(path: str | Path) -> str:
     """A run's name: a run the app started lives in RUNS/<name>/run (its name, not "run")."""
-    p = Path(path)
-    return p.parent.name if p.name == "run" and (p.parent / "managed.json").is_file() else p.name
+    from mixfleet.costmodel.records.trackers import run_log_name
+
+    return run_log_name(Path(path))
 
 
 def run_label(path: str | Path, header: dict[str, Any]) -> str:

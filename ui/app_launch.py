@@ -18,6 +18,7 @@ import streamlit as st
 from mixfleet.ui import run_manager as rm
 from mixfleet.ui.app_common import PlanText, fmt_s, fmt_table, runs_dir, show_error
 
+TRACKER_NAMES = {"TensorBoard": "tensorboard", "W&B (offline)": "wandb"}   # label -> `mixfleet run --tracker`
 UPDATES_ENV = "MIXFLEET_UI_RUN_UPDATES"      # default target updates of a real run from the app (tests: 2)
 INIT_ENV = "MIXFLEET_UI_RUN_INIT"            # default base-policy checkpoint ("" = the cached pretrain)
 DEFAULT_RUN_UPDATES = 10
@@ -104,6 +105,10 @@ def run_for_real(pt: PlanText, key: str) -> None:
             attach = st.text_input("Attach (GROUP=URL, comma-separated)", value="", key=f"{key}_run_attach")
             init = st.text_input("Base policy checkpoint (empty: the cached `mixfleet pretrain`, trained if missing)",
                                  value=os.environ.get(INIT_ENV, ""), key=f"{key}_run_init")
+            live = st.multiselect("Stream the metrics live to (`mixfleet run --tracker`)", list(TRACKER_NAMES),
+                                  key=f"{key}_run_trackers",
+                                  help="TensorBoard: RUNS/tensorboard/<run name>; W&B offline: RUNS/wandb (sync it "
+                                       "later). The Runs page exports any run afterwards as well.")
             go = st.form_submit_button("Start the run", type="primary")
         refused_key = f"{key}_run_refused"
         refused = where == EMBEDDED and bool(refusal)   # refused here, with the reason, not a process that dies
@@ -127,7 +132,7 @@ def run_for_real(pt: PlanText, key: str) -> None:
             m = rm.start(root, name.strip(), pt.toml, int(updates),
                          init=str(Path(init.strip()).expanduser().resolve()) if init.strip() else None,
                          address=address.strip() if where == CLUSTER else None, attach=att,
-                         embedded=where == EMBEDDED)
+                         embedded=where == EMBEDDED, trackers=[TRACKER_NAMES[t] for t in live])
         except Exception as e:  # bad name, busy folder, invalid plan: say so on the page, start nothing
             show_error("cannot start the run", e)
             return

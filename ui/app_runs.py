@@ -294,6 +294,32 @@ def _fidelity_section(path: Path, header: dict) -> None:
                + " ".join(rep.get("notes", [])))
 
 
+def _export_section(path: Path) -> None:
+    """`mixfleet export` from the page (issue 44): the run's metrics to TensorBoard or W&B (offline), beside the
+    other runs under the run's own name (`trackers.default_dest`), replacing this run's earlier export."""
+    from mixfleet.costmodel.records.trackers import default_dest, export_run_log
+
+    st.subheader("Export to TensorBoard / W&B")
+    c1, c2 = st.columns([3, 1])
+    to = launch.TRACKER_NAMES[c1.radio("Tracker", list(launch.TRACKER_NAMES), horizontal=True, key="runs_export_to")]
+    dest = default_dest(to, path)
+    with c2:
+        st.write("")
+        go = st.button("Export", key="runs_export", type="primary")
+    if go:
+        with st.spinner("exporting..."):
+            try:
+                res = export_run_log(path, to, force=True, where="Runs page export")
+            except Exception as e:
+                show_error("export failed", e)
+                return
+        st.success(f"Exported {res.steps} steps ({res.values} values) to `{res.dest}`.")
+    view = (f"`tensorboard --logdir {dest.parent}` shows every exported run side by side, each under its name"
+            if to == "tensorboard" else f"`wandb sync {dest}/wandb/offline-run-*` uploads it")
+    st.caption(f"Writes to `{dest}` (the CLI: `mixfleet export RUNLOG --to {to}`; a live run: the tracker option "
+               f"of \"Run for real\", `mixfleet run --tracker {to}`). {view}.")
+
+
 def _status(path: Path, header: dict) -> str:
     """The run's status: a managed run's is its process's (a killed run's log still says "running", issue 44; a
     stopped or finished one says so before the page rereads the list), any other run's its log's."""
@@ -380,6 +406,7 @@ def render() -> None:
     if header.get("source") != "twin":
         _fidelity_section(path, header)
         launch.calibrate_and_replan(path, header, top, runs)
+    _export_section(path)
 
 
 def show_pending_fragment(m) -> None:  # type: ignore[no-untyped-def]

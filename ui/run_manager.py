@@ -333,9 +333,15 @@ def run_folder(root: str | Path, name: str) -> Path:
     return folder
 
 
-def _options(extra: Any) -> tuple[str | None, str | None, list[str], bool]:
-    """The launch options of a record (init, address, attach, embedded), each checked for its type."""
+TRACKERS = ("tensorboard", "wandb")   # `mixfleet run --tracker` (costmodel/records/trackers.py TRACKERS)
+
+
+def _options(extra: Any) -> tuple[str | None, str | None, list[str], bool, list[str]]:
+    """The launch options of a record (init, address, attach, embedded, trackers), each checked for its type."""
     ex = extra if isinstance(extra, dict) else {}
+    trackers = ex.get("trackers") or []
+    if not (isinstance(trackers, list) and all(t in TRACKERS for t in trackers)):
+        raise RunManagerError(f"launch option trackers = {trackers!r}: allowed a list of {', '.join(TRACKERS)}")
     init, address = ex.get("init"), ex.get("address")
     attach, embedded = ex.get("attach") or [], ex.get("embedded", True)
     for name, v in (("init", init), ("address", address)):
@@ -346,16 +352,19 @@ def _options(extra: Any) -> tuple[str | None, str | None, list[str], bool]:
         raise RunManagerError(f"launch option attach = {attach!r}: allowed a list of GROUP=URL")
     if not isinstance(embedded, bool):
         raise RunManagerError(f"launch option embedded = {embedded!r}: allowed true or false")
-    return init, address, list(attach), embedded
+    return init, address, list(attach), embedded, list(trackers)
 
 
 def _launch(folder: Path, updates: int, resume: bool, init: str | None, address: str | None,
-            attach: list[str], embedded: bool) -> tuple[int, str, list[str]]:
-    """Start the run in `folder` as a child through the launcher; (pid, its /proc start time, the command)."""
+            attach: list[str], embedded: bool, trackers: list[str] | None = None) -> tuple[int, str, list[str]]:
+    """Start the run in `folder` as a child through the launcher; (pid, its /proc start time, the command).
+    Each tracker streams to its default place (RUNS/tensorboard/<name>, RUNS/wandb: trackers.default_dest)."""
     from mixfleet.runner.orchestration import launcher
 
     cmd = launcher.run_argv(folder / PLAN_FILE, folder / RUN_SUBDIR, updates=updates, resume=resume, init=init,
                             address=address, attach=attach, embedded=embedded)
+    for t in trackers or []:
+        cmd += ["--tracker", t]
     proc = launcher.start_child(cmd, log_path=folder / LOG_FILE, cwd=folder,
                                 banner=f"[{_utc()}] mixfleet ui: {' '.join(cmd)}")
     _reap(proc)
@@ -440,7 +449,8 @@ def _spec_files(plan_text: str, root: str | Path) -> dict[str, Path]:
 
 
 def start(root: str | Path, name: str, plan_text: str, updates: int, *, init: str | None = None,
-          address: str | None = None, attach: list[str] | None = None, embedded: bool = True) -> ManagedRun:
+          address: str | None = None, attach: list[str] | None = None, embedded: bool = True,
+          trackers: list[str] | None = None) -> ManagedRun:
     """Start `mixfleet run` on `plan_text` in RUNS/<name>, in the background.
 
     Refuses a folder that holds anything already (another managed run, a run log, or files of the user's):
@@ -470,7 +480,8 @@ def start(root: str | Path, name: str, plan_text: str, updates: int, *, init: st
             raise RunManagerError(f"run folder {folder}: another session just started a run there")
         plan_path = folder / PLAN_FILE
         plan_path.write_text(self_contained_plan(plan_text, root, folder))
-        extra = {"init": init, "address": address, "attach": list(attach or []), "embedded": embedded}
+        extra = {"init": init, "address": address, "attach": list(attach or []), "embedded": embedded,
+                 "trackers": list(trackers or [])}
         opts = _options(extra)
         _key(create=True)                   # no key, no record: fail before a process is started
         pid, pstart, cmd = _launch(folder, int(updates), False, *opts)

@@ -249,11 +249,27 @@ def event_files(folder: Path) -> list[Path]:
     return sorted(p for p in folder.iterdir() if p.name.startswith(EVENT_FILE_PREFIX) and p.is_file())
 
 
+MANAGED_RECORD = "managed.json"     # beside RUNS/<name>/run of a run the app started (ui/run_manager.py)
+
+
+def run_log_name(run_dir: Path) -> str:
+    """A run log's name in trackers: its folder's, or for a run the app started (RUNS/<name>/run with the app's
+    record beside it) <name>: every app run was "run" in TensorBoard (issue 44)."""
+    run_dir = Path(run_dir)
+    return run_dir.parent.name if _app_run(run_dir) else run_dir.name
+
+
+def _app_run(run_dir: Path) -> bool:
+    return run_dir.name == "run" and (run_dir.parent / MANAGED_RECORD).is_file()
+
+
 def default_dest(tracker: str, run_dir: Path) -> Path:
     """Where a run log's metrics go by default: beside the run folder, so one TensorBoard logdir or wandb
-    folder collects many runs (`RUNS/tensorboard/<run>`, `RUNS/wandb/offline-run-...`)."""
+    folder collects many runs (`RUNS/tensorboard/<run>`, `RUNS/wandb/offline-run-...`); an app run's
+    RUNS/<name>/run goes to RUNS/tensorboard/<name>, beside the other runs (`run_log_name`)."""
     run_dir = Path(run_dir)
-    return run_dir.parent / "tensorboard" / run_dir.name if tracker == "tensorboard" else run_dir.parent
+    runs = run_dir.parent.parent if _app_run(run_dir) else run_dir.parent
+    return runs / "tensorboard" / run_log_name(run_dir) if tracker == "tensorboard" else runs
 
 
 def check_dest(tracker: str, dest: Path, run_dir: Path, *, where: str, flag: str, replace: bool,
@@ -397,7 +413,7 @@ def export_run_log(runlog: str | os.PathLike[str], to: str, out: str | os.PathLi
     check_dest(to, dest, run_dir, where=where, flag="--out", replace=False, force=force)
     log = RunLog.open(run_dir)
     steps = log_step_metrics(log)
-    w = open_writer(to, dest, log.header, run_dir.name, remove_old=force)
+    w = open_writer(to, dest, log.header, run_log_name(run_dir), remove_old=force)
     try:
         for s in steps:
             w.write(s)
@@ -449,7 +465,7 @@ class LiveTracker:
         self.log = RunLog.open(self.run_dir)
         for name, dest in self.dests.items():
             try:
-                self.writers[name] = open_writer(name, dest, self.log.header, self.run_dir.name,
+                self.writers[name] = open_writer(name, dest, self.log.header, run_log_name(self.run_dir),
                                                  remove_old=self.force)
             except Exception as exc:                    # noqa: BLE001 - a tracker never stops the run
                 self._warn(name, "could not start", exc)
