@@ -23,6 +23,9 @@ def main() -> None:
     pages = [st.Page(str(HERE / f), title=t, url_path=u, icon=i, default=(k == 0))
              for k, (f, t, u, i) in enumerate(PAGES)]
     nav = st.navigation(pages)
+    from mixfleet.ui.app_common import keep_inputs
+
+    keep_inputs()               # the pages' inputs outlive a page switch
     st.sidebar.caption("mixfleet: plan, dry-run and run LLM RL on mixed sampler fleets.")
     nav.run()
 

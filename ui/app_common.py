@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import tempfile
 import tomllib
 from collections.abc import Callable
@@ -387,3 +388,17 @@ def twin_predictions_for(header: dict[str, Any], root: Path, exclude: Path | Non
             continue
         (exact if groups_key(hp) == groups_key(plan) else same_name).append(p)
     return own + exact + same_name
+
+# the pages' input widgets whose values outlive a page switch (Streamlit drops a widget's state once a run does
+# not draw it: the Plan page's inputs and the Dry-run page's plan choices were reset, issue 44); buttons, uploads,
+# data editors and charts cannot be set through session state and are not listed
+KEPT_INPUTS = re.compile(r"^(pl_(model|workload|[psc]_.+|mt_.+|wt_.+|prices|kv|emul|tacc|tgpus|tn|refs|stale|tpu|"
+                         r"budget|obj|cal|backend|layouts)|[ab]_(src|name)|dr_(two|n|seed|w|cal))$")
+
+
+def keep_inputs() -> None:
+    """Re-set every kept input's value (KEPT_INPUTS) at the start of each run of the app, so the widget keeps it
+    while its page is not shown (Streamlit's documented way to keep widget values across pages)."""
+    for k in list(st.session_state.keys()):
+        if isinstance(k, str) and KEPT_INPUTS.match(k):
+            st.session_state[k] = st.session_state[k]
