@@ -357,3 +357,76 @@ def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_p
     assert (runs / "loop" / "calibration.toml").is_file()
     for name in ("run-live.png", "run-calibration.png", "replan.png"):
         assert (shots / name).stat().st_size > 10_000
+
+
+@pytest.fixture()
+def export_app(tmp_path: Path):
+    """The app on a fresh runs folder for a 2-update real run, with a seeded tiny base policy (no pretraining)."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"chromium not installed at {CHROMIUM} (apt-get install chromium; .ci/run does)")
+    pytest.importorskip("playwright.sync_api", reason="playwright not installed (pip install -e '.[test]')")
+    pytest.importorskip("tensorboard", reason="tensorboard not installed (pip install -e '.[trackers]')")
+    from mixfleet.costmodel.specs.model import load_model_spec
+    from mixfleet.runner.checkpoint.init_model import init_model
+    from mixfleet.ui import run_manager as rm
+
+    init = tmp_path / "init"
+    init_model(load_model_spec("tiny"), init, seed=0)
+    runs = tmp_path / "runs"
+    env = dict(os.environ, MIXFLEET_UI_UPDATES="2", MIXFLEET_UI_WORKLOAD="tiny-cpu", MIXFLEET_UI_RUN_UPDATES="2",
+               MIXFLEET_UI_RUN_INIT=str(init))
+    try:
+        with _serving([sys.executable, "-m", "mixfleet.ui.cli"], _free_port(), str(runs), env,
+                      tmp_path / "ui.log") as url:
+            yield url, runs
+    finally:
+        for m in rm.find(runs):
+            if m.alive():
+                rm.kill(m)
+
+
+def test_plan_run_export_to_tensorboard(export_app: tuple[str, Path], tmp_path: Path) -> None:
+    """Issue 44: plan -> Run for real streaming live to TensorBoard -> Export to TensorBoard from the Runs page;
+    the event files, read back with TensorBoard's EventAccumulator, sit in RUNS/tensorboard/<run name> (before:
+    no export in the app, and the CLI's default put every app run under the name "run")."""
+    from playwright.sync_api import expect, sync_playwright
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    def steps(logdir: Path) -> set[int]:
+        acc = EventAccumulator(str(logdir))
+        acc.Reload()
+        return {e.step for t in acc.Tags()["scalars"] for e in acc.Scalars(t)}
+
+    url, runs = export_app
+    expect.set_options(timeout=PAGE_TIMEOUT_MS)
+    with sync_playwright() as pw:
+        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            page = browser.new_page(viewport=VIEWPORT)
+            page.set_default_timeout(PAGE_TIMEOUT_MS)
+            page.goto(url + "/dry-run")
+            expect(page.get_by_role("heading", name="Dry-run", exact=True)).to_be_visible()
+            page.get_by_test_id("stRadio").first.get_by_text("Shipped plan", exact=True).click()
+            _settled(page)
+            page.get_by_test_id("stSelectbox").filter(has_text="Shipped plan").first.click()
+            page.get_by_role("option", name="tiny-cpu", exact=True).click()
+            _settled(page)
+            page.get_by_test_id("stExpander").filter(has_text="Run for real").locator("summary").click()
+            page.get_by_label("Run name (a folder under the runs folder)").fill("tb-walk")
+            page.get_by_test_id("stMultiSelect").filter(has_text="Stream the metrics live").click()
+            page.get_by_role("option", name="TensorBoard", exact=True).click()
+            page.keyboard.press("Escape")
+            _settled(page)
+            _click_until(page, "Start the run", re.compile(r"Run tb-walk is \w+: starting|Managed run tb-walk"),
+                         tries=4)
+            expect(page.get_by_text("Managed run tb-walk: finished")).to_be_visible(timeout=RUN_TIMEOUT_MS)
+            live = runs / "tensorboard" / "tb-walk"
+            assert steps(live) >= {1, 2}, steps(live)            # streamed live under the run's name
+            _settled(page)
+            page.get_by_role("button", name="Export", exact=True).click()
+            expect(page.get_by_text(re.compile(r"Exported \d+ steps"))).to_be_visible()
+            _shot(page, "run-export.png", tmp_path / "screenshots")
+        finally:
+            browser.close()
+    assert max(steps(runs / "tensorboard" / "tb-walk")) == 2
+    assert not (runs / "tb-walk" / "tensorboard").exists()
