@@ -77,3 +77,30 @@ def test_a_killed_run_reads_killed_and_is_calibrated(tmp_path: Path, monkeypatch
     assert not at.error, [e.value for e in at.error]
     assert any(c.value.startswith("written to `") for c in at.caption)
     assert list((runs).rglob("*calibration*.toml"))
+
+
+def test_fidelity_after_more_updates_says_when_it_was_computed(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44 (stale widgets): the fidelity table checked before Continue added updates kept showing as if current;
+    now it says "Computed at N updates" and warns once the run has more."""
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("MIXFLEET_RUNS_DIR", str(runs))
+    monkeypatch.setenv("MIXFLEET_STATE_DIR", str(tmp_path / "state"))
+    run = _killed_run(runs)
+    at = AppTest.from_file(APP, default_timeout=240)
+    at.run()
+    at.switch_page("app_runs.py")
+    at.run()
+    at.button(key="runs_fidelity").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(c.value.startswith("Computed at 3 updates") for c in at.caption)
+    assert not any("the run now has" in w.value for w in at.warning)
+    w = RunLogWriter(run, {}, flush_every_s=None)        # the run continued: one more update
+    w.append(UpdateRecord(version=4, start_s=70.0, end_s=75.0, train_step_s=2.0, weight_sync_s=1.0, tokens=300,
+                          trajectories=6, staleness_mean=0.5, staleness_p50=0.0, staleness_p95=1.0, staleness_max=1,
+                          cost_sampler_usd=0.04, cost_trainer_usd=0.008, kl_k3=0.001, reward_mean=0.5))
+    w.flush()
+    at.run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(x.value.startswith("Computed at 3 updates; the run now has 4") for x in at.warning), \
+        [x.value for x in at.warning]

@@ -161,8 +161,10 @@ def _prediction_table(run: RunData, twin: RunData) -> None:
     st.dataframe(shown.style.format({"measured": fmt_table, "predicted": fmt_table,
                                      "diff": lambda x: fmt_table(x, signed=True),
                                      "rel_diff": "{:+.1%}"}, na_rep="—"), hide_index=True, width="stretch")
-    if run.summary.get("clock") != twin.summary.get("clock"):
-        st.caption("The measured run's seconds are wall seconds; the twin's are simulated seconds.")
+    clock = (" The measured run's seconds are wall seconds; the twin's are simulated seconds."
+             if run.summary.get("clock") != twin.summary.get("clock") else "")
+    st.caption(f"Computed at {fmt_num(run.summary.get('updates'))} measured updates against the twin's "
+               f"{fmt_num(twin.summary.get('updates'))} (redrawn as the run goes on)." + clock)
 
 
 def _view(path: str, twin_path: str | None) -> None:
@@ -290,7 +292,12 @@ def _fidelity_section(path: Path, header: dict) -> None:
                 help="goal: within 0.5")
     st.dataframe(pd.DataFrame(rows).style.format({"measured": fmt_table, "predicted": fmt_table}, na_rep="—"),
                  hide_index=True, width="stretch", key="runs_fidelity_table")
-    st.caption(f"{rep['updates']} updates, seed {rep['seed']}, calibration: {rep['calibration'] or 'none (priors)'}. "
+    now = _updates_now(path)
+    if now is not None and now != rep["updates"]:       # checked before Continue / Resume added updates
+        st.warning(f"Computed at {rep['updates']} updates; the run now has {now}: check the twin again for all of "
+                   "them.")
+    st.caption(f"Computed at {rep['updates']} updates, seed {rep['seed']}, calibration: "
+               f"{rep['calibration'] or 'none (priors)'}. "
                + " ".join(rep.get("notes", [])))
 
 
@@ -325,6 +332,15 @@ def _status(path: Path, header: dict) -> str:
     stopped or finished one says so before the page rereads the list), any other run's its log's."""
     m = launch.managed_for(path)
     return m.state() if m is not None else str(header.get("status", "?"))
+
+
+def _updates_now(path: Path) -> int | None:
+    """The run log's updates now (None when it cannot be read)."""
+    try:
+        n = load_run(str(path)).summary.get("updates")
+    except Exception:  # a log being written: the check's own count stands
+        return None
+    return int(n) if isinstance(n, int | float) else None
 
 
 def _label(path: Path, header: dict) -> str:
