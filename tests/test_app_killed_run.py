@@ -104,3 +104,37 @@ def test_fidelity_after_more_updates_says_when_it_was_computed(tmp_path: Path,
     assert not at.exception, [e.value for e in at.exception]
     assert any(x.value.startswith("Computed at 3 updates; the run now has 4") for x in at.warning), \
         [x.value for x in at.warning]
+
+
+def test_in_sample_fidelity_is_labelled_and_goals_read_met_or_missed(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 44 (the calibration loop): fidelity with a calibration fitted on the same run was shown as if it
+    were a prediction, and the page showed no goal pass / fail (the CLI does). Now the calibration choice says
+    in-sample / held-out, an in-sample check says so, and each goal card reads met or missed
+    (FidelityReport.goals, the CLI's)."""
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("MIXFLEET_RUNS_DIR", str(runs))
+    monkeypatch.setenv("MIXFLEET_STATE_DIR", str(tmp_path / "state"))
+    run = _killed_run(runs)
+    at = AppTest.from_file(APP, default_timeout=240)
+    at.run()
+    at.switch_page("app_runs.py")
+    at.run()
+    at.button(key="runs_cal_fit").click().run()
+    assert not at.error, [e.value for e in at.error]
+    at.run()
+    box = at.selectbox(key="runs_cal")
+    (cal,) = [o for o in box.options if "calibration" in o and not o.startswith("(none")]
+    assert cal.endswith("(in-sample: fitted on this run)"), box.options
+    at.selectbox(key="runs_cal").set_value(cal.rsplit(" (in-sample", 1)[0]).run()
+    at.button(key="runs_fidelity").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert any(i.value.startswith("In-sample: this calibration was fitted on this run") for i in at.info), \
+        [i.value for i in at.info]
+    from mixfleet.twin.calibrated import fidelity
+
+    goals = fidelity(None, run, next(runs.rglob("*calibration*.toml"))).goals()
+    deltas = {m.label: m.proto.delta for m in at.metric if "error" in m.label}
+    assert deltas["time/update error"] == ("goal within 10 %: " + ("met" if goals["time_per_update_within_10pct"]
+                                                                  else "missed"))
+    assert all(d.startswith("goal ") and d.endswith((": met", ": missed")) for d in deltas.values()), deltas

@@ -249,9 +249,16 @@ def _fidelity_section(path: Path, header: dict) -> None:
         return
     files = calibration_files()
     c1, c2 = st.columns([3, 1])
-    cal = c1.selectbox("Calibration", [PRIORS] + files, key="runs_cal",
+    def shown(f: str) -> str:
+        if f == PRIORS:
+            return f
+        return f + (" (in-sample: fitted on this run)" if _in_sample(f, path) else " (held-out: fitted on other runs)")
+
+    cal = c1.selectbox("Calibration", [PRIORS] + files, key="runs_cal", format_func=shown,
                        help="A file from `mixfleet calibrate` (pass `mixfleet ui --calibration FILE`, or keep "
-                            "*calibration*.toml files under the runs folder).")
+                            "*calibration*.toml files under the runs folder). A calibration fitted on this run "
+                            "checks the fit (in-sample); one fitted on other runs of the plan predicts this one "
+                            "(held-out).")
     cal_path = None if cal == PRIORS else cal
     reports = st.session_state.setdefault(FIDELITY_KEY, {})
     key = (str(path), cal_path or "")
@@ -284,12 +291,23 @@ def _fidelity_section(path: Path, header: dict) -> None:
              "error": _fmt_error(r["error"], r["error_kind"])} for r in rep["rows"]]
     g = rep["goals"]
     c = st.columns(3)
+
+    def verdict(ok: bool, goal: str) -> str:      # FidelityReport.goals, what `mixfleet fidelity` prints
+        return f"goal {goal}: {'met' if ok else 'missed'}"
+
     c[0].metric("time/update error", _fmt_error(g.get("time_per_update_rel_error"), "relative"),
-                help="goal: within 10 %")
+                delta=verdict(g["time_per_update_within_10pct"], "within 10 %"),
+                delta_color="normal" if g["time_per_update_within_10pct"] else "inverse", delta_arrow="off")
     c[1].metric("share of samples, max error", _fmt_error(g.get("share_of_samples_max_error_pp"), "percentage points"),
-                help="goal: within 3 pp")
+                delta=verdict(g["share_of_samples_within_3pp"], "within 3 pp"),
+                delta_color="normal" if g["share_of_samples_within_3pp"] else "inverse", delta_arrow="off")
     c[2].metric("staleness error (versions)", _fmt_error(g.get("staleness_error_updates"), "difference"),
-                help="goal: within 0.5")
+                delta=verdict(g["staleness_within_half_update"], "within 0.5"),
+                delta_color="normal" if g["staleness_within_half_update"] else "inverse", delta_arrow="off")
+    if rep["calibration"] and _in_sample(rep["calibration"], path):
+        st.info("In-sample: this calibration was fitted on this run, so the check measures how well the fit "
+                "reproduces its own data, not how well the twin predicts. For a held-out check pick a calibration "
+                "fitted on other runs of the plan (marked held-out above).")
     st.dataframe(pd.DataFrame(rows).style.format({"measured": fmt_table, "predicted": fmt_table}, na_rep="—"),
                  hide_index=True, width="stretch", key="runs_fidelity_table")
     now = _updates_now(path)
@@ -332,6 +350,18 @@ def _status(path: Path, header: dict) -> str:
     stopped or finished one says so before the page rereads the list), any other run's its log's."""
     m = launch.managed_for(path)
     return m.state() if m is not None else str(header.get("status", "?"))
+
+
+def _in_sample(cal_path: str, run: Path) -> bool:
+    """Whether the calibration file was fitted on this run log (its `runs`)."""
+    from mixfleet.costmodel.calibration.record import Calibration
+
+    try:
+        runs = Calibration.load(cal_path).runs
+    except Exception:  # an unreadable file is said so when it is used
+        return False
+    here = Path(run).resolve()
+    return any(Path(r).resolve() == here for r in runs)
 
 
 def _updates_now(path: Path) -> int | None:
