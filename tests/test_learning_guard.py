@@ -11,9 +11,12 @@ with the gradient written out here from the math of docs/corrections.md (top-p r
 the kept set S, r = p~/q~, MIS w = r on [0.5, 2] else 0, SC centering mu_w = sum_S q~ w s~):
     d loss / d z_t = -A_t c_t [w(a) (e_a - p~) - (q~ w - (sum_S q~ w) p~)]  on S, 0 outside S,
 c_t = 1 / (n_i x number of trajectories) (seq_mean_token_mean), then through the output layer (x W).
-Relative L2 error <= REF_TOL. An inverted MIS weight, a MIS mask that drops every token, the centering's sign
-flipped or taken against the trainer's p instead of the sampler's q, a replay that ignores the kept set, a
-flipped loss: each changes this gradient by far more than REF_TOL (benchmarks/results/learning_guard_rates.json).
+Relative L2 error <= REF_TOL. The same for plain `sc` (w = 1) on the same hidden states, without a step: while
+every ratio stays inside the MIS band, sc_mis's centering is exactly 0 (its coefficient is -p~ on out-of-band
+tokens only), so a broken centering shows only in sc's. An inverted MIS weight, a MIS mask that drops every
+token, the centering's sign flipped or taken against the trainer's p instead of the sampler's q, a replay that
+ignores the kept set, a flipped loss: each changes one of these gradients by far more than REF_TOL
+(benchmarks/results/learning_guard_rates.json).
 
 Check 2, the direction (STEPS AdamW steps at LR on that batch): the change of each trajectory's log-probability
 under the trainer (sum over its generated tokens, full vocabulary) must follow its TRUE advantage (GRPO, from the
@@ -56,10 +59,10 @@ FAULTS = ("none", "sign", "lr0", "shuffle", "mis_inverted", "mis_drop", "sc_sign
 TRAIN_SEED_SPAN = 10**8
 
 
-def correction_config() -> Any:
+def correction_config(method: str = "sc_mis") -> Any:
     from mixfleet.runner.corrections import CorrectionConfig
 
-    return CorrectionConfig(method="sc_mis", loss_agg="seq_mean_token_mean", temperature=1.0, top_p_replay=True)
+    return CorrectionConfig(method=method, loss_agg="seq_mean_token_mean", temperature=1.0, top_p_replay=True)
 
 
 @dataclass
@@ -149,14 +152,18 @@ def _correction_batch(fault: str) -> Any:
     if fault != "topp_ignore":
         return correction_batch
 
-    def ignore_kept(tensors: Any) -> Any:     # the replay drops the kept sets: full-vocabulary log-probs
-        return dataclasses.replace(correction_batch(tensors), kept_ids=None, kept_logprobs=None)
+    def ignore_kept(tensors: Any) -> Any:     # the replay drops the kept sets: every row falls back to full-vocab
+        cb = correction_batch(tensors)
+        return dataclasses.replace(cb, kept_ids=torch.full_like(cb.kept_ids, -1),
+                                   kept_logprobs=torch.full_like(cb.kept_logprobs, -math.inf))
     return ignore_kept
 
 
 # ---- the reference gradient ------------------------------------------------------------------------------------
-def reference_logit_grad(logits: torch.Tensor, t: dict[str, torch.Tensor], band: tuple[float, float]) -> torch.Tensor:
-    """d loss / d logits [T, V] of sc_mis with top-p replay and seq_mean_token_mean (the module doc's formula)."""
+def reference_logit_grad(logits: torch.Tensor, t: dict[str, torch.Tensor], band: tuple[float, float] | None,
+                         ) -> torch.Tensor:
+    """d loss / d logits [T, V] of sc_mis (`band` given) or sc (`band` None: w = 1) with top-p replay and
+    seq_mean_token_mean (the formula of loss.py's module doc)."""
     mask = t["loss_mask"].bool()
     kid, klp = t["kept_ids"], t["kept_logprobs"]
     labels = t["labels"]
@@ -170,7 +177,7 @@ def reference_logit_grad(logits: torch.Tensor, t: dict[str, torch.Tensor], band:
     q = torch.zeros_like(p).scatter_(1, kid.clamp(min=0), torch.where(valid, klp.double().exp(), 0.0))
     log_r = (torch.log(p) - torch.log(q)).clamp(-20.0, 20.0)
     r = torch.where(in_s, log_r.exp(), torch.zeros((), dtype=torch.float64))
-    w = r * ((r >= band[0]) & (r <= band[1]))
+    w = r * ((r >= band[0]) & (r <= band[1])) if band is not None else in_s.double()
     w_a = w.gather(1, labels.unsqueeze(1))
     e_a = torch.zeros_like(p).scatter_(1, labels.unsqueeze(1), 1.0)
     qw = q * w
@@ -202,6 +209,13 @@ def base_trainer(base: str, opt: Any) -> Any:
 
 
 # ---- the guard -------------------------------------------------------------------------------------------------
+def rel_err(grad: torch.Tensor, hidden: torch.Tensor, weight: torch.Tensor, t: dict[str, torch.Tensor],
+            band: tuple[float, float] | None) -> float:
+    """|grad - reference| / |reference| of d loss / d hidden (the reference through the output layer)."""
+    ref = reference_logit_grad(hidden @ weight.T, t, band) @ weight.double()
+    return float((grad.double() - ref).norm() / ref.norm().clamp(min=1e-300))
+
+
 def trajectory_logprobs(trainer: Any, t: dict[str, torch.Tensor]) -> torch.Tensor:
     """[B] the sum of log p(generated token) under the trainer (full vocabulary, T = 1)."""
     ids = t["input_ids"]
@@ -250,9 +264,15 @@ def run_guard(base: str, sampled: SampledBatch, fault: str = "none", *, seed: in
         before = trajectory_logprobs(trainer, tensors)
         metrics = [trainer.train_step(tensors, OutputLayerLoss(capture))]
         hidden, weight = captured["hidden"], captured["weight"]
-        grad = hidden.grad.double()
-        ref = reference_logit_grad(hidden.detach() @ weight.T, tensors, cfg.band) @ weight.double()
-        ref_err = float((grad - ref).norm() / ref.norm().clamp(min=1e-300))
+        errs = {"sc_mis": rel_err(hidden.grad, hidden.detach(), weight, tensors, cfg.band)}
+        # plain SC on the same hidden states (no step): with every ratio inside the MIS band, sc_mis's centering
+        # is exactly 0 (c - alpha p = -p 1[out of band]), so only sc's (q~ - p~) exposes a broken centering
+        h = hidden.detach().clone().requires_grad_()
+        sc_inner = policy_loss_fn(correction_config("sc"), correction=_correction_batch(fault))
+        sc_loss = sc_inner(h, weight, tensors)[0]
+        (-sc_loss if fault == "sign" else sc_loss).backward()
+        errs["sc"] = rel_err(h.grad, h.detach(), weight, tensors, None)
+        ref_err = max(errs.values())
         corr = mean_abs = None
         if ref_err <= REF_TOL:                # else check 1 failed: the guard has failed, the steps are not needed
             for _ in range(STEPS - 1):
@@ -265,7 +285,8 @@ def run_guard(base: str, sampled: SampledBatch, fault: str = "none", *, seed: in
     failed = [name for name, ok in (("reference", ref_err <= REF_TOL),     # None: not measured
                                     ("change", mean_abs is None or mean_abs >= DELTA_MIN),
                                     ("direction", corr is None or corr >= CORR_MIN)) if not ok]
-    return {"fault": fault, "seed": seed, "ref_err": ref_err, "corr": corr, "mean_abs_delta": mean_abs,
+    return {"fault": fault, "seed": seed, "ref_err": ref_err, "ref_err_sc_mis": errs["sc_mis"],
+            "ref_err_sc": errs["sc"], "corr": corr, "mean_abs_delta": mean_abs,
             "passes": not failed, "failed_checks": failed,
             "trajectories": int(len(true_adv)), "nonzero_adv": int(nz.sum()),
             "reward_mean": float(sampled.rewards.mean()), "k3": metrics[0].get("k3", math.nan),
