@@ -26,6 +26,7 @@ Conventions:
 from __future__ import annotations
 
 import contextlib
+import errno
 import io
 import json
 import math
@@ -458,8 +459,13 @@ class Trainer:
             (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
             _fsync_dir_files(tmp)
             replace_dir_atomically(tmp, directory)
-        except BaseException:
+        except BaseException as e:
+            full = _filesystem_full(tmp)            # measured before the cut file is removed
             shutil.rmtree(tmp, ignore_errors=True)
+            if full and isinstance(e, Exception) and not isinstance(e, OSError):
+                # torch's writer says only "unexpected pos ..." / "file write failed": name the cause
+                raise OSError(errno.ENOSPC, f"{os.strerror(errno.ENOSPC)} writing {tmp / STATE_FILE} "
+                                            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") from e
             raise
         return directory
 
@@ -487,6 +493,14 @@ class Trainer:
         np.random.set_state(rng["numpy"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
+
+
+def _filesystem_full(path: Path) -> bool:
+    """Has the filesystem holding `path` (nearly) no room left? (under 4 MiB: a write just failed for want of it)"""
+    try:
+        return shutil.disk_usage(path).free < 4 << 20
+    except OSError:
+        return False
 
 
 def _read_meta(directory: Path) -> dict[str, Any]:
