@@ -89,8 +89,7 @@ def test_neutral_keys_accepted_and_others_refused():
                        ("logit_bias", {"5": 1.0}), ("json_schema", "{}")]:
         with pytest.raises(ProtocolError, match=f"sampling_params.{key} = .*not implemented by the embedded engine"):
             parse({"input_ids": [1], "sampling_params": {key: value, "max_new_tokens": 1}})
-    for key, value in [("lora_path", "x"), ("return_hidden_states", True), ("image_data", "img.png"),
-                       ("logprob_start_len", 0)]:
+    for key, value in [("lora_path", "x"), ("return_hidden_states", True), ("image_data", "img.png")]:
         with pytest.raises(ProtocolError, match=f"{key}.*not implemented"):
             parse({"input_ids": [1, 2], key: value, "sampling_params": {"max_new_tokens": 1}})
 
@@ -188,6 +187,7 @@ def test_response_shape_from_result():
             "id": "q", "finish_reason": {"type": "stop", "matched": "<|endcall|>"},
             "prompt_tokens": 2, "completion_tokens": 2, "cached_tokens": 1, "weight_version": "1",
             "e2e_latency": 0.25,
+            "input_token_logprobs": [], "input_top_logprobs": [],  # logprob_start_len -1: none (as SGLang 0.5.23)
             "output_token_logprobs": [[-0.5, 120, None], [-0.1, 8, None]],
             "output_top_logprobs": [[[-0.5, 120, None], [-1.5, 99, None]], [[-0.1, 8, None], [-1.1, 99, None]]],
             "output_token_sampling_mask": [[120, 99], [8, 99]],

@@ -66,7 +66,8 @@ def test_response_shapes_exactly(http):
     assert set(meta) == {"id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens",
                          "weight_version", "e2e_latency", "output_token_logprobs", "output_top_logprobs",
                          "output_token_sampling_mask", "output_token_sampling_logprobs",
-                         "output_token_weight_versions"}
+                         "output_token_weight_versions", "input_token_logprobs", "input_top_logprobs"}
+    assert meta["input_token_logprobs"] == meta["input_top_logprobs"] == []    # logprob_start_len -1 (as SGLang)
     ids = out["output_ids"]
     assert meta["id"] == "shape-1"
     assert meta["finish_reason"] == {"type": "length", "length": 12}

@@ -56,6 +56,8 @@ class EngineRequest:
     session_id: str | None = None         # routing key; the engine may reuse this session's prefix
     return_routed_experts: bool = False   # MoE: return the experts of every forwarded token (SGLang's field)
     routed_experts_start_len: int = 0     # first position of that record, in [0, prompt length]
+    logprob_start_len: int = -1           # with return_logprob, >= 0: prompt log-probs of positions
+                                          # [logprob_start_len, prompt length) (SGLang's field; -1: none)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +83,11 @@ class RequestResult:
     cached_tokens: int                    # prompt tokens served from the prefix cache
     weight_version: str                   # version of the last generated token (or current, if none)
     e2e_latency: float                    # seconds from add_request to finish
+    input_token_logprobs: list[float | None] | None = None   # logprob_start_len >= 0: one per prompt position
+                                          # from logprob_start_len on, the first None (SGLang's shape); raw
+                                          # logits (no temperature), full-vocabulary normalized
+    input_top_logprobs: list[list[tuple[float, int]] | None] | None = None   # top_logprobs_num > 0 as well:
+                                          # aligned with input_token_logprobs, the first None
     routed_experts: Any = None            # return_routed_experts: int32 tensor [rows, layers, top_k], the experts
                                           # of positions [routed_experts_start_len, prompt + output - 1)
 

@@ -85,6 +85,7 @@ class GenerateItem:
     stop_strs: Mapping[int, str] = field(default_factory=dict)  # stop token id -> the `stop` string it came from
     stream_interval: int = 1                       # tokens between two stream chunks
     return_routed_experts: bool = False            # add meta_info.routed_experts to the final response
+    logprob_start_len: int = -1                    # prompt log-probs from this position on (-1: SGLang's default)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -440,10 +441,8 @@ def parse_generate(obj: Any, limits: ProtocolLimits, tokenizer: _Tokenizer, *,
         return_logprob = _get_bool(row["return_logprob"], "return_logprob", False, "")
         top_k_num = _get_int(row["top_logprobs_num"], "top_logprobs_num", 0, "", lo=0, hi=limits.vocab_size,
                              allowed=f"[0, vocab size {limits.vocab_size}]")
-        start = _get_int(row["logprob_start_len"], "logprob_start_len", -1, "", lo=-1)
-        if start != -1 and start < len(prompts[b]):
-            raise ProtocolError(f"logprob_start_len = {start}: prompt log-probs are not implemented by the embedded "
-                                f"engine; allowed -1 or >= the prompt length ({len(prompts[b])})")
+        start = _get_int(row["logprob_start_len"], "logprob_start_len", -1, "", lo=-1, hi=len(prompts[b]),
+                         allowed=f"-1 (no prompt log-probs) or [0, prompt length {len(prompts[b])}]")
         mask = _get_bool(row["return_sampling_mask"], "return_sampling_mask", False, "")
         if mask or mode == "support":
             bound = _kept_set_bound(params, limits.vocab_size)
@@ -457,7 +456,7 @@ def parse_generate(obj: Any, limits: ProtocolLimits, tokenizer: _Tokenizer, *,
                                 "--enable-return-routed-experts (a MoE model's routing is recorded only then)")
         routed_start = _get_int(row["routed_experts_start_len"], "routed_experts_start_len", 0, "", lo=0,
                                 hi=len(prompts[b]), allowed=f"[0, prompt length {len(prompts[b])}]")
-        parsed.append((b, params, opts, return_logprob, top_k_num, mask, routed, routed_start))
+        parsed.append((b, params, opts, return_logprob, top_k_num, mask, routed, routed_start, start))
 
     # `n` expands the batch prompt-major per copy, as SGLang does: [p0, p1, p0, p1, ...]
     n = parsed[0][2]["n"]
@@ -472,19 +471,20 @@ def parse_generate(obj: Any, limits: ProtocolLimits, tokenizer: _Tokenizer, *,
 
     items = []
     for copy in range(n):
-        for b, params, opts, return_logprob, top_k_num, mask, routed, routed_start in parsed:
+        for b, params, opts, return_logprob, top_k_num, mask, routed, routed_start, start in parsed:
             rid = rids[copy * n_prompts + b]
             req = EngineRequest(rid=rid, input_ids=list(prompts[b]), params=params, return_logprob=return_logprob,
                                 top_logprobs_num=top_k_num, return_sampling_mask=mask or mode == "support",
                                 session_id=session, return_routed_experts=routed,
-                                routed_experts_start_len=routed_start)
+                                routed_experts_start_len=routed_start, logprob_start_len=start)
             items.append(GenerateItem(request=req, return_logprob=return_logprob, top_logprobs_num=top_k_num,
                                       return_sampling_mask=mask, sampling_logprobs_mode=mode,
                                       return_text_in_logprobs=return_text_in_logprobs,
                                       skip_special_tokens=opts["skip_special_tokens"],
                                       spaces_between_special_tokens=opts["spaces_between_special_tokens"],
                                       no_stop_trim=opts["no_stop_trim"], stop_strs=opts["stop_strs"],
-                                      stream_interval=opts["stream_interval"], return_routed_experts=routed))
+                                      stream_interval=opts["stream_interval"], return_routed_experts=routed,
+                                      logprob_start_len=start))
     return GenerateCall(items=items, is_batch=is_batch, stream=stream)
 
 
@@ -521,9 +521,11 @@ def _triple(lp: float, tid: int, item: GenerateItem, tokenizer: _Tokenizer) -> l
 
 def response_dict(item: GenerateItem, *, output_ids: Sequence[int], tokens: Sequence[TokenOutput],
                   finish_reason: Mapping | None, prompt_tokens: int, cached_tokens: int, weight_version: str,
-                  e2e_latency: float, tokenizer: _Tokenizer, routed_experts: Any = None) -> dict:
+                  e2e_latency: float, tokenizer: _Tokenizer, routed_experts: Any = None,
+                  input_token_logprobs: Sequence[float | None] | None = None,
+                  input_top_logprobs: Sequence[Sequence[tuple[float, int]] | None] | None = None) -> dict:
     """SGLang's /generate response for one item (also each streamed chunk, with finish_reason None; the
-    routed experts, like SGLang's, come with the final response only)."""
+    routed experts and the prompt log-probs come with the final response only)."""
     fr = dict(finish_reason) if finish_reason is not None else None
     if fr is not None and fr.get("type") == "stop" and fr.get("matched") in item.stop_strs:
         fr["matched"] = item.stop_strs[fr["matched"]]          # SGLang reports a matched stop string as the string
@@ -537,7 +539,11 @@ def response_dict(item: GenerateItem, *, output_ids: Sequence[int], tokens: Sequ
         "e2e_latency": e2e_latency,
     }
     if item.return_logprob:
+        meta["input_token_logprobs"], input_tops = _input_logprobs(item, fr, input_token_logprobs,
+                                                                   input_top_logprobs, tokenizer)
         meta["output_token_logprobs"] = [_triple(t.logprob, t.token_id, item, tokenizer) for t in tokens]
+        if item.top_logprobs_num > 0:
+            meta["input_top_logprobs"] = input_tops
     if item.top_logprobs_num > 0:
         meta["output_top_logprobs"] = [[_triple(lp, tid, item, tokenizer) for lp, tid in t.top_logprobs]
                                        for t in tokens]
@@ -553,6 +559,32 @@ def response_dict(item: GenerateItem, *, output_ids: Sequence[int], tokens: Sequ
     return {"text": render_text(item, output_ids, fr, tokenizer), "output_ids": list(output_ids), "meta_info": meta}
 
 
+def _input_logprobs(item: GenerateItem, finish_reason: Mapping | None, lps: Sequence[float | None] | None,
+                    tops: Sequence[Sequence[tuple[float, int]] | None] | None,
+                    tokenizer: _Tokenizer) -> tuple[list, list]:
+    """`input_token_logprobs` and `input_top_logprobs` as SGLang returns them (scheduler_output_processor_mixin
+    `_process_input_token_logprobs` / `_process_input_top_logprobs`): one [logprob, id, text] triple per prompt
+    position from logprob_start_len on, the first logprob None, and one list of top triples per position, the
+    first None. logprob_start_len -1 (SGLang's scheduler sets it to the prompt length then) and the prompt
+    length give empty lists; a streamed chunk before the end carries empty lists (the values come with the
+    final response)."""
+    prompt = item.request.input_ids
+    start = item.logprob_start_len
+    if start < 0 or start >= len(prompt):
+        return [], []
+    if lps is None:      # not computed yet (a stream chunk) or the request ended before its prefill (abort)
+        return [], []
+    ids = prompt[start:]
+    token_lps = [_triple_or_none(lp, tid, item, tokenizer) for lp, tid in zip(lps, ids, strict=True)]
+    top = [None if t is None else [_triple(lp, tid, item, tokenizer) for lp, tid in t] for t in (tops or [])]
+    return token_lps, top
+
+
+def _triple_or_none(lp: float | None, tid: int, item: GenerateItem, tokenizer: _Tokenizer) -> list:
+    text = tokenizer.decode([tid], skip_special_tokens=False) if item.return_text_in_logprobs else None
+    return [None if lp is None else float(lp), int(tid), text]
+
+
 def _selected_logprob(t: TokenOutput) -> float | None:
     ids, lps = t.mask_ids or [], t.mask_logprobs or []
     for i, lp in zip(ids, lps, strict=False):
@@ -566,7 +598,8 @@ def build_response(item: GenerateItem, result: RequestResult, tokenizer: _Tokeni
     return response_dict(item, output_ids=result.output_ids, tokens=result.tokens, finish_reason=result.finish_reason,
                          prompt_tokens=result.prompt_tokens, cached_tokens=result.cached_tokens,
                          weight_version=result.weight_version, e2e_latency=result.e2e_latency, tokenizer=tokenizer,
-                         routed_experts=result.routed_experts)
+                         routed_experts=result.routed_experts, input_token_logprobs=result.input_token_logprobs,
+                         input_top_logprobs=result.input_top_logprobs)
 
 
 def encode_routed_experts(experts: Any) -> str:

@@ -78,6 +78,8 @@ QUANTIZATION_NAME = {p: formats().sglang_quantization.get(p) for p in formats().
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 ENGINE_JOIN_TIMEOUT_S = 10.0
 DISCONNECT_POLL_S = 0.5
+DEFAULT_HEADER_TIMEOUT_S = 10.0      # a connection must finish each request's headers within this (slow-loris)
+DEFAULT_LIMIT_CONCURRENCY = 4096     # open connections + running requests above this get 503 (uvicorn's bound)
 NOT_SUPPORTED = "not supported by the embedded engine; use update_weights_from_disk"
 CROSS_SITE_FETCH = ("cross-site", "same-site")  # Sec-Fetch-Site values of a request from another page's origin
 JSON_CONTENT_TYPES = ("application/json",)      # and application/*+json; no Content-Type at all is fine too
@@ -97,6 +99,8 @@ class ServerArgs:
     tp_size: int = 1                              # always 1 for the embedded engine
     log_level: str = "warning"                    # uvicorn's log level
     api_key: str | None = field(default=None, repr=False)  # required as "Authorization: Bearer <key>"; never shown
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S  # seconds to receive a request's headers, else disconnected
+    limit_concurrency: int = DEFAULT_LIMIT_CONCURRENCY  # uvicorn's limit_concurrency (503 above it)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and (not isinstance(self.api_key, str) or len(self.api_key) < MIN_API_KEY_CHARS
@@ -107,7 +111,10 @@ class ServerArgs:
             raise ValueError(f"ServerArgs.host = {self.host!r}: must be a host name or address")
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise ValueError(f"ServerArgs.port = {self.port!r}: allowed 0..65535 (0: any free port)")
-        for name in ("max_body_bytes", "sampling_mask_max_tokens", "max_batch_size", "tp_size"):
+        t = self.header_timeout_s
+        if isinstance(t, bool) or not isinstance(t, int | float) or not 0.1 <= t <= 3600:
+            raise ValueError(f"ServerArgs.header_timeout_s = {t!r}: allowed a number of seconds in [0.1, 3600]")
+        for name in ("max_body_bytes", "sampling_mask_max_tokens", "max_batch_size", "tp_size", "limit_concurrency"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"ServerArgs.{name} = {v!r}: must be an integer >= 1")
@@ -284,8 +291,10 @@ class EmbeddedSampler:
         try:
             for p in pendings:
                 self.pending[p.item.request.rid] = p
-                if p.item.request.params.max_new_tokens == 0:
-                    p.on_finish(self._empty_result(p.item.request))
+                req = p.item.request
+                if req.params.max_new_tokens == 0 and not (req.return_logprob
+                                                           and 0 <= req.logprob_start_len < len(req.input_ids)):
+                    p.on_finish(self._empty_result(req))     # nothing to compute (a scoring request is forwarded)
                 else:
                     self.engine.add_request(p.item.request, on_finish=p.on_finish,
                                             on_token=p.on_token if call.stream else None)
@@ -667,7 +676,8 @@ def start_in_thread(engine: SamplerEngine, *, server_args: ServerArgs | None = N
     port = sock.getsockname()[1]
     app = create_app(engine, server_args=args)
     app.state.sampler.port = port
-    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="on", timeout_graceful_shutdown=5,
+                            **_uvicorn_limits(args))
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="mixfleet-uvicorn", daemon=True)
     thread.start()
@@ -686,4 +696,64 @@ def serve(engine: SamplerEngine, *, server_args: ServerArgs) -> None:
 
     app = create_app(engine, server_args=server_args)
     uvicorn.run(app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
-                timeout_graceful_shutdown=5)
+                timeout_graceful_shutdown=5, **_uvicorn_limits(server_args))
+
+
+def _uvicorn_limits(args: ServerArgs) -> dict:
+    """uvicorn settings bounding what a client can hold: the header-read timeout (our h11 protocol), the
+    number of connections + requests (`limit_concurrency`), and the keep-alive idle timeout (uvicorn's)."""
+    return {"http": header_timeout_protocol(float(args.header_timeout_s)), "limit_concurrency": args.limit_concurrency,
+            "timeout_keep_alive": 5}
+
+
+def header_timeout_protocol(timeout_s: float) -> type:
+    """uvicorn's h11 protocol with a header-read timeout. uvicorn has none: its keep-alive timer stops at a
+    connection's first byte, so a client that sends a request's headers a byte at a time (slow-loris) held
+    its socket for ever. Here a timer starts when a connection opens and whenever bytes arrive while no
+    request is in progress; if the request's headers are not complete `timeout_s` later, the connection is
+    closed. A request whose headers have arrived is not timed (its body and its response may take long)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderTimeoutH11Protocol(H11Protocol):
+        header_timeout_s = timeout_s
+
+        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+            self._header_timer: asyncio.TimerHandle | None = None
+            self._header_cycle: Any = None
+            super().connection_made(transport)
+            self._arm_header_timer()
+
+        def _arm_header_timer(self) -> None:
+            self._header_cycle = self.cycle          # the request (if any) that was in place when the wait began
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._header_timeout)
+
+        def _cancel_header_timer(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _idle(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def data_received(self, data: bytes) -> None:
+            if self._header_timer is None and self._idle():
+                self._arm_header_timer()
+            super().data_received(data)
+
+        def handle_events(self) -> None:
+            super().handle_events()
+            if self._header_timer is not None and self.cycle is not self._header_cycle:
+                self._cancel_header_timer()          # a new request's headers arrived in time
+
+        def _header_timeout(self) -> None:
+            self._header_timer = None
+            if self.cycle is self._header_cycle and not self.transport.is_closing():
+                log.info("closing a connection from %s: request headers not received within %.1f s",
+                         self.client, self.header_timeout_s)
+                self.transport.close()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel_header_timer()
+            super().connection_lost(exc)
+
+    return HeaderTimeoutH11Protocol

@@ -34,6 +34,7 @@ from mixfleet.runner.sampler.engine.model import (
     Weights,
     decode,
     load_weights,
+    position_logprobs,
     prefill_many,
     same_architecture,
     scaled_mm_unsupported,
@@ -129,6 +130,13 @@ class _Running:
     cached_tokens: int = 0
     kv_len: int = 0                          # tokens whose KV is in the slot
     routing: list[torch.Tensor] = field(default_factory=list)   # experts of those tokens, [n, layers, k] chunks
+    input_lps: list[float | None] | None = None      # prompt log-probs (logprob_start_len >= 0), once computed
+    input_tops: list[list[tuple[float, int]] | None] | None = None
+
+    @property
+    def wants_input_logprobs(self) -> bool:
+        return (self.req.return_logprob and 0 <= self.req.logprob_start_len < len(self.req.input_ids)
+                and self.input_lps is None)
 
     @property
     def reserved_tokens(self) -> int:
@@ -249,6 +257,10 @@ class Engine:
         if req.return_routed_experts and not self._record_routing:
             raise ValueError("return_routed_experts = true needs the engine started with enable_return_routed_experts "
                              "(`mixfleet serve --enable-return-routed-experts`, a MoE model)")
+        lp_start = req.logprob_start_len
+        if not is_int(lp_start) or not -1 <= lp_start <= len(ids):
+            raise ValueError(f"logprob_start_len = {lp_start!r}; allowed: -1 (no prompt log-probs) or an integer in "
+                             f"[0, prompt length {len(ids)}]")
         start = req.routed_experts_start_len
         if not is_int(start) or not 0 <= start <= len(ids):
             raise ValueError(f"routed_experts_start_len = {start!r}; allowed: an integer in [0, prompt length "
@@ -303,7 +315,8 @@ class Engine:
         res = RequestResult(rid=r.req.rid, output_ids=list(r.output), tokens=list(r.tokens), finish_reason=reason,
                             prompt_tokens=len(r.req.input_ids), cached_tokens=r.cached_tokens,
                             weight_version=r.tokens[-1].weight_version if r.tokens else self.weight_version,
-                            e2e_latency=time.monotonic() - r.t0_s, routed_experts=routed)
+                            e2e_latency=time.monotonic() - r.t0_s, routed_experts=routed,
+                            input_token_logprobs=r.input_lps, input_top_logprobs=r.input_tops)
         try:
             r.on_finish(res)
         except Exception:  # a caller's callback must not take the engine down
@@ -473,7 +486,7 @@ class Engine:
         items: list[tuple[int, list[int], int]] = []
         while self._waiting:
             r = self._waiting[0]
-            if r.req.params.max_new_tokens == 0:
+            if r.req.params.max_new_tokens == 0 and not r.wants_input_logprobs:
                 self._waiting.popleft()
                 self._finish(r, {"type": "length", "length": 0})
                 continue
@@ -496,6 +509,8 @@ class Engine:
                         break
                     common += 1
                 start = min(common, len(ids) - 1)
+                if r.wants_input_logprobs:     # the prompt's positions from logprob_start_len on are forwarded
+                    start = min(start, r.req.logprob_start_len)
                 if start > 0:
                     self._kv.import_(slot, sess, start)
                     r.cached_tokens = start
@@ -506,12 +521,49 @@ class Engine:
             admitted.append(r)
         if admitted:
             routing: list[torch.Tensor] | None = [] if self._record_routing else None
-            logits = prefill_many(w, self._kv, items, routing=routing)
+            scoring = any(r.wants_input_logprobs for r in admitted)
+            hidden: list[torch.Tensor] | None = [] if scoring else None
+            logits = prefill_many(w, self._kv, items, routing=routing, hidden_out=hidden)
             if routing:
                 for r, chunk in zip(admitted, routing[0].split([len(ids) for _, ids, _ in items]), strict=True):
                     r.routing.append(chunk)
-            self._sample_and_emit(w, admitted, logits)
+            if hidden:
+                self._input_logprobs(w, admitted, items, hidden[0])
+            self._finish_scored(w, admitted)     # max_new_tokens 0: scored only, nothing to sample
+            keep = [i for i, r in enumerate(admitted) if r.req.params.max_new_tokens > 0]
+            if keep:
+                batch = [admitted[i] for i in keep]
+                self._sample_and_emit(w, batch, logits if len(keep) == len(admitted) else logits[keep])
         return len(admitted)
+
+    def _input_logprobs(self, w: Weights, admitted: list[_Running], items: list[tuple[int, list[int], int]],
+                        hidden: torch.Tensor) -> None:
+        """Prompt log-probs of the admitted requests that asked (logprob_start_len = k >= 0), from this prefill's
+        hidden states (the prefix reuse was capped at k, so positions k..T-2 were forwarded): SGLang's shape, one
+        entry per position k..T-1, the first None (its predicting position is not scored), entry i the
+        log-prob of token k+i given the tokens before it."""
+        off = 0
+        for r, (_slot, ids, start) in zip(admitted, items, strict=True):
+            n = len(ids)
+            if r.wants_input_logprobs:
+                prompt = r.req.input_ids
+                k = r.req.logprob_start_len
+                rows = hidden[off + (k - start): off + (len(prompt) - 1 - start)]      # positions k..T-2
+                lps, tops = position_logprobs(w, rows, prompt[k + 1:], r.req.top_logprobs_num)
+                r.input_lps = [None, *lps]
+                r.input_tops = [None, *tops] if r.req.top_logprobs_num > 0 else None
+            off += n
+
+    def _finish_scored(self, w: Weights, admitted: list[_Running]) -> None:
+        done = [r for r in admitted if r.req.params.max_new_tokens == 0]
+        if not done:
+            return
+        slots = {id(r): i for i, r in enumerate(self._running)}
+        for r in done:
+            self._save_session(slots[id(r)], r, w.version)
+        self._remove_running([slots[id(r)] for r in done])
+        for r in done:
+            self._finish(r, {"type": "length", "length": 0})
 
     def _decode(self, w: Weights) -> int:
         """One batched decode step for every running request (those admitted this step included)."""

@@ -332,13 +332,16 @@ def _logits(w: Weights, x: torch.Tensor) -> torch.Tensor:
 # ---- entry points ------------------------------------------------------------------------------
 @torch.inference_mode()
 def prefill_many(w: Weights, kv: KVPool, items: list[tuple[int, list[int], int]], *,
-                 all_logits: bool = False, routing: list[torch.Tensor] | None = None) -> torch.Tensor:
+                 all_logits: bool = False, routing: list[torch.Tensor] | None = None,
+                 hidden_out: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Prefill several requests at once: items are (slot, ids, start), the tokens `ids` at positions
     start.. of the request in `slot` (positions < start are already cached). The linears run once over
     all the new tokens; attention runs per request over its own slot. Writes the KV. Returns the fp32
     logits of each item's last token [items, vocab] (of every new token [tokens, vocab] with all_logits).
     MoE models with `routing` given: appends the experts of every new token, [tokens, layers, k] int32, in
-    item order."""
+    item order. `hidden_out` given: appends the last layer's output of every new token [tokens, hidden]
+    (before the final norm; `position_logprobs` turns rows of it into log-probs without a [tokens, vocab]
+    tensor)."""
     cfg = w.cfg
     dev = kv.device
     ids_all: list[int] = []
@@ -366,9 +369,34 @@ def prefill_many(w: Weights, kv: KVPool, items: list[tuple[int, list[int], int]]
             outs.append(o[0].transpose(0, 1).reshape(n, -1))
         x = _mlp_and_out(w, lw, x, torch.cat(outs) if len(outs) > 1 else outs[0], per_layer)
     _stack_routing(per_layer, routing)
+    if hidden_out is not None:
+        hidden_out.append(x)
     if not all_logits:
         x = x[torch.tensor([off + n - 1 for off, n, _ in spans], device=dev)]
     return _logits(w, x)
+
+
+SCORE_CHUNK_ROWS = 256     # positions per [rows, vocab] fp32 block when scoring a prompt
+
+
+def position_logprobs(w: Weights, hidden: torch.Tensor, targets: list[int], top_k: int = 0,
+                      chunk_rows: int = SCORE_CHUNK_ROWS) -> tuple[list[float], list[list[tuple[float, int]]]]:
+    """Row i of `hidden` ([n, hidden], a prefill's `hidden_out`) predicts `targets[i]`: its log-prob under
+    log_softmax of the raw fp32 logits (no temperature) over the full vocabulary, and (top_k > 0) the
+    top_k (log-prob, token id) pairs, highest first. Computed `chunk_rows` positions at a time, so memory
+    is [chunk_rows, vocab] fp32 whatever the prompt length."""
+    if hidden.shape[0] != len(targets):
+        raise ValueError(f"position_logprobs: {hidden.shape[0]} hidden rows for {len(targets)} targets")
+    lps: list[float] = []
+    tops: list[list[tuple[float, int]]] = []
+    tgt = torch.tensor(targets, dtype=torch.long, device=hidden.device)
+    for a in range(0, len(targets), chunk_rows):
+        lp = torch.log_softmax(_logits(w, hidden[a:a + chunk_rows]), dim=-1)      # [c, vocab] fp32
+        lps.extend(lp.gather(1, tgt[a:a + chunk_rows, None])[:, 0].tolist())
+        if top_k > 0:
+            vals, idx = lp.topk(min(top_k, lp.shape[1]), dim=-1)
+            tops.extend([list(zip(v, i, strict=True)) for v, i in zip(vals.tolist(), idx.tolist(), strict=True)])
+    return lps, tops
 
 
 def prefill(w: Weights, kv: KVPool, slot: int, ids: list[int], start: int, *, all_logits: bool = False,
