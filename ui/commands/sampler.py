@@ -39,6 +39,10 @@ def serve(
         False, "--enable-return-routed-experts",
         help="MoE models: record each token's experts so requests may ask for them (return_routed_experts)"),
     log_level: str = typer.Option("warning", "--log-level", help="uvicorn log level"),
+    header_timeout: float = typer.Option(10.0, "--header-timeout",
+                                         help="seconds a connection has to send a request's headers (slow-loris)"),
+    limit_concurrency: int = typer.Option(4096, "--limit-concurrency",
+                                          help="open connections + requests above this get 503"),
     api_key: str | None = typer.Option(None, "--api-key", envvar="MIXFLEET_API_KEY", show_default=False,
                                        help="require 'Authorization: Bearer KEY' on every request but /health* "
                                             "(as SGLang's --api-key; the environment variable keeps it out of ps)"),
@@ -84,7 +88,7 @@ def serve(
         args = ServerArgs(host=host, port=port, max_body_bytes=max_body_bytes,
                           sampling_mask_max_tokens=sampling_mask_max_tokens,
                           max_running_requests=max_running_requests, kernel=kernel, log_level=log_level,
-                          api_key=api_key)
+                          api_key=api_key, header_timeout_s=header_timeout, limit_concurrency=limit_concurrency)
         engine = Engine(model, precision=precision, kv_cache_dtype=kv_cache_dtype, kernel=kernel,
                         max_total_tokens=max_total_tokens, max_running_requests=max_running_requests,
                         sampling_mask_max_tokens=sampling_mask_max_tokens, seed=seed, weight_version=weight_version,
