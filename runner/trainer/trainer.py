@@ -484,6 +484,9 @@ class Trainer:
         except pickle.UnpicklingError as e:
             raise ValueError(f"{directory}/{STATE_FILE}: not a trainer state of tensors and plain values (refused: "
                              f"{str(e).splitlines()[0][:200]})") from None
+        except (RuntimeError, EOFError) as e:      # a cut or corrupt file: torch's zip reader
+            raise ValueError(f"{directory}/{STATE_FILE}: cut or corrupt ({str(e).splitlines()[0][:160]}); restore "
+                             "it, or start over with --force") from None
         self.model.load_state_dict(payload["model"])
         self.optimizer.load_state_dict(payload["optimizer"])
         self.version = int(payload["version"])
