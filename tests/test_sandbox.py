@@ -70,8 +70,23 @@ def _live_with(fragment: str) -> list[psutil.Process]:
     return out
 
 
-def _my_live_children() -> list[psutil.Process]:
-    return [c for c in psutil.Process().children(recursive=True) if c.status() != psutil.STATUS_ZOMBIE]
+def _live_children() -> set[int]:
+    out = set()
+    for c in psutil.Process().children(recursive=True):
+        try:
+            if c.status() != psutil.STATUS_ZOMBIE:
+                out.add(c.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+@pytest.fixture
+def new_children():
+    """The live children of this process started since the test began (earlier tests in the same pytest process
+    may leave their own helpers running, e.g. a tracker's service; they are not this test's)."""
+    before = _live_children()
+    return lambda: sorted(_live_children() - before)
 
 
 def _wait_gone(fragment: str, seconds: float = 5.0) -> list[psutil.Process]:
@@ -178,7 +193,7 @@ def test_no_network(repo: Path) -> None:
         server.close()
 
 
-def test_fork_bomb_is_bounded_and_leaves_nothing(repo: Path) -> None:
+def test_fork_bomb_is_bounded_and_leaves_nothing(repo: Path, new_children) -> None:
     limits = SandboxLimits(timeout_s=4, max_procs=16)
 
     async def go() -> None:
@@ -191,7 +206,7 @@ def test_fork_bomb_is_bounded_and_leaves_nothing(repo: Path) -> None:
             assert (await box.exec("echo alive")).output.strip() == "alive"
             assert not _wait_gone(str(box.workdir))
     run(go())
-    assert not _my_live_children()
+    assert not new_children()
 
 
 def test_cpu_and_memory_limits(repo: Path) -> None:
@@ -226,7 +241,7 @@ def test_disk_fill_stops_at_the_cap(repo: Path) -> None:
     assert free_before - shutil.disk_usage("/tmp").free < 32 << 20
 
 
-def test_sleep_forever_times_out_and_leaves_nothing(repo: Path) -> None:
+def test_sleep_forever_times_out_and_leaves_nothing(repo: Path, new_children) -> None:
     async def go() -> None:
         async with await Sandbox.create(repo, limits=SandboxLimits(timeout_s=30)) as box:
             r = await box.exec("(sleep 987651 &); nohup sleep 987652 & setsid sleep 987653 & sleep 987654",
@@ -238,7 +253,7 @@ def test_sleep_forever_times_out_and_leaves_nothing(repo: Path) -> None:
     run(go())
     for n in range(987651, 987656):
         assert not _wait_gone(f"sleep {n}"), n
-    assert not _my_live_children()
+    assert not new_children()
 
 
 def test_gigabyte_of_output_is_capped(repo: Path) -> None:
@@ -275,7 +290,7 @@ def test_killing_its_parent_leaves_the_host_alone(repo: Path) -> None:
         bystander.wait()
 
 
-def test_close_kills_a_running_command_and_deletes_the_copy(repo: Path) -> None:
+def test_close_kills_a_running_command_and_deletes_the_copy(repo: Path, new_children) -> None:
     async def go() -> None:
         box = await Sandbox.create(repo, limits=SandboxLimits(timeout_s=60))
         task = asyncio.ensure_future(box.exec("sleep 987656"))
@@ -292,7 +307,7 @@ def test_close_kills_a_running_command_and_deletes_the_copy(repo: Path) -> None:
             await box.exec("true")
     run(go())
     assert not _wait_gone("sleep 987656")
-    assert not _my_live_children()
+    assert not new_children()
 
 
 def test_pool_bounds_live_sandboxes_and_records_waits(repo: Path) -> None:
