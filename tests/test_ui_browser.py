@@ -255,6 +255,34 @@ def loop_app(tmp_path: Path):
 RUN_TIMEOUT_MS = 900_000    # an 8-update tiny run with a stop and a resume, on a loaded 2-core machine
 
 
+def _pick_option(page, picker, name: str, tries: int = 4) -> None:  # type: ignore[no-untyped-def]
+    """Open a multiselect's list from its input (click, then ArrowDown: a click alone focuses it without opening the
+    list in Streamlit 1.67) and pick `name`; retried, since a rerun landing meanwhile closes the list."""
+    from playwright.sync_api import TimeoutError as PlaywrightTimeout
+
+    for _ in range(tries):
+        picker.locator("input").first.click()
+        page.wait_for_timeout(500)             # the expander's opening and the input's focus settle first
+        page.keyboard.press("ArrowDown")
+        try:
+            page.get_by_role("option", name=name, exact=True).click(timeout=15_000)
+        except PlaywrightTimeout:
+            page.keyboard.press("Escape")
+            _settled(page)
+            continue
+        # the list stays open after a pick (Escape does not always close it) and covers the buttons below it:
+        # click the page's title, away from any widget, until the list is gone
+        for _ in range(tries):
+            page.keyboard.press("Escape")
+            if not page.get_by_role("option").count():
+                return
+            page.locator("h1").first.click()
+            page.wait_for_timeout(300)
+        if not page.get_by_role("option").count():
+            return
+    raise AssertionError(f"the multiselect never offered {name!r} (or its list never closed)")
+
+
 def _click_until(page, button: str, shows: str | re.Pattern[str], tries: int = 6) -> None:  # type: ignore[no-untyped-def]
     """Click a button of the auto-refreshing managed-run panel until the page shows `shows` (a click that lands
     while the panel re-renders can be dropped by the browser; the action itself is idempotent)."""
@@ -263,7 +291,10 @@ def _click_until(page, button: str, shows: str | re.Pattern[str], tries: int = 6
     for _ in range(tries):
         if page.get_by_text(shows).count():
             return
-        page.get_by_role("button", name=button).first.click()
+        try:
+            page.get_by_role("button", name=button).first.click(timeout=30_000)
+        except PlaywrightTimeout:
+            continue
         try:
             page.get_by_text(shows).first.wait_for(timeout=45_000)
             return
@@ -413,9 +444,9 @@ def test_plan_run_export_to_tensorboard(export_app: tuple[str, Path], tmp_path: 
             _settled(page)
             page.get_by_test_id("stExpander").filter(has_text="Run for real").locator("summary").click()
             page.get_by_label("Run name (a folder under the runs folder)").fill("tb-walk")
-            page.get_by_test_id("stMultiSelect").filter(has_text="Stream the metrics live").click()
-            page.get_by_role("option", name="TensorBoard", exact=True).click()
-            page.keyboard.press("Escape")
+            picker = page.get_by_test_id("stMultiSelect").filter(has_text="Stream the metrics live")
+            _pick_option(page, picker, "TensorBoard")
+            expect(picker).to_contain_text("TensorBoard")
             _settled(page)
             _click_until(page, "Start the run", re.compile(r"Run tb-walk is \w+: starting|Managed run tb-walk"),
                          tries=4)
