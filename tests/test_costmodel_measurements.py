@@ -42,8 +42,29 @@ def test_a_bad_row_names_file_field_and_allowed(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="metric.*tpot_ms"):
         load_measurements(bad)
     bad.write_text(src.read_text().replace('gpu = "B200"', 'gpu = "TPU"', 1))
-    with pytest.raises(SpecError, match="B200"):
+    with pytest.raises(SpecError, match=r"bad\.toml rows\[0\]: field 'gpu' = 'TPU'.*B200"):   # file and row named
         load_measurements(bad)
+
+
+def test_measurements_out_of_range_or_unpriceable_are_one_line_errors(tmp_path: Path) -> None:
+    """Issue 44: concurrency = 5e9 was a 121-line OverflowError from aiconfigurator; a folder of rows none of which
+    can be priced wrote an empty fit with exit 0."""
+    import re
+
+    src = Path(__file__).resolve().parents[1] / "data" / "measurements" / "sglang-b200-sweep.toml"
+    big = tmp_path / "big"
+    big.mkdir()
+    (big / "m.toml").write_text(re.sub(r"concurrency = \d+", "concurrency = 5000000000", src.read_text(), count=1))
+    res = CliRunner().invoke(app, ["calibrate", "--measurements", str(big)])
+    assert res.exit_code == 2 and "Traceback" not in res.output, res.output
+    assert "field 'concurrency' = 5000000000" in res.output and "m.toml rows[" in res.output
+    none = tmp_path / "none"
+    none.mkdir()
+    (none / "m.toml").write_text(re.sub(r'engine = "\w+"', 'engine = "torch-reference"', src.read_text()))
+    out = tmp_path / "fit.toml"
+    res = CliRunner().invoke(app, ["calibrate", "--measurements", str(none), "-o", str(out)])
+    assert res.exit_code == 2 and "none priceable" in res.output, res.output
+    assert not out.exists()
 
 
 def test_prediction_charges_prefill_to_the_same_gpus_and_uses_the_row_layout() -> None:

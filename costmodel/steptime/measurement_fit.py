@@ -213,6 +213,12 @@ def fit_measurements(rows: Sequence[Measurement], catalog: Catalog | None = None
     # serving engines' figures only: a reference-kernel profile is not what the efficiencies describe
     usable = [m for m in rows if m.serving and _prior_replica(m) is not None]
     groups = _fit_all(usable, cat)
+    if not groups:         # an empty fit would be written and read as "calibrated": refuse it
+        srcs = sorted({m.source for m in rows})
+        raise SpecError(f"measurements ({', '.join(srcs) or 'no source'})", "rows",
+                        f"{len(rows)} row(s), none priceable",
+                        "at least one serving-engine row (sglang, trtllm, vllm) of a model in data/models whose "
+                        "setup the cost model can price")
     held_fit: list[float] = []
     held_prior: list[float] = []
     per_source = {}

@@ -50,6 +50,7 @@ REFERENCE_ENGINE = "torch-reference"  # this project's reference kernels (benchm
 ENGINES = (*SERVING_ENGINES, REFERENCE_ENGINE)
 KV_CHOICES = ("auto", "bf16", "fp8_e4m3")
 OFFLINE_MAX_BATCH = 2048            # per attention-DP group: the engines' largest CUDA-graph batch in these runs
+MAX_CONCURRENCY = 65_536           # far above any published serving benchmark's; bounds what a row can ask to price
 _ROW_KEYS = ("section", "model", "hf_id", "gpu", "layout", "gpus", "tp", "dp_attention", "ep", "pp", "precision",
              "precision_source", "kv_dtype", "engine", "engine_version", "isl", "osl", "concurrency",
              "random_range_ratio", "metric", "value", "date", "note")
@@ -152,7 +153,8 @@ def load_measurements(path: str | Path | None = None, catalog: Catalog | None = 
                 raise SpecError(where, f"rows[{i}]", r, "a table")
             check_keys(w, r, _ROW_KEYS)
             gpu = get_str(w, r, "gpu")
-            cat.accelerator(gpu)  # unknown names list the known ones
+            if gpu not in cat.accelerators:       # the file and row named, with the known names
+                raise SpecError(w, "gpu", gpu, f"one of {', '.join(repr(a) for a in cat.accelerators)}")
             prec = get_str(w, r, "precision", allowed=tuple(cat.precisions))
             m = Measurement(
                 source=sid, source_title=get_str(f"{where} [source]", src, "title"),
@@ -165,7 +167,7 @@ def load_measurements(path: str | Path | None = None, catalog: Catalog | None = 
                 precision=prec, precision_source=get_str(w, r, "precision_source", default=""),
                 kv_dtype=get_str(w, r, "kv_dtype", allowed=KV_CHOICES), engine=get_str(w, r, "engine", allowed=ENGINES),
                 engine_version=get_str(w, r, "engine_version", default=""), isl=get_int(w, r, "isl", lo=1),
-                osl=get_int(w, r, "osl", lo=1), concurrency=get_int(w, r, "concurrency", lo=0),
+                osl=get_int(w, r, "osl", lo=1), concurrency=get_int(w, r, "concurrency", lo=0, hi=MAX_CONCURRENCY),
                 random_range_ratio=get_float(w, r, "random_range_ratio", default=1.0, lo=0.0, hi=1.0),
                 metric=get_str(w, r, "metric", allowed=METRICS), value=get_float(w, r, "value", lo=0.0, lo_open=True),
                 note=get_str(w, r, "note", default=""), index=i)
