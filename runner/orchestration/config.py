@@ -9,6 +9,7 @@ pushes each new version; `recorder.py` writes the run log's rows; `orchestrator.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import math
 import time
@@ -158,6 +159,7 @@ class RunContext:
         self._tasks: set[asyncio.Task] = set()
         self._t0 = time.monotonic()
         self.fatal: RunFailed | None = None           # set by a part that found the run cannot go on
+        self.event_counts: collections.Counter[str] = collections.Counter()   # this run's events by kind
 
     def fail(self, error: RunFailed) -> None:
         """The run cannot go on: the trainer's loop raises `error` at its next wait (the run log closes
@@ -176,6 +178,7 @@ class RunContext:
               duration_s: float = math.nan) -> None:
         rec = EventRecord(time_s=self.now(), kind=kind, group=group, replica=replica, version=version,
                           detail=detail, duration_s=duration_s)
+        self.event_counts[kind] += 1
         if self.writer is not None:
             self.writer.append(rec)
         if self.on_event is not None:

@@ -215,6 +215,7 @@ class Orchestrator:
         st = point.state
         self.prompts.restore(st)
         self.rollouts.restarts = int(st.get("restarts", 0))
+        ctx.event_counts["restart"] = int(st.get("sampler_restarts", 0))
         self.trainer_busy_s = float(st.get("trainer_busy_s", 0.0))
         ctx.continue_clock(float(st.get("elapsed_s", 0.0)))
         self.recorder.restore(st, float(st.get("elapsed_s", 0.0)))
@@ -284,6 +285,7 @@ class Orchestrator:
             writepoints.reached("state")
             _write_json_durably(staged / ORCH_STATE_FILE, {
                 "version": self.version, **self.prompts.state(), "restarts": self.restarts,
+                "sampler_restarts": self.ctx.event_counts["restart"],
                 "trainer_busy_s": self.trainer_busy_s, "elapsed_s": self.now(),
                 **self.recorder.state(self._totals())})
             writepoints.reached("orchestrator")
@@ -353,7 +355,10 @@ class Orchestrator:
         finally:
             writepoints.begin(None)
             await self._stop(status)
-        return {"version": self.version, "elapsed_s": self.now(), "restarts": self.restarts,
+        # "restarts": replicas restarted (the run log's "restart" events); "turns_rerun": turns sent again to
+        # another replica after theirs was lost (one lost replica re-runs every turn it was serving)
+        return {"version": self.version, "elapsed_s": self.now(), "restarts": self.ctx.event_counts["restart"],
+                "turns_rerun": self.restarts,
                 "on_policy_kl_by_group": self.recorder.on_policy_kl(),
                 "trainer_idle_share": 1.0 - self.trainer_busy_s / max(self.now(), 1e-9), "out": str(self.out),
                 "lost_groups": dict(self.fleet.lost_groups), **self.loop_stats()}

@@ -271,7 +271,8 @@ def _run_locked(plan: Any, cfg: Any, out: Path, quiet: bool, kills: dict[int, li
                 live.close()
     res = outcome.result
     typer.echo(f"{'stopped' if outcome.stopped else 'done'}: version {res['version']} in {res['elapsed_s']:.0f} s, "
-               f"trainer idle {res['trainer_idle_share']:.0%}, restarts {res['restarts']}; run log: {res['out']}")
+               f"trainer idle {res['trainer_idle_share']:.0%}, sampler restarts {res['restarts']} "
+               f"(turns re-run {res['turns_rerun']}); run log: {res['out']}")
     if res.get("lost_groups"):
         for g, why in res["lost_groups"].items():
             typer.secho(f"warning: sampler group {g!r} never started and was left out: {why}",
