@@ -54,7 +54,7 @@ class LiveView:
 
         t = Table(title=f"mixfleet run: {self.plan_name}", title_justify="left")
         for col in ("update", "time s", "reward", "KL k3", *[f"KL {g}" for g in self.groups], "stale mean/max",
-                    "tok/s", "pass@k", "restarts", "trainer idle"):
+                    "tok/s", "pass@k", "turns re-run", "trainer idle"):
             t.add_column(col, justify="right")
         for v in self.rows:
             t.add_row(f"{v.version}/{v.target}", _fmt(v.elapsed_s, ".0f"), _fmt(v.reward_mean), _fmt(v.kl_k3, ".2e"),
