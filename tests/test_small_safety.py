@@ -106,6 +106,11 @@ def test_finding_run_logs_is_bounded(tmp_path: Path) -> None:
     RunLogWriter(tmp_path / "many" / "f29" / "run", {"source": "twin"}).close()
     assert RunLog.find(tmp_path / "many", max_dirs=10) == []                 # stops looking after 10 folders
     assert RunLog.find(tmp_path / "many") == [tmp_path / "many" / "f29" / "run"]
+    # issue 44: a link to a run folder elsewhere is not listed (the Runs page opened it; links are not followed)
+    outside = tmp_path / "elsewhere" / "run"
+    RunLogWriter(outside, {"source": "twin"}).close()
+    (tmp_path / "many" / "linked").symlink_to(outside, target_is_directory=True)
+    assert RunLog.find(tmp_path / "many") == [tmp_path / "many" / "f29" / "run"]
 
 
 def test_trainer_state_loads_tensors_only(tmp_path: Path) -> None:

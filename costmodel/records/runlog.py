@@ -651,7 +651,7 @@ class RunLog:
                 continue
             keep = []
             for name in dirnames:
-                if name.startswith("."):
+                if name.startswith(".") or (here / name).is_symlink():    # a link may point anywhere: not followed
                     continue
                 if RunLog.is_run_log(here / name):
                     found.append(here / name)
