@@ -12,7 +12,8 @@ Two kinds of check:
   no longer matches fails too, so rewording a sentence means re-pointing its claim here.
 
 Facts come from benchmarks/results/learning.json (the ladder), learning_b-lr_same_base.json (b-lr re-run from
-c-grpo-lr's base), learning_final_eval.json (final policies on 512 x 2 episodes). The verdict rules and the
+c-grpo-lr's base), learning_final_eval.json (final policies on 512 x 2 episodes), tour_learning.json (the README
+tour's runs). The verdict rules and the
 collapse signs are defined once, below (FINDINGS_RULES, collapse_signs), and applied by code.
 """
 
@@ -35,6 +36,7 @@ RESULTS = ROOT / "benchmarks" / "results"
 LADDER = "learning.json"
 SAME_BASE = "learning_b-lr_same_base.json"
 FINAL = "learning_final_eval.json"
+TOUR = "tour_learning.json"                 # the README tour's runs (benchmarks/tour_learning.py)
 ABLATIONS = ("moe", "moe-base300")          # docs/ablation/<dir>/verdicts.json, the MoE ablation reports quoted
 DOC = "docs/learning.md"
 README = "README.md"
@@ -56,7 +58,7 @@ wholly outside (beyond +0.05 or below -0.05); otherwise not shown, and not refut
 
 def load(results: Path = RESULTS) -> dict[str, Any]:
     out = {}
-    for key, name in (("ladder", LADDER), ("same", SAME_BASE), ("final", FINAL)):
+    for key, name in (("ladder", LADDER), ("same", SAME_BASE), ("final", FINAL), ("tour", TOUR)):
         path = results / name
         try:
             out[key] = json.loads(path.read_text())
@@ -214,6 +216,13 @@ def facts(data: dict[str, Any]) -> dict[str, float]:
         f[f"abl.stable_{name.replace('moe-', '')}"] = sum(r["verdict"] == "stable" for r in rows)
     f["abl.unstable_moe_grpo"] = sum(r["verdict"] == "unstable" for r in data["ablation/moe"]
                                      if r["variant"] == "grpo" and r["fleet"] == "mixed-moe")
+    for label, line in data["tour"]["lines"].items():        # `tour.LABEL.sS.start|end`, `tour.LABEL.gain|min|max`
+        for r in line["runs"]:
+            f[f"tour.{label}.s{r['seed']}.start"] = r["reward_start"]
+            f[f"tour.{label}.s{r['seed']}.end"] = r["reward_end"]
+        f[f"tour.{label}.gain"] = line["mean_gain"]
+        f[f"tour.{label}.min"] = line["min_gain"]
+        f[f"tour.{label}.max"] = line["max_gain"]
     f.update(findings(data)[1])
     return f
 
@@ -418,6 +427,14 @@ V40, V30, V60 = range(0, 41, 10), range(0, 31, 10), range(0, 61, 10)
 ABL300, ABL150 = "abl.moe-base300.mixed-moe", "abl.moe.mixed-moe"     # the MoE ablation reports' facts
 SPREAD = "{} -> {} ({}..{})"
 CLAIMS: list[Claim] = [
+    # README: the tour's runs (benchmarks/results/tour_learning.json)
+    q("tiny-cpu, 3 seeds x 30 updates, {} -> {}, {} -> {}, {} -> {} (mean gain {}, min {})",
+      *[f"tour.tiny-cpu.s{i}.{e}" for i in range(3) for e in ("start", "end")], "tour.tiny-cpu.gain",
+      "tour.tiny-cpu.min", file=README),
+    q("mean gain {} over 20 updates ({} .. {} across seeds) and {} over 30 ({} .. {}), from a base at {}",
+      "tour.tiny-moe-cpu-20.gain", "tour.tiny-moe-cpu-20.min", "tour.tiny-moe-cpu-20.max",
+      "tour.tiny-moe-cpu-30.gain", "tour.tiny-moe-cpu-30.min", "tour.tiny-moe-cpu-30.max",
+      "tour.tiny-moe-cpu-30.s0.start", file=README),
     # docs/learning.md, the summary
     q("held-out reward {} -> {} over 3 seeds (end {}..{})", *spread("a-lr")),
     q("0.419 -> {} in process (d-a0, 60 updates) and 0.419 -> {} through the runner (d-a300, 60 updates)",

@@ -8,7 +8,7 @@ The tour runs are started by hand (they take minutes each on this CPU), exactly 
     mixfleet run tiny-cpu-s1.toml --out runs/tiny-s1 --updates 30
     ...
 
-This script only reads their run logs (the runner's `eval` events: the held-out split, 64 problems at T = 1 with
+This script only reads their run logs (the runner's `eval` events: the held-out split at T = 1 with
 the plan's own eval settings) and writes benchmarks/results/tour_learning.json, the file the README's tour figures
 cite:
 
@@ -40,8 +40,10 @@ def read_tour_run(folder: Path) -> dict[str, Any]:
         raise SystemExit(f"{folder}: {len(ev)} held-out evaluation(s); the tour needs the one at the start and one "
                          f"after training")
     first, last = ev.iloc[0], ev.iloc[-1]
-    return {"run": str(folder), "plan": log.header.get("plan_name") or log.header.get("plan", {}).get("name"),
-            "seed": log.header.get("seed"), "status": log.header.get("status"), "updates": int(len(log.updates)),
+    plan = log.header.get("plan") or {}
+    return {"run": str(folder), "plan": plan.get("name"),
+            "seed": plan.get("seed", log.header.get("seed")), "status": log.header.get("status"),
+            "updates": int(len(log.updates)),
             "problems": int(last.problems),
             "reward_start": float(first.reward), "version_start": int(first.version),
             "reward_end": float(last.reward), "version_end": int(last.version),
