@@ -49,3 +49,17 @@ def test_the_calibration_table_has_no_none_and_a_moved_value_is_not_kept_at_prio
                        if not math.isclose(r["fitted"], r["prior"])), pre
     kept = [r for r in rows if r["source"] == "kept at prior"]
     assert all(math.isclose(r["fitted"], r["prior"], rel_tol=1e-9, abs_tol=1e-12) for r in kept), kept
+
+
+def test_the_calibration_table_shows_a_round_off_zero_as_zero() -> None:
+    """Issue 44: a value fitted at its bound of 0 read '1.178e-19 +- 0.029' in the table."""
+    import dataclasses
+
+    from mixfleet.costmodel.calibration.record import Calibration, Fitted
+    from mixfleet.ui.app_launch import _fitted_rows
+
+    cal = Calibration.load(CAL)
+    name = next(f.name for f in dataclasses.fields(cal) if isinstance(getattr(cal, f.name), Fitted))
+    cal = dataclasses.replace(cal, **{name: dataclasses.replace(getattr(cal, name), value=1.178e-19, stderr=0.029)})
+    row = next(r for r in _fitted_rows(cal) if r["where"] == "shared" and r["parameter"] == name)
+    assert row["fitted"] == 0.0 and row["± (1σ)"] == 0.029

@@ -347,7 +347,9 @@ def _fitted_rows(cal: Any) -> list[dict[str, Any]]:
         for f in dataclasses.fields(obj):
             v = getattr(obj, f.name)
             if isinstance(v, Fitted):
-                rows.append({"where": where, "parameter": f.name, "fitted": v.value, "± (1σ)": _num(v.stderr),
+                # a fit at its lower bound of 0 lands at round-off (1.178e-19 s, "± 0.029"): shown as 0
+                fitted = 0.0 if abs(v.value) < 1e-12 else v.value
+                rows.append({"where": where, "parameter": f.name, "fitted": fitted, "± (1σ)": _num(v.stderr),
                              "prior": _num(v.prior), "unit": v.unit, "source": _source(v), "note": v.note or ""})
 
     add("shared", cal)
