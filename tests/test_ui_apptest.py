@@ -183,6 +183,7 @@ def test_runs_page_charts_a_twin_run_log(env: Path, twin_run: tuple[Path, dict],
         assert t in titles
     text = _texts(at)
     assert "grad norm: not recorded" in text and "entropy: not recorded" in text  # the twin does not train
+    assert "The twin does not train: its rewards are draws" in text   # issue 44: its Reward chart is no learning curve
     assert not [t for t in titles if t.startswith("Routing disagreement")]        # no routing prior: NaN, no chart
     assert not [t for t in at.toggle if t.value]  # a finished run: no auto-refresh
 

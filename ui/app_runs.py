@@ -100,6 +100,9 @@ def _charts(run: RunData, twin: RunData | None) -> None:
         _chart(has(u, "reward_mean"), lambda: charts.update_series(
             u, {"reward_mean": "mean reward", "pass_at_k": "pass@k"}, title="Reward", y="reward", overlay=ou),
             "reward")
+        if run.header.get("source") == "twin" and has(u, "reward_mean"):
+            st.caption("The twin does not train: its rewards are draws at the workload's success probability "
+                       "(`success_prob`), not a learning curve.")
         _heldout(run)
         _chart(has(g, "kl_k3"), lambda: charts.group_series(g, "kl_k3", title="KL (k3) by group", y="KL (nats/token)",
                                                              overlay=og), "KL by group")
