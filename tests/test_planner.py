@@ -8,7 +8,7 @@ import pytest
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.specs.workload import load_workload
 from mixfleet.twin.episodes import workload_shape
-from mixfleet.twin.planner import PlannerConfig, group_types, pareto_mask, plan_mix, screen
+from mixfleet.twin.planner import Binding, PlannerConfig, binds_text, group_types, pareto_mask, plan_mix, screen
 from mixfleet.twin.sim import simulate
 
 TINY = {"model": "tiny", "workload": "tiny-cpu", "accelerators": ("H100", "A100-80GB"),
@@ -70,6 +70,13 @@ def test_what_binds_names_the_limit_whose_relaxing_buys_a_cheaper_mix() -> None:
     assert b.relaxed_value == pytest.approx(free.best.staleness) and b.relaxed_value > 1.2
     assert b.gain == pytest.approx(1 - free.best.cost_per_update_usd / bound.best.cost_per_update_usd)
     assert b.gain > 0 and "--max-staleness 1.2 binds" in b.text()
+    # issue 44: the Plan page says it with its own field names, not CLI flags
+    from mixfleet.ui.app_planner import PAGE_NAMES
+
+    assert b.text(PAGE_NAMES).startswith("max mean staleness 1.2 binds") and "--" not in b.text(PAGE_NAMES)
+    cap = Binding(flag="--max-gpus", what="H100", limit=8, unit="GPUs", objective=1.0, relaxed_objective=None,
+                  relaxed_value=None)
+    assert cap.text(PAGE_NAMES).startswith("max GPUs for H100=8") and "--" not in binds_text([cap], PAGE_NAMES)
     loose = plan_mix(PlannerConfig(**wide, verify=0, max_time_per_update_s=1e6))
     assert not [b for b in loose.binds if b.flag != "--max-gpus"]     # a limit the cheapest meets does not bind
     if not np.isfinite(free.best.staleness):   # the cheapest is trainer-bound: any staleness limit binds on it

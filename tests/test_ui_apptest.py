@@ -113,6 +113,7 @@ def test_planner_runs_with_the_defaults_and_shows_a_mix(env: Path) -> None:
     assert "Cost vs time per update" in _plotly_titles(at)
     binds = [m.value for m in at.markdown if m.value.startswith("**What binds:**")]   # why this mix: what binds
     assert len(binds) == 1 and ("binds" in binds[0] or "GPUs allowed" in binds[0]), binds
+    assert "--" not in binds[0], binds                  # the page's field names, not CLI flags (issue 44)
     fig = json.loads(at.get("plotly_chart")[0].proto.spec)
     names = [t.get("name") for t in fig["data"]]
     assert "chosen mix (planner)" in names and "chosen mix (twin)" in names

@@ -56,7 +56,7 @@ import contextlib
 import math
 import os
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from types import SimpleNamespace
 from typing import Any
@@ -318,13 +318,16 @@ class Binding:
             return None
         return 1.0 - self.relaxed_objective / self.objective
 
-    def text(self) -> str:
+    def text(self, names: Mapping[str, str] | None = None) -> str:
+        """One sentence; `names` maps a CLI flag to the name a page gives the same setting (the app's labels)."""
+        flag = (names or {}).get(self.flag)
         if self.relaxed_objective is None:
-            return (f"{self.flag} {self.what}={self.limit:g}: the chosen mix uses all {self.limit:g} GPUs allowed; "
+            head = f"{flag} for {self.what}" if flag else f"{self.flag} {self.what}"
+            return (f"{head}={self.limit:g}: the chosen mix uses all {self.limit:g} GPUs allowed; "
                     "more may buy a cheaper mix")
         value = (f"{self.what} {self.relaxed_value:,.3g} {self.unit}" if math.isfinite(self.relaxed_value or 0.0)
                  else f"{self.what} unbounded (a trainer-bound mix)")
-        return (f"{self.flag} {self.limit:g} binds: without it the cheapest mix screened costs "
+        return (f"{flag or self.flag} {self.limit:g} binds: without it the cheapest mix screened costs "
                 f"${self.relaxed_objective:,.2f} per {self.per} ({self.gain:.0%} less than ${self.objective:,.2f}) at "
                 + value)
 
@@ -694,11 +697,12 @@ def what_binds(m: dict[str, np.ndarray], cfg: PlannerConfig, chosen: int, gpus: 
     return out
 
 
-def binds_text(binds: list[Binding]) -> str:
-    """What binds, in one sentence; 'no limit binds' when the chosen mix is the cheapest screened."""
+def binds_text(binds: list[Binding], names: Mapping[str, str] | None = None) -> str:
+    """What binds, in one sentence; 'no limit binds' when the chosen mix is the cheapest screened. `names`: the
+    settings' names where they are not CLI flags (the app's field labels, by flag)."""
     if not binds:
         return "no limit binds: the chosen mix is the cheapest screened"
-    return "; ".join(b.text() for b in binds)
+    return "; ".join(b.text(names) for b in binds)
 
 
 def pareto_mask(points: np.ndarray) -> np.ndarray:

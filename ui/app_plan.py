@@ -220,11 +220,11 @@ def _trainer() -> dict[str, Any]:
 
 def _constraints() -> dict[str, Any]:
     c = st.columns(4)
-    stale = c[0].number_input("max mean staleness (versions, 0 = none)", 0.0, 100.0, planner.DEFAULT_MAX_STALENESS,
+    stale = c[0].number_input(planner.LABEL_STALENESS, 0.0, 100.0, planner.DEFAULT_MAX_STALENESS,
                               step=0.5, key="pl_stale")
-    tpu = c[1].number_input("max time per update (s, 0 = none)", 0.0, 1e6, planner.DEFAULT_MAX_TIME_S, step=10.0,
+    tpu = c[1].number_input(planner.LABEL_TIME, 0.0, 1e6, planner.DEFAULT_MAX_TIME_S, step=10.0,
                             key="pl_tpu")
-    budget = c[2].number_input("budget (USD per hour, 0 = none)", 0.0, 1e7, planner.DEFAULT_BUDGET_USD_H, step=50.0,
+    budget = c[2].number_input(planner.LABEL_BUDGET, 0.0, 1e7, planner.DEFAULT_BUDGET_USD_H, step=50.0,
                                key="pl_budget")
     objective = c[3].selectbox("minimize", list(planner.OBJECTIVES), key="pl_obj",
                                index=list(planner.OBJECTIVES.values()).index(DEFAULTS.objective))

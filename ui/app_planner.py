@@ -42,6 +42,12 @@ DEFAULT_MAX_GPUS = DEFAULTS.default_max_gpus
 DEFAULT_MAX_STALENESS = DEFAULTS.max_staleness or 0.0        # versions; 0 = no limit
 DEFAULT_MAX_TIME_S = DEFAULTS.max_time_per_update_s or 0.0   # seconds per update; 0 = no limit
 DEFAULT_BUDGET_USD_H = DEFAULTS.max_usd_per_hour or 0.0      # USD per hour; 0 = no limit
+# the Plan page's names for the limits (its field labels), by the CLI flag `what binds` would otherwise say
+LABEL_STALENESS = "max mean staleness (versions, 0 = none)"
+LABEL_TIME = "max time per update (s, 0 = none)"
+LABEL_BUDGET = "budget (USD per hour, 0 = none)"
+PAGE_NAMES = {"--max-staleness": "max mean staleness", "--max-time-per-update": "max time per update",
+              "--budget": "budget (USD per hour)", "--max-gpus": "max GPUs"}
 DEFAULT_TWIN_UPDATES = DEFAULTS.verify_updates   # updates per twin check (0: 10 + prompts in flight / per update,
                                                  # warm start), for the verification and the page's dry runs
 DEFAULT_VERIFY = DEFAULTS.verify                 # candidates plan_mix verifies and re-ranks in the twin
@@ -243,4 +249,4 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
         notes += " The chosen mix is trainer-bound: samplers outpace the trainer and staleness grows without bound."
     say(1.0, "done")
     return PlannerView(plan=pt, mix_table=table, chosen_point=chosen, points=points, references=analytic,
-                       twin_points=twin_points, notes=notes, binds=binds_text(result.binds))
+                       twin_points=twin_points, notes=notes, binds=binds_text(result.binds, PAGE_NAMES))
