@@ -20,6 +20,9 @@ def test_an_interval_wider_than_half_its_value_is_flagged() -> None:
 
     assert interval_text(10.0, 6.0, fmt_s) == (f"⚠ {fmt_s(10.0)} ± {fmt_s(6.0)}", True)
     assert interval_text(10.0, 4.0, fmt_s) == (f"{fmt_s(10.0)} ± {fmt_s(4.0)}", False)
+    # issue 44: one unit on both sides (it read "5.7 min ± 26.41 s")
+    assert interval_text(342.0, 26.41, fmt_s) == ("5.7 min ± 0.4 min", False)
+    assert interval_text(8000.0, 600.0, fmt_s) == ("2.22 h ± 0.17 h", False)
     assert interval_text(10.0, math.nan, fmt_s)[1] is False        # no interval (too few updates): not flagged
 
 

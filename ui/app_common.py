@@ -76,14 +76,16 @@ def fmt_usd(x: Any, digits: int = 2) -> str:
     return f"${x:,.{digits}f}" if _finite(x) else NONE
 
 
-def fmt_s(x: Any) -> str:
-    """Seconds, with minutes / hours when long."""
+def fmt_s(x: Any, like: Any = None) -> str:
+    """Seconds, with minutes / hours when long; in `like`'s unit when given (an interval or a difference beside
+    its value: "5.7 min ± 0.4 min", not "5.7 min ± 26.41 s")."""
     if not _finite(x):
         return NONE
-    if abs(x) >= 3600:
+    ref = abs(like) if _finite(like) else abs(x)
+    if ref >= 3600:
         return f"{x / 3600:,.2f} h"
-    if abs(x) >= 120:
-        return f"{x / 60:,.1f} min"
+    if ref >= 120:
+        return f"{x / 60:,.1f} min" if abs(x) >= 6 or x == 0 else f"{x / 60:,.2f} min"
     return f"{x:,.2f} s"
 
 

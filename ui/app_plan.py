@@ -313,7 +313,7 @@ def interval_text(value: Any, ci: Any, fmt: Any) -> tuple[str, bool]:
     with a warning sign: issue 26, an interval as wide as the figure read as a precise number)."""
     import math
 
-    text = f"{fmt(value)} ± {fmt(ci)}"
+    text = f"{fmt(value)} ± {fmt_s(ci, like=value) if fmt is fmt_s else fmt(ci)}"    # one unit on both sides
     try:
         flagged = math.isfinite(float(ci)) and abs(float(ci)) > 0.5 * abs(float(value))
     except (TypeError, ValueError):
