@@ -32,8 +32,8 @@ def read_tour_run(folder: Path) -> dict[str, Any]:
     from mixfleet.costmodel.records.runlog import RunLog
     from mixfleet.costmodel.records.trackers import eval_frame
 
-    if not (folder / "run.json").exists():
-        raise SystemExit(f"{folder}: no run log here (run.json missing); start the run first")
+    if (why := RunLog.not_a_run_log(folder)) is not None:
+        raise SystemExit(f"{folder}: not a run log ({why}); start the run first")
     log = RunLog.open(folder)
     ev = eval_frame(log.events).sort_values("version")
     if len(ev) < 2:

@@ -152,9 +152,7 @@ def load_measurements(path: str | Path | None = None, catalog: Catalog | None = 
             if not isinstance(r, dict):
                 raise SpecError(where, f"rows[{i}]", r, "a table")
             check_keys(w, r, _ROW_KEYS)
-            gpu = get_str(w, r, "gpu")
-            if gpu not in cat.accelerators:       # the file and row named, with the known names
-                raise SpecError(w, "gpu", gpu, f"one of {', '.join(repr(a) for a in cat.accelerators)}")
+            gpu = get_str(w, r, "gpu", allowed=tuple(cat.accelerators))     # the file and row named
             prec = get_str(w, r, "precision", allowed=tuple(cat.precisions))
             m = Measurement(
                 source=sid, source_title=get_str(f"{where} [source]", src, "title"),
