@@ -337,7 +337,16 @@ def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_p
             expect(page.get_by_text("1 / 8 updates")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             _settled(page)
             _shot(page, "run-live.png", shots)
+            # Stop with the panel's auto-refresh off: a click that lands while the 5-s refresh re-renders the panel
+            # can be dropped, and on a loaded machine (CI at 45 min) the retries let the run finish all 8 updates
+            # before a Stop landed (the run then closes "finished", not "stopped")
+            refresh = page.get_by_test_id("stCheckbox").filter(has_text="Auto-refresh")
+            refresh.locator("label").first.click()
+            _settled(page)
             _click_until(page, "Stop (after this update)", "Managed run loop: stopp")    # stopping / stopped
+            done_at_stop = int(re.search(r"(\d+) / 8 updates", page.get_by_text(" / 8 updates").first.inner_text())[1])
+            assert done_at_stop < 8, "the Stop landed after the run's last update"
+            refresh.locator("label").first.click()    # on again: the panel follows the run to "stopped"
             expect(page.get_by_text("Managed run loop: stopped")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             _click_until(page, "Resume", "Managed run loop: running")
             expect(page.get_by_text("Managed run loop: finished")).to_be_visible(timeout=RUN_TIMEOUT_MS)
