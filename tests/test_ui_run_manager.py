@@ -152,3 +152,32 @@ def test_the_runs_page_offers_controls_only_for_its_own_runs(tmp_path: Path, mon
     finally:
         if m.alive():
             os.killpg(m.pid, 9)
+
+
+def test_eta_after_a_resume_counts_what_is_left_of_the_start_up(tmp_path: Path) -> None:
+    """Issue 44: after Continue the ETA left out the restart (17.9 s shown, 115 s taken). Until the resumed
+    process logs its first update, the ETA adds what is left of the run's measured start-up (its first update's
+    start on the run clock); the pace is the median gap between updates (a restart's gap does not inflate it)."""
+    import calendar
+
+    import pandas as pd
+
+    u = pd.DataFrame({"version": [1, 2, 3, 4], "start_s": [31.0, 46.0, 60.0, 92.0],
+                      "end_s": [46.0, 60.0, 74.0, 108.0]})     # a stop after 3, a resume whose restart took 18 s
+    started = "2026-12-06T03:39:52Z"
+    t0 = calendar.timegm(time.strptime(started, "%Y-%m-%dT%H:%M:%SZ"))
+    first = rm.ManagedRun(folder=str(tmp_path), pid=0, pid_start="", command=[], started_utc=started, updates=8)
+    p = rm.progress(first, updates=u, now_utc=t0 + 5)
+    assert (p["done"], p["target"], p["elapsed_s"]) == (4, 8, 108.0)
+    assert p["eta_s"] == pytest.approx(4 * 14.0) and p["eta_basis"] == "measured pace"   # gaps 14, 14, 34
+    # continued from 4 to 8: no update of the new process yet -> 4 x 14 s + (31 s start-up - 5 s since start)
+    cont = rm.ManagedRun(folder=str(tmp_path), pid=0, pid_start="", command=[], started_utc=started, updates=8,
+                         resumes=1, done_at_launch=4)
+    p = rm.progress(cont, updates=u, now_utc=t0 + 5)
+    assert p["eta_s"] == pytest.approx(4 * 14.0 + 26.0) and p["eta_basis"] == "measured pace + start-up"
+    assert rm.progress(cont, updates=u, now_utc=t0 + 60)["eta_s"] == pytest.approx(4 * 14.0)   # start-up over
+    p = rm.progress(cont, 10.0, updates=u, now_utc=t0 + 5)                  # the twin's pace, the same start-up
+    assert p["eta_s"] == pytest.approx(4 * 10.0 + 26.0) and p["eta_basis"] == "twin + start-up"
+    # once the resumed process has logged an update, its start-up is behind it
+    more = pd.concat([u, pd.DataFrame({"version": [5], "start_s": [108.0], "end_s": [122.0]})])
+    assert rm.progress(cont, updates=more, now_utc=t0 + 5)["eta_s"] == pytest.approx(3 * 14.0)
