@@ -24,7 +24,8 @@ def test_side_by_side_table_has_the_cards_formats_and_a_difference_column() -> N
     assert list(t.columns) == ["A: x", "B: y", "difference (B - A)", "B / A"]
     assert t.loc["tokens/s"].tolist() == ["32.1 k", "40 k", "+7.87 k", "1.24x"]          # was 3.213e+04
     assert t.loc["cost per update (USD)"].tolist() == ["$2.50", "$3.00", "+$0.50", "1.20x"]
-    assert t.loc["time per update (s)"].tolist() == ["10.0 min", "8.3 min", "−100.00 s", "0.83x"]
+    # the difference in the unit of the values beside it (issue 44: "−47.70 s" next to minutes)
+    assert t.loc["time per update (s)"].tolist() == ["10.0 min", "8.3 min", "−1.7 min", "0.83x"]
     assert t.loc["share outside [0.2, 5]"].tolist()[2:] == ["—", "—"]                     # B has no value
     assert not any("e+" in str(v) for v in t.to_numpy().ravel())
 

@@ -223,7 +223,8 @@ def test_dry_run_page_simulates_two_plans_side_by_side(env: Path) -> None:
     assert not at.error, [e.value for e in at.error]
     titles = _plotly_titles(at)
     assert titles.count("Timeline") == 2 and titles.count("Cost per update by group") == 2
-    assert "Share of samples vs share of extreme-ratio tokens" in titles
+    assert "Each group's part of the samples and of the extreme-ratio tokens" in titles
+    assert "Side by side" not in titles      # once, as the section heading (issue 44: it was there twice)
     assert "Side by side" in [s.value for s in at.subheader]
     assert len(list((env / "twin").iterdir())) == 2  # both dry runs are run logs in the runs folder
 

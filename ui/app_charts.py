@@ -183,10 +183,13 @@ def share_vs_extreme(summary: Mapping[str, Any], extreme_token_share: Mapping[st
     """Per group: its share of samples next to its share of the extreme-ratio tokens (predicted)."""
     share = dict(summary.get("group_share_of_samples") or {})
     names = sorted(share, key=lambda g: -share[g])
-    fig = _fig("Share of samples vs share of extreme-ratio tokens", "", "%")
-    fig.add_trace(go.Bar(x=names, y=[100 * share[g] for g in names], name="share of samples"))
+    # the second bar is the group's part of all extreme tokens (the bars of one colour add up to 100 %), not the
+    # share of the group's own tokens that are extreme (issue 44: "95 %" read as "95 % of tokens are extreme"
+    # under a card saying 0.056 %)
+    fig = _fig("Each group's part of the samples and of the extreme-ratio tokens", "", "% of the fleet's total")
+    fig.add_trace(go.Bar(x=names, y=[100 * share[g] for g in names], name="its part of all samples"))
     fig.add_trace(go.Bar(x=names, y=[100 * extreme_token_share.get(g, math.nan) for g in names],
-                         name="share of tokens with ratio outside [0.2, 5] (predicted)"))
+                         name="its part of all tokens with ratio outside [0.2, 5] (predicted)"))
     fig.update_layout(barmode="group")
     return fig
 
@@ -202,7 +205,7 @@ def compare_bars(summaries: Sequence[tuple[str, Mapping[str, Any]]], metrics: Ma
         fig.add_trace(go.Bar(x=[lab for lab, _ in summaries], y=[s.get(k) for _, s in summaries],
                              marker={"color": ["#1f77b4", "#ff7f0e", "#2ca02c"][: len(summaries)]},
                              showlegend=False), row=1, col=i)
-    fig.update_layout(height=HEIGHT_PX + 40, margin={**_LAYOUT["margin"], "t": 90}, title="Side by side")
+    fig.update_layout(height=HEIGHT_PX + 40, margin={**_LAYOUT["margin"], "t": 90})   # the section names it
     return fig
 
 

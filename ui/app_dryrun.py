@@ -165,8 +165,10 @@ def side_by_side_table(a: dict, b: dict, la: str, lb: str) -> pd.DataFrame:
         va, vb = a.get(k), b.get(k)
         ok = all(isinstance(v, int | float) and v == v for v in (va, vb))
         diff = vb - va if ok else None
+        # a difference of seconds in the unit of the larger value beside it (issue 44: "−47.70 s" next to minutes)
+        dfmt = (lambda x, ref=max(abs(va), abs(vb)) if ok else None: fmt_s(x, like=ref)) if fmt is fmt_s else fmt
         rows.append({"metric": label, la: fmt(va), lb: fmt(vb),
-                     "difference (B - A)": ("+" if diff > 0 else "−" if diff < 0 else "") + fmt(abs(diff))
+                     "difference (B - A)": ("+" if diff > 0 else "−" if diff < 0 else "") + dfmt(abs(diff))
                      if diff is not None else "—",
                      "B / A": f"{vb / va:.2f}x" if ok and va else "—"})
     return pd.DataFrame(rows)
@@ -180,7 +182,9 @@ def render() -> None:
         two = st.toggle("Side by side with a second plan", value=True, key="dr_two")
         pb = _pick_plan("b", SECOND_PLAN, prefer_planned=False) if two else None
     c = st.columns(3)
-    n = int(c[0].number_input("updates (N)", min_value=1, max_value=1000, value=default_updates(), key="dr_n"))
+    n = int(c[0].number_input("simulated updates", min_value=1, max_value=1000, value=default_updates(), key="dr_n",
+                              help="Trainer updates the twin simulates (seconds of simulation, not of this "
+                                   "machine). The updates of a real run are set under Run for real."))
     seed = int(c[1].number_input("seed", min_value=0, value=0, key="dr_seed"))
     workloads = ["(the plan's own)"] + known_workloads()
     wdef = default_workload_override()

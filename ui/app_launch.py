@@ -97,8 +97,10 @@ def run_for_real(pt: PlanText, key: str) -> None:
             # keyed by the plan, so the name follows the chosen plan (a fixed key kept the first plan's name)
             name = c1.text_input("Run name (a folder under the runs folder)", value=_default_name(pt),
                                  key=f"{key}_run_name_{pt.digest}")
-            updates = c2.number_input("Updates", min_value=1, max_value=rm.MAX_UPDATES, value=_default_updates(),
-                                      step=1, key=f"{key}_run_updates")
+            updates = c2.number_input("Updates to run", min_value=1, max_value=rm.MAX_UPDATES,
+                                      value=_default_updates(), step=1, key=f"{key}_run_updates",
+                                      help="Trainer updates of the real run (each takes real minutes on a CPU; the "
+                                           "page's simulated updates are a separate setting)")
             where = st.radio("Samplers", [EMBEDDED, CLUSTER, ATTACH], horizontal=True, key=f"{key}_run_where")
             address = st.text_input("Ray address (for a cluster)", value="", key=f"{key}_run_address",
                                     placeholder="ray://head:10001 or host:6379")

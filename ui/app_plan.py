@@ -358,6 +358,10 @@ def _show(view: planner.PlannerView) -> None:
     c[4].metric("mean staleness (versions)",
                 "unbounded" if p.get("trainer_bound") else fmt_versions(p.get("staleness_mean")))
     st.table(view.mix_table)
+    st.caption("**prior share outside [0.2, 5]**: the cost model's prior of the share of a group's tokens whose "
+               "ratio of trainer to sampler probability falls outside [0.2, 5] (from its precision and KV cache). "
+               "The correction masks those tokens, so the planner counts them as lost work: *cost per effective "
+               "update* divides by the share it keeps. A calibration from a real run replaces the prior.")
     from mixfleet.ui.app_plan_result import show_versus_seed
 
     show_versus_seed(p, view.references, view.points, view.binds)
