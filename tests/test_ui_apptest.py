@@ -226,6 +226,8 @@ def test_dry_run_page_simulates_two_plans_side_by_side(env: Path) -> None:
     assert "Each group's part of the samples and of the extreme-ratio tokens" in titles
     assert "Side by side" not in titles      # once, as the section heading (issue 44: it was there twice)
     assert "Side by side" in [s.value for s in at.subheader]
+    labels = [n.label for n in at.number_input]    # issue 44: two "updates" fields with different defaults
+    assert "simulated updates" in labels and "Updates to run" in labels and "Updates" not in labels
     assert len(list((env / "twin").iterdir())) == 2  # both dry runs are run logs in the runs folder
 
 
