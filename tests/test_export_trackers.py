@@ -121,7 +121,8 @@ def _known_log(path: Path) -> Path:
             w.append(UpdateRecord(version=v, start_s=start, end_s=end, train_step_s=2.0, weight_sync_s=0.5,
                                   tokens=100 * v, trajectories=4, staleness_mean=0.5, staleness_p50=0.0,
                                   staleness_p95=1.0, staleness_max=1.0, cost_sampler_usd=0.1 * v,
-                                  cost_trainer_usd=0.01 * v, kl_k3=1e-3 * v, reward_mean=0.5 * v, ess=NAN))
+                                  cost_trainer_usd=0.01 * v, kl_k3=1e-3 * v, reward_mean=0.5 * v, ess=NAN,
+                                  tool_s=1.25 * v))
             for g, share in (("bf16", 0.75), ("fp8", 0.25)):
                 w.append(GroupRecord(version=v, group=g, replicas_up=1.0, utilization=0.5, tokens_generated=60,
                                      samples=int(4 * share), share_of_samples=share, kl_k3=2e-3 if g == "fp8" else NAN))
@@ -129,7 +130,8 @@ def _known_log(path: Path) -> Path:
                 w.append(TrajectoryRecord(run_id=w.run_id, prompt_id="a", sample_index=i, group="bf16", replica=0,
                                           version_start=v - 1, version_end=v - 1, turns=1 + i, prompt_tokens=3,
                                           generated_tokens=10 * (i + 1), start_s=start - 1, end_s=start, reward=1.0,
-                                          finish_reason="done", trained_version=v))
+                                          finish_reason="done", trained_version=v,
+                                          tool_calls=i if v == 2 else -1))   # update 1: not recorded (older log)
         w.append(EventRecord(time_s=8.5, kind="note", version=2, detail=json.dumps(
             {"eval": "pass_at_k", "k": 2, "version": 2, "pass_at_k": 0.75, "reward": 0.6, "problems": 4})))
     return path
@@ -150,6 +152,8 @@ def test_one_mapping_from_run_log_rows_to_metric_names(tmp_path: Path) -> None:
     assert "group/bf16/kl_k3" not in u2 and "train/ess" not in u2 and "train/kl_k1" not in u2   # NaN: not written
     assert u2["rollout/response_length_mean"] == 15.0 and u2["rollout/response_length_max"] == 20
     assert u2["rollout/turns_mean"] == 1.5
+    assert u2["time/tool_s"] == 2.5 and u2["rollout/tool_calls_mean"] == 0.5
+    assert "rollout/tool_calls_mean" not in by[1].values                     # -1: not recorded, not written
     assert u2["eval/pass_at_k"] == 0.75 and u2["eval/reward"] == 0.6
     assert "eval/pass_at_k" not in by[1].values
     assert by[2].time_s == 9.0                                              # the update's end, not the eval's

@@ -283,10 +283,15 @@ def test_demo_episode_through_run_episode_is_repeatable(sandbox_ok: None) -> Non
         gen = demonstrator_generate(DemoConfig(task="repo", noise=0.0, no_call_rate=0.0), random.Random(0), task)
         ep = await run_episode(task, 11, gen, config=AgentConfig(sampling=SamplingParams(max_new_tokens=128)),
                                clock=lambda: 0.0)
-        return [ep.reward, ep.finish_reason, [t.call for t in ep.turns]]
+        return [ep.reward, ep.finish_reason, [t.call for t in ep.turns], ep.tool_s, task.metrics()]
 
     a = asyncio.run(one())
     assert a[0] == 1.0 and a[1] == "done" and a[2][-1].name == "submit"
+    # the episode's tool seconds (what the run log records per trajectory and per update) hold every sandbox
+    # start and command the task measured itself: the model's commands and the submission's tests
+    m = a[4]
+    inside = sum(m["sandbox_start_s"]) + sum(m["command_s"])
+    assert m["commands"] >= len(a[2]) and inside > 0 and a[3] >= inside
 
 
 def test_the_repo_plan_pretrains_on_repo_demonstrations() -> None:

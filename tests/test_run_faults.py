@@ -99,6 +99,12 @@ def test_resume_has_no_duplicated_or_lost_update(killed_then_resumed: Path) -> N
     counts = trained.groupby("trained_version").size().to_dict()
     per_update = dict(zip(log.updates["version"], log.updates["trajectories"], strict=True))
     assert counts == per_update                       # every update's batch logged once
+    # each trajectory's tool calls and seconds in its tools, and each update's tool seconds = its batch's sum
+    assert (trained["tool_calls"] >= 0).all() and (trained["tool_calls"] <= trained["turns"]).all()
+    assert (trained["tool_s"] >= 0).all() and trained["tool_s"].sum() > 0
+    tool = trained.groupby("trained_version")["tool_s"].sum()
+    up = log.updates.set_index("version")["tool_s"]
+    assert up.to_numpy() == pytest.approx(tool.reindex(up.index).to_numpy(), rel=1e-9, abs=1e-12)
     assert (log.events["kind"] == "resume").sum() == 1
     assert sorted(log.groups["version"].unique().tolist()) == list(range(1, n + 1))
     assert set(log.groups["group"]) == {"cpu-bf16", "cpu-fp8"}

@@ -128,13 +128,16 @@ class TrajectoryRecord:
     restarts: int = 0                # times the episode was restarted / re-routed after a replica loss
     tokens_by_version: dict[int, int] | None = None  # weight version -> generated tokens (optional)
     trained_version: int = -1        # the update that trained on it; -1 = unknown / not (yet) used
+    tool_calls: int = -1             # replies that called a tool; -1 = not recorded (older logs)
+    tool_s: float = _NAN             # seconds in the task's environment (sandbox start, commands, the tests on
+                                     # submit); NaN = not recorded (older logs, the twin)
 
     def __post_init__(self) -> None:
         where = "TrajectoryRecord"
         if isinstance(self.prompt_id, int):
             object.__setattr__(self, "prompt_id", str(self.prompt_id))
         _check_enum(where, "finish_reason", self.finish_reason, FINISH_REASONS)
-        _nan_if_none(self, ("reward",))
+        _nan_if_none(self, ("reward", "tool_s"))
         _check_nonneg(where, self, ("sample_index", "turns", "prompt_tokens", "generated_tokens", "restarts",
                                     "version_start", "start_s"))
         if self.version_end < self.version_start:
@@ -150,7 +153,7 @@ class UpdateRecord:
     TABLE: ClassVar[str] = "updates"
     METRICS: ClassVar[tuple[str, ...]] = (
         "kl_k1", "kl_k3", "masked_share", "extreme_share", "extreme_low_share", "extreme_high_share", "ess", "entropy",
-        "grad_norm", "loss", "reward_mean", "pass_at_k")
+        "grad_norm", "loss", "reward_mean", "pass_at_k", "tool_s")
 
     version: int                     # weight version this update produced (1, 2, ...)
     start_s: float                   # run clock when the batch was ready and training started
@@ -178,6 +181,8 @@ class UpdateRecord:
     loss: float = _NAN
     reward_mean: float = _NAN        # mean reward of the batch
     pass_at_k: float = _NAN          # held-out evaluation (only on eval updates)
+    tool_s: float = _NAN             # seconds the batch's episodes spent in their tools (sandbox start, commands,
+                                     # submission tests), summed; NaN where not recorded (older logs, the twin)
 
     def __post_init__(self) -> None:
         where = "UpdateRecord"

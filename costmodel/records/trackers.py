@@ -4,12 +4,12 @@ The mapping (`step_metrics`) turns run-log rows into named scalars per step, the
 version (update `v` is step `v`; an evaluation of the base policy is step 0):
 
 - `updates` rows -> `train/...` (reward, KL, masked / extreme shares, ESS, entropy, grad norm, loss, tokens,
-  trajectories), `staleness/...`, `time/...` (train step, weight sync, update, interval since the previous
-  update, run clock) and `cost/...` (cumulative sampler / trainer / total USD): `UPDATE_METRICS`, `derived`
-  below;
+  trajectories), `staleness/...`, `time/...` (train step, weight sync, the batch's seconds in its tools, update,
+  interval since the previous update, run clock) and `cost/...` (cumulative sampler / trainer / total USD):
+  `UPDATE_METRICS`, `derived` below;
 - `groups` rows -> `group/<name>/<column>` for each column of `GROUP_METRICS`;
 - `trajectories` trained in the update -> `rollout/response_length_mean`, `rollout/response_length_max`,
-  `rollout/turns_mean`;
+  `rollout/turns_mean`, `rollout/tool_calls_mean` (where recorded);
 - held-out evaluations, the `note` events whose detail JSON has `"eval": "pass_at_k"` -> `eval/pass_at_k`,
   `eval/reward` (an update row's `pass_at_k` without such an event gives `eval/pass_at_k` alone).
 
@@ -71,6 +71,7 @@ UPDATE_METRICS: dict[str, str] = {
     "staleness_max": "staleness/max",
     "train_step_s": "time/train_step_s",
     "weight_sync_s": "time/weight_sync_s",
+    "tool_s": "time/tool_s",
     "end_s": "time/run_clock_s",
     "cost_sampler_usd": "cost/sampler_usd",
     "cost_trainer_usd": "cost/trainer_usd",
@@ -81,7 +82,8 @@ DERIVED_METRICS = ("time/update_s", "time/update_interval_s", "cost/total_usd")
 GROUP_METRICS = ("replicas_up", "utilization", "tokens_generated", "samples", "share_of_samples", "kl_k3", "kl_k1",
                  "kl_k3_on_policy", "kl_k1_on_policy", "tokens_on_policy", "masked_share", "extreme_share",
                  "staleness_mean", "tokens_trained", "cost_usd", "routing_token_share", "routing_layer_share")
-ROLLOUT_METRICS = ("rollout/response_length_mean", "rollout/response_length_max", "rollout/turns_mean")
+ROLLOUT_METRICS = ("rollout/response_length_mean", "rollout/response_length_max", "rollout/turns_mean",
+                   "rollout/tool_calls_mean")
 EVAL_METRICS = {"pass_at_k": "eval/pass_at_k", "reward": "eval/reward"}     # note-event detail key -> name
 
 
@@ -184,6 +186,10 @@ def step_metrics(updates: pd.DataFrame, groups: pd.DataFrame, events: pd.DataFra
                 _put(out, int(v), t, "rollout/response_length_mean", row["len_mean"])
                 _put(out, int(v), t, "rollout/response_length_max", row["len_max"])
                 _put(out, int(v), t, "rollout/turns_mean", row["turns"])
+            if "tool_calls" in tr:                       # -1: not recorded (logs before tool_calls)
+                calls = tr[tr["tool_calls"] >= 0].groupby("trained_version")["tool_calls"].mean()
+                for v, x in calls.items():
+                    _put(out, int(v), out[int(v)].time_s if int(v) in out else None, "rollout/tool_calls_mean", x)
     if len(events):
         notes = events[events["kind"] == "note"]
         for row in notes.to_dict("records"):

@@ -41,6 +41,7 @@ class UpdateView:
     restarts: int
     replicas_up: dict[str, int]
     trainer_idle_share: float
+    tool_s: float = math.nan                     # the batch's seconds in its tools (sandboxes), summed
 
 
 class RunRecorder:
@@ -74,7 +75,7 @@ class RunRecorder:
             turns=ep.num_turns, prompt_tokens=len(ep.tokens) - ep.num_generated, generated_tokens=ep.num_generated,
             start_s=max(ep.start_s, 0.0), end_s=max(ep.end_s, ep.start_s, 0.0), reward=ep.reward,
             finish_reason=ep.finish_reason, restarts=s.restarts, tokens_by_version=tbv,
-            trained_version=trained_version))
+            trained_version=trained_version, tool_calls=ep.num_tool_calls, tool_s=ep.tool_s))
 
     def log_update(self, prompts: list[PromptGroup[Sample]], batch: Any, metrics: Mapping[str, Any], *,
                    start_s: float, train_s: float, sync_s: float, pass_at_k: float,
@@ -84,10 +85,12 @@ class RunRecorder:
         w = self.ctx.writer
         assert w is not None
         v, now, nan = batch.trained_version, self.ctx.now(), math.nan
+        tool_s = 0.0
         for p in prompts:
             for s, ep in p.samples:
                 self.write_trajectory(s, ep, trained_version=v)
                 self.trained_restarted += s.restarts > 0
+                tool_s += ep.tool_s
         by_group, fresh = group_metrics(metrics, batch.group_names)
         for g, m in fresh.items():
             acc = self.fresh_kl.setdefault(g, [0.0, 0.0, 0.0])
@@ -114,7 +117,7 @@ class RunRecorder:
             kl_k1=metrics.get("k1", nan), kl_k3=metrics.get("k3", nan), masked_share=metrics.get("out_band_share", nan),
             extreme_share=low + high, extreme_low_share=low, extreme_high_share=high, ess=metrics.get("ess", nan),
             entropy=metrics.get("entropy", nan), grad_norm=metrics.get("grad_norm", nan), loss=metrics.get("loss", nan),
-            reward_mean=reward, pass_at_k=pass_at_k)
+            reward_mean=reward, pass_at_k=pass_at_k, tool_s=tool_s)
         w.extend(rows)
         w.append(update)
         w.flush()
@@ -122,7 +125,7 @@ class RunRecorder:
                           kl_by_group={g: m.get("k3", nan) for g, m in by_group.items()},
                           kl_on_policy_by_group={g: m.get("k3", nan) for g, m in fresh.items()},
                           staleness_mean=st["staleness_mean"], staleness_max=st["staleness_max"], pass_at_k=pass_at_k,
-                          **live)
+                          tool_s=tool_s, **live)
 
     def on_policy_kl(self) -> dict[str, dict[str, float]]:
         """Per group, k3 / k1 over its staleness-0 trained tokens of the whole run (the precision mismatch alone)."""

@@ -144,6 +144,9 @@ class Episode:
     # MoE: the sampler's experts of each input position, int32 [len(tokens), layers, top_k], -1 where no
     # record (None when no sampler sent one); row t = the experts token t was routed to when first forwarded
     routed_experts: np.ndarray | None = None
+    # seconds spent in the task's environment (reset, tool calls, the reward, close): for a sandboxed task its
+    # sandbox start, commands and the submission's tests; wall seconds of this process, not generation
+    tool_s: float = 0.0
 
     @property
     def num_turns(self) -> int:
@@ -335,8 +338,11 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
     finish, error, by_context = FINISH_MAX_TURNS, None, False
     start = clock()
     prompt_len = 0
+    tool_s = 0.0
     try:
+        t0 = time.perf_counter()
         prompt_text = await task.areset(seed)
+        tool_s += time.perf_counter() - t0
         prompt = first_prompt_ids(prompt_text)
         if len(prompt) + config.min_reply_tokens > config.context_length:
             raise ValueError(f"the task prompt ({len(prompt)} tokens) leaves less than min_reply_tokens "
@@ -373,7 +379,11 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
                 obs_ids = nudge_ids(observation)
             else:
                 without_call = 0
-                step = await task.astep(call)
+                t0 = time.perf_counter()
+                try:
+                    step = await task.astep(call)
+                finally:
+                    tool_s += time.perf_counter() - t0
                 observation = step.output
                 obs_ids = tool_output_ids(observation)
                 done = step.done or task.done
@@ -397,21 +407,27 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
             if not fits:
                 finish, by_context = FINISH_MAX_TURNS, True
                 break
-        reward = float(task.reward())
+        t0 = time.perf_counter()
+        try:
+            reward = float(task.reward())
+        finally:
+            tool_s += time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - any failure of the sampler or the tool ends this episode only
         finish, error, reward = FINISH_ERROR, f"{type(e).__name__}: {e}", 0.0
     finally:
+        t0 = time.perf_counter()
         try:
             await task.aclose()
         except Exception as e:  # noqa: BLE001
             if error is None:
                 finish, error, reward = FINISH_ERROR, f"close: {type(e).__name__}: {e}", 0.0
+        tool_s += time.perf_counter() - t0
     return Episode(task=task.name, seed=seed, session_id=session_id, prompt_len=prompt_len, tokens=rec.tokens,
                    loss_mask=rec.loss_mask, logprobs=rec.logprobs, weight_versions=rec.weight_versions,
                    group_ids=rec.group_ids, top_logprobs=rec.top_logprobs, mask_ids=rec.mask_ids,
                    mask_logprobs=rec.mask_logprobs, turns=turns, reward=reward, finish_reason=finish,
                    truncated_by_context=by_context, error=error, start_s=start, end_s=clock(),
-                   routed_experts=rec.routed_experts())
+                   routed_experts=rec.routed_experts(), tool_s=tool_s)
 
 
 def engine_generate(engine: SamplerEngine, *, return_logprob: bool = True, top_logprobs_num: int = 0,

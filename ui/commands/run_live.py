@@ -54,13 +54,14 @@ class LiveView:
 
         t = Table(title=f"mixfleet run: {self.plan_name}", title_justify="left")
         for col in ("update", "time s", "reward", "KL k3", *[f"KL {g}" for g in self.groups], "stale mean/max",
-                    "tok/s", "pass@k", "turns re-run", "trainer idle"):
+                    "tok/s", "tool s", "pass@k", "turns re-run", "trainer idle"):
             t.add_column(col, justify="right")
         for v in self.rows:
             t.add_row(f"{v.version}/{v.target}", _fmt(v.elapsed_s, ".0f"), _fmt(v.reward_mean), _fmt(v.kl_k3, ".2e"),
                       *[_fmt(v.kl_by_group.get(g, math.nan), ".2e") for g in self.groups],
                       f"{_fmt(v.staleness_mean, '.2f')}/{_fmt(v.staleness_max, '.0f')}", _fmt(v.tokens_per_s, ".0f"),
-                      _fmt(v.pass_at_k, ".2f"), str(v.restarts), _fmt(v.trainer_idle_share, ".0%"))
+                      _fmt(v.tool_s, ".1f"), _fmt(v.pass_at_k, ".2f"), str(v.restarts),
+                      _fmt(v.trainer_idle_share, ".0%"))
         ev = Table.grid()
         for line in self.events:
             ev.add_row(line)
@@ -74,7 +75,8 @@ class LiveView:
             kl = " ".join(f"{g}={_fmt(view.kl_by_group.get(g, math.nan), '.1e')}" for g in self.groups)
             self.console.print(f"update {view.version}/{view.target} t={view.elapsed_s:.0f}s reward "
                                f"{view.reward_mean:.3f} k3 {kl} stale {view.staleness_mean:.2f} "
-                               f"tok/s {view.tokens_per_s:.0f} pass@k {_fmt(view.pass_at_k, '.2f')}", highlight=False)
+                               f"tok/s {view.tokens_per_s:.0f} tool {_fmt(view.tool_s, '.1f')}s "
+                               f"pass@k {_fmt(view.pass_at_k, '.2f')}", highlight=False)
 
     def on_event(self, rec: Any) -> None:
         if rec.kind in ("weight_push",):
