@@ -72,8 +72,12 @@ def test_pack_episodes_keeps_episodes_whole() -> None:
 def test_pretrain_trains_caches_and_reuses(micro: str, tmp_path: Path) -> None:
     cfg = micro_config(micro)
     seen: list[int] = []
-    first = pretrain(cfg, cache_dir=tmp_path, progress=lambda s, n, m: seen.append(s))
+    demos: list[tuple[int, int]] = []
+    first = pretrain(cfg, cache_dir=tmp_path, progress=lambda s, n, m: seen.append(s),
+                     demo_progress=lambda d, n: demos.append((d, n)))
     assert not first.reused and seen == list(range(1, 13))
+    n = cfg.demos.num_episodes                       # one call per demonstration, before the first step
+    assert demos == [(d, n) for d in range(1, n + 1)]
     assert first.path == tmp_path / first.key and first.key == cache_key(cfg)
     losses = first.meta["losses"]
     assert len(losses) == 12 and sum(losses[-3:]) / 3 < 0.6 * losses[0]

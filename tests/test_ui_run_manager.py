@@ -181,3 +181,24 @@ def test_eta_after_a_resume_counts_what_is_left_of_the_start_up(tmp_path: Path) 
     # once the resumed process has logged an update, its start-up is behind it
     more = pd.concat([u, pd.DataFrame({"version": [5], "start_s": [108.0], "end_s": [122.0]})])
     assert rm.progress(cont, updates=more, now_utc=t0 + 5)["eta_s"] == pytest.approx(3 * 14.0)
+
+
+def test_the_starting_banner_shows_the_pretraining_progress_a_run_prints() -> None:
+    """Issue 44: the first run pretrains the base for minutes and the "starting" banner showed no progress.
+    `mixfleet run` prints plain pretraining lines (one per tenth of each phase) into the driver log; the banner
+    shows the last one, and nothing once the last step is done."""
+    from mixfleet.ui.app_launch import pretrain_step
+    from mixfleet.ui.commands.run_live import pretrain_lines
+
+    out: list[str] = []
+    demos, steps = pretrain_lines(out.append)
+    for d in range(1, 2001):
+        demos(d, 2000)
+    assert len(out) == 11 and out[0] == "pretraining the base policy: demonstrations 1/2000"   # 0/10 .. 10/10
+    log = "rehearsal of 'tiny-cpu' as written\nbase policy: the cached ...\n" + "\n".join(out[:5]) + "\n"
+    assert pretrain_step(log) == "pretraining the base policy: demonstrations 800/2000"
+    for s in range(1, 151):
+        steps(s, 150, {"loss": 2.0 / s})
+    assert pretrain_step("\n".join(out[:14])) == "pretraining the base policy: steps 30/150, loss 0.067"
+    assert pretrain_step("\n".join(out)) is None                  # the last step: the run is past pretraining
+    assert pretrain_step("rehearsal of 'tiny-cpu' as written\n[ 13.7s] ready cpu-bf16#0") is None

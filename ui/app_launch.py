@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any
@@ -195,13 +196,29 @@ def show_pending(m: rm.ManagedRun) -> None:
         st.rerun(scope="app")            # its run log is there now: list it
     state = m.state()
     if state in ("running", "stopping"):
+        step = pretrain_step(m.log_tail())
         st.info(f"Run `{m.name}` is **{state}**: starting (Ray, samplers, the base policy); its run log appears "
-                "when the first sampler is up.")
+                "when the first sampler is up."
+                + (f" Now {step} (once per model and task: later runs reuse the cached base; `mixfleet pretrain` "
+                   "prepares it beforehand)." if step else ""))
     else:                     # it ended before writing a log: say so, not "starting" (issue 26)
         st.error(f"Run `{m.name}` **{state}** before its run log appeared: it did not start. The driver log below "
                  "says why.")
     _controls(m, None)
     _log_tail(m)
+
+
+def pretrain_step(log_tail: str) -> str | None:
+    """The last "pretraining the base policy: ..." progress line of a starting run's driver log (e.g.
+    "pretraining the base policy: demonstrations 400/2000"), or None when it is not pretraining or has finished
+    (its last line is the last step)."""
+    from mixfleet.ui.commands.run_live import PRETRAIN_LINE
+
+    lines = [ln.strip() for ln in log_tail.splitlines() if ln.startswith(PRETRAIN_LINE)]
+    if not lines:
+        return None
+    m = re.match(r"steps (\d+)/(\d+)", lines[-1][len(PRETRAIN_LINE):])
+    return None if m and m[1] == m[2] else lines[-1]
 
 
 def _predicted_s_per_update(twin_path: str | None) -> float | None:

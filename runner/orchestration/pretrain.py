@@ -148,8 +148,10 @@ def sft_loss(logits: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
 ProgressFn = Callable[[int, int, dict[str, float]], None]
 
 
-def train_base_policy(config: PretrainConfig, out_dir: Path, *, progress: ProgressFn | None = None) -> dict[str, Any]:
-    """Generate demonstrations, train, export to `out_dir` (HF layout); returns the metadata dict."""
+def train_base_policy(config: PretrainConfig, out_dir: Path, *, progress: ProgressFn | None = None,
+                      demo_progress: Callable[[int, int], Any] | None = None) -> dict[str, Any]:
+    """Generate demonstrations (`demo_progress(done, total)` after each), train (`progress(step, steps, metrics)`
+    after each step), export to `out_dir` (HF layout); returns the metadata dict."""
     import torch
     from mixfleet.runner.trainer import OptimizerConfig, Trainer, TrainerConfig
     from mixfleet.runner.trainer.megatron_model import BuildOptions
@@ -160,7 +162,7 @@ def train_base_policy(config: PretrainConfig, out_dir: Path, *, progress: Progre
         raise ValueError(f"pretrain.row_tokens: {row_tokens} exceeds model '{spec.name}' context {spec.max_context}")
     t0 = time.perf_counter()
     agent = AgentConfig(context_length=spec.max_context)
-    episodes = generate_demos(config.demos, agent=agent)
+    episodes = generate_demos(config.demos, agent=agent, on_episode=demo_progress)
     stats = demo_stats(episodes)
     t_demos = time.perf_counter() - t0
     trainer = Trainer(spec, TrainerConfig(
@@ -192,8 +194,10 @@ def train_base_policy(config: PretrainConfig, out_dir: Path, *, progress: Progre
 
 
 def pretrain(config: PretrainConfig | None = None, *, cache_dir: str | Path | None = None, force: bool = False,
-             out: str | Path | None = None, progress: ProgressFn | None = None) -> PretrainResult:
-    """The base policy checkpoint for `config`: from the cache, or trained now and cached.
+             out: str | Path | None = None, progress: ProgressFn | None = None,
+             demo_progress: Callable[[int, int], Any] | None = None) -> PretrainResult:
+    """The base policy checkpoint for `config`: from the cache, or trained now and cached (`progress`,
+    `demo_progress`: see `train_base_policy`).
 
     `out`: also copy the checkpoint folder there (created; existing files of the same names replaced).
     """
@@ -214,7 +218,7 @@ def pretrain(config: PretrainConfig | None = None, *, cache_dir: str | Path | No
         work = Path(tempfile.mkdtemp(prefix=f".{key}.", dir=root))
         try:
             ckpt = work / "ckpt"
-            meta = train_base_policy(config, ckpt, progress=progress)
+            meta = train_base_policy(config, ckpt, progress=progress, demo_progress=demo_progress)
             meta["key"] = key
             (ckpt / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
             if final.exists():                                  # forced, or a stale incomplete entry

@@ -49,6 +49,7 @@ def register_pretrain(app: typer.Typer) -> None:
         from mixfleet.costmodel.specs.formats import formats
         from mixfleet.runner.orchestration.pretrain import PretrainConfig, measure_reward, pretrain
         from mixfleet.runner.rollout.demos import DemoConfig
+        from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
         if threads < 1:
@@ -77,17 +78,21 @@ def register_pretrain(app: typer.Typer) -> None:
             _fail(e)
         columns = (TextColumn("pretrain {task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                    TextColumn("loss {task.fields[loss]}"), TimeElapsedColumn(), TimeRemainingColumn())
-        with Progress(*columns, transient=as_json) as bar:
-            tid = bar.add_task(f"{cfg.demos.task} on {model}", total=cfg.steps, loss="-")
+        # on stderr: stdout stays the result (JSON with --json); demonstrations first (a repo one takes ~1 s)
+        with Progress(*columns, transient=as_json, console=Console(stderr=True)) as bar:
+            did = bar.add_task(f"{cfg.demos.task} demonstrations", total=cfg.demos.num_episodes, loss="-")
+            tid = bar.add_task(f"{cfg.demos.task} on {model} (steps)", total=cfg.steps, loss="-")
 
             def progress(step: int, total: int, m: dict) -> None:
                 bar.update(tid, completed=step, loss=f"{m['loss']:.3f}")
 
             try:
-                result = pretrain(cfg, cache_dir=cache_dir, force=force, out=out, progress=progress)
+                result = pretrain(cfg, cache_dir=cache_dir, force=force, out=out, progress=progress,
+                                  demo_progress=lambda done, total: bar.update(did, completed=done))
             except (SpecError, ValueError, OSError) as e:
                 _fail(e)
             if result.reused:
+                bar.update(did, completed=cfg.demos.num_episodes)
                 bar.update(tid, completed=cfg.steps, loss=f"{result.meta['losses'][-1]:.3f}")
         report = None
         if eval_episodes:

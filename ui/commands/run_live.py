@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -139,10 +140,29 @@ def default_base_policy(plan: Any, progress: bool = True, task: str | None = Non
     from mixfleet.runner.orchestration.pretrain import plan_base_config, pretrain
 
     cfg = plan_base_config(plan, task=task)
-    if progress:
-        typer.echo(f"base policy: the cached `mixfleet pretrain --model {cfg.model} --task {cfg.demos.task} "
-                   f"--steps {cfg.steps}` checkpoint (trained if missing)...")
-    return str(pretrain(cfg).path)
+    if not progress:
+        return str(pretrain(cfg).path)
+    typer.echo(f"base policy: the cached `mixfleet pretrain --model {cfg.model} --task {cfg.demos.task} "
+               f"--steps {cfg.steps}` checkpoint (trained if missing)...")
+    demos, steps = pretrain_lines(typer.echo)
+    return str(pretrain(cfg, demo_progress=demos, progress=steps).path)
+
+
+PRETRAIN_LINE = "pretraining the base policy: "    # what the app's "starting" banner looks for (app_launch.py)
+
+
+def pretrain_lines(echo: Callable[[str], Any]) -> tuple[Callable[[int, int], None], Callable[[int, int, dict], None]]:
+    """`pretrain`'s two progress callbacks as plain lines through `echo` (the driver log the app shows while a
+    run starts), one every tenth of each phase: "pretraining the base policy: demonstrations 200/2000"."""
+    said: dict[str, int] = {}
+
+    def say(phase: str, done: int, total: int, tail: str = "") -> None:
+        tenth = done * 10 // max(total, 1)
+        if said.get(phase, -1) < tenth:
+            said[phase] = tenth
+            echo(f"{PRETRAIN_LINE}{phase} {done}/{total}{tail}")
+
+    return (lambda d, n: say("demonstrations", d, n)), (lambda s, n, m: say("steps", s, n, f", loss {m['loss']:.3f}"))
 
 
 def with_lr(plan: Any, lr: float | None) -> Any:
@@ -215,7 +235,7 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
         # one writer per run folder, held until this command ends (the run takes it again, re-entrantly); the
         # folder is checked again under the lock, and a resume checked before the base policy and Ray start
         lock = launcher.prepare(out, plan, resume=resume, force=force)
-        init_path = init or default_base_policy(plan, progress=not quiet, task=task)
+        init_path = init or default_base_policy(plan, task=task)     # plain lines (the app shows them)
         cfg = RunConfig(out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
                         fleet_mode=fleet_mode, attach=attach_map, address=address, resume=resume,
                         task=task, eval_every=eval_every, trainer_threads=trainer_threads,  # None: the plan's
