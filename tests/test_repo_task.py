@@ -301,8 +301,18 @@ def test_the_repo_plan_pretrains_on_repo_demonstrations() -> None:
     plan = load_plan("repo-cpu")
     assert plan.embedded.task == "repo" and plan.embedded.max_new_tokens >= 128
     demos = plan_base_config(plan).demos
-    assert demos.task == "repo" and dict(demos.task_options)["sandboxes"] == 24
+    assert demos.task == "repo"
     make_task("repo", **plan.embedded.task_options)      # the plan's options configure the task
+    # its 24-sandbox pool and its options at their defaults train the base `mixfleet pretrain --task repo` makes
+    # (the same cache entry); an option that changes what a demonstration holds gives another base
+    from mixfleet.runner.orchestration.pretrain import PretrainConfig, cache_key, demo_options
+    from mixfleet.runner.rollout.demos import DemoConfig
+
+    assert demos.task_options == ()
+    assert cache_key(plan_base_config(plan)) == cache_key(PretrainConfig(demos=DemoConfig(task="repo")))
+    assert demo_options("repo", {"sandboxes": 8, "clip_bytes": 200, "max_turns": 10}) == {"clip_bytes": 200}
+    with pytest.raises(ValueError, match="colour"):
+        demo_options("repo", {"colour": 1})
 
 
 def test_every_demonstration_reply_fits_the_reply_cap() -> None:

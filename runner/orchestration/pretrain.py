@@ -235,6 +235,18 @@ def pretrain(config: PretrainConfig | None = None, *, cache_dir: str | Path | No
     return PretrainResult(path=Path(out) if out is not None else final, key=key, reused=reused, meta=meta)
 
 
+def demo_options(task: str, options: dict[str, Any]) -> dict[str, Any]:
+    """The task options that change a demonstration: those set to a value other than the task's default, less
+    its resource options (a repo plan's 24-sandbox pool trains the same base as `mixfleet pretrain --task repo`,
+    and finds it in the cache). Bad options raise the task's own ValueError."""
+    from mixfleet.runner.rollout.tasks import task_config
+
+    default = task_config(task)
+    task_config(task, **options)                                   # checked: field, value, allowed
+    skip = set(getattr(type(default), "RESOURCE_OPTIONS", ()))
+    return {k: v for k, v in options.items() if k not in skip and getattr(default, k) != v}
+
+
 def plan_base_config(plan: Any, *, task: str | None = None) -> PretrainConfig:
     """The base policy a run of `plan` starts from when it is given none: `mixfleet pretrain` on the plan's model,
     on demonstrations of the plan's task (its options included, but a repo `task_set`: the demonstrations use
@@ -245,7 +257,7 @@ def plan_base_config(plan: Any, *, task: str | None = None) -> PretrainConfig:
     name = task or (emb.task if emb is not None and emb.task else "guess")
     options = dict(emb.task_options) if emb is not None and not task else {}
     options.pop("task_set", None)      # a task set has no ground truth to demonstrate: generated repos instead
-    kw["demos"] = DemoConfig(task=name, task_options=tuple(sorted(options.items())))
+    kw["demos"] = DemoConfig(task=name, task_options=tuple(sorted(demo_options(name, options).items())))
     if emb is not None and emb.base_steps:
         kw["steps"] = emb.base_steps
     return PretrainConfig(**kw)

@@ -35,7 +35,7 @@ import time
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from mixfleet.runner.rollout.tasks.base import StepResult, Task, ToolCall, unknown_tool_message
 from mixfleet.runner.rollout.tasks.repo.generator import MAX_DISTRACTORS, MODULE, TEST_FILE, RepoProblem, generate
@@ -57,6 +57,9 @@ def task_set_specs(path: str) -> tuple[RepoSpec, ...]:
 
 @dataclass(frozen=True, kw_only=True)
 class RepoConfig:
+    # options that set resources, never what an episode holds (pretrain's cache key leaves them out)
+    RESOURCE_OPTIONS: ClassVar[tuple[str, ...]] = ("sandboxes",)
+
     max_turns: int = 10                  # replies per episode
     clip_bytes: int = 300                # bytes of a bash output shown to the model (head + tail, cut marked)
     command_timeout_s: float = 10.0      # wall-clock limit of one command (and of the tests on submit)
