@@ -66,3 +66,24 @@ def test_the_calibration_table_shows_a_round_off_zero_as_zero() -> None:
     cal = dataclasses.replace(cal, **{name: dataclasses.replace(getattr(cal, name), value=1.178e-19, stderr=0.029)})
     row = next(r for r in _fitted_rows(cal) if r["where"] == "shared" and r["parameter"] == name)
     assert row["fitted"] == 0.0 and row["± (1σ)"] == 0.029
+
+
+def test_the_calibration_table_flags_a_value_far_from_its_prior() -> None:
+    """Issue 44: a trainer fitted 11x slower than its prior went unremarked in the table."""
+    import dataclasses
+
+    from mixfleet.costmodel.calibration.record import Calibration, Fitted
+    from mixfleet.ui.app_launch import _fitted_rows, far_from_prior
+
+    cal = Calibration.load(CAL)
+    rows = _fitted_rows(cal)
+    assert all(r["fitted / prior"] == pytest.approx(r["fitted"] / r["prior"]) for r in rows
+               if r["prior"] > 0 and math.isfinite(r["prior"]))
+    name = next(f.name for f in dataclasses.fields(cal) if isinstance(getattr(cal, f.name), Fitted)
+                and (getattr(cal, f.name).prior or 0) > 0)
+    v = getattr(cal, name)
+    moved = dataclasses.replace(cal, **{name: dataclasses.replace(v, value=11 * v.prior, fitted=True, note="")})
+    flagged = far_from_prior(_fitted_rows(moved))
+    assert f"`{name}` (shared): 11x its prior" in flagged
+    near = dataclasses.replace(cal, **{name: dataclasses.replace(v, value=2 * v.prior, fitted=True, note="")})
+    assert not any(f"`{name}` (shared)" in x for x in far_from_prior(_fitted_rows(near)))

@@ -368,13 +368,30 @@ def _fitted_rows(cal: Any) -> list[dict[str, Any]]:
             if isinstance(v, Fitted):
                 # a fit at its lower bound of 0 lands at round-off (1.178e-19 s, "± 0.029"): shown as 0
                 fitted = 0.0 if abs(v.value) < 1e-12 else v.value
+                prior = _num(v.prior)
+                ratio = fitted / prior if math.isfinite(prior) and prior > 0 else math.nan
                 rows.append({"where": where, "parameter": f.name, "fitted": fitted, "± (1σ)": _num(v.stderr),
-                             "prior": _num(v.prior), "unit": v.unit, "source": _source(v), "note": v.note or ""})
+                             "prior": prior, "fitted / prior": ratio, "unit": v.unit, "source": _source(v),
+                             "note": v.note or ""})
 
     add("shared", cal)
     for g in cal.groups:
         add(g.name, g)
     return rows
+
+
+FAR_FROM_PRIOR = 3.0     # a fitted value this many times its prior (or below 1/this) is flagged on the page
+
+
+def far_from_prior(rows: list[dict[str, Any]]) -> list[str]:
+    """"trainer_step_scale (shared): 11x its prior" for each fitted row at >= FAR_FROM_PRIOR x or <= 1 /
+    FAR_FROM_PRIOR x its prior (issue 44: a trainer 11x slower than its prior went unremarked)."""
+    out = []
+    for r in rows:
+        x = r.get("fitted / prior", math.nan)
+        if r.get("source") == "fitted" and math.isfinite(x) and x > 0 and max(x, 1 / x) >= FAR_FROM_PRIOR:
+            out.append(f"`{r['parameter']}` ({r['where']}): {x:.3g}x its prior")
+    return out
 
 
 def calibrate_and_replan(run_path: Path, header: dict[str, Any], root: Path,
@@ -409,9 +426,13 @@ def calibrate_and_replan(run_path: Path, header: dict[str, Any], root: Path,
                    "with its 1σ uncertainty, and writes a calibration file the Plan page can use.")
         return
     path, rows = res
-    st.dataframe(pd.DataFrame(rows).style.format({"fitted": fmt_table, "± (1σ)": "{:.2g}", "prior": fmt_table},
-                                                 na_rep="—"),
+    st.dataframe(pd.DataFrame(rows).style.format({"fitted": fmt_table, "± (1σ)": "{:.2g}", "prior": fmt_table,
+                                                  "fitted / prior": "{:.3g}x"}, na_rep="—"),
                  hide_index=True, width="stretch", key="runs_cal_table")
+    if far := far_from_prior(rows):
+        st.warning("Far from the cost model's prior: " + "; ".join(far) + ". The run's machine differs from the "
+                   "prior's (a loaded CPU, another GPU), or the model is missing something; plans priced with this "
+                   "calibration inherit it.")
     st.caption(f"written to `{path}`")
     if st.button("Plan with this calibration", key="runs_replan", type="primary"):
         st.session_state[PLAN_CAL_KEY] = path
