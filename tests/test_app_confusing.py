@@ -100,3 +100,12 @@ def test_table_numbers_read_like_the_cards() -> None:
     assert fmt_table(1234.5) == "1,234" and fmt_table(0.01234) == "0.01234"
     assert fmt_table(2.5, signed=True) == "+2.5" and fmt_table(-32130.0, signed=True) == "-32.1 k"
     assert fmt_table(math.nan) == "—" and fmt_table(None) == "—"
+
+
+def test_a_small_cost_is_not_shown_as_zero() -> None:
+    """Issue 44: a tiny CPU run's cost per update read "$0.00" on the card while fidelity measured $0.00351."""
+    from mixfleet.ui.app_common import fmt_usd
+
+    assert fmt_usd(0.00351) == "$0.0035" and fmt_usd(-0.004) == "-$0.004"
+    assert fmt_usd(0.0) == "$0.00" and fmt_usd(2.5) == "$2.50" and fmt_usd(1234.5) == "$1,234.50"
+    assert fmt_usd(0.3, 0) == "$0.3" and fmt_usd(61.64, 0) == "$62"

@@ -73,7 +73,13 @@ def _finite(x: Any) -> bool:
 
 
 def fmt_usd(x: Any, digits: int = 2) -> str:
-    return f"${x:,.{digits}f}" if _finite(x) else NONE
+    """Dollars with `digits` decimals; an amount below one unit of the last decimal in two significant digits
+    ("$0.0035", not "$0.00": issue 44, a tiny CPU run's cost per update read $0.00 beside $0.00351)."""
+    if not _finite(x):
+        return NONE
+    if x != 0 and abs(x) < 10.0 ** -digits:
+        return f"{'-' if x < 0 else ''}${abs(x):.2g}"
+    return f"${x:,.{digits}f}"
 
 
 def fmt_s(x: Any, like: Any = None) -> str:
