@@ -1,12 +1,13 @@
 """The planner's twin checks, one after another in this process vs as Ray tasks (issue 27 item 5).
 
-On the seed's model and workload with the planner's defaults (twin/planner_defaults.py), the analytic screen runs
+On the seed's model and workload with the planner's defaults (planner/defaults.py), the analytic screen runs
 once; then its best K candidates (K = 3, the default, and K = 12) are verified in the twin's steady state
-(`planner.verify_candidates`, one `twin_check` per candidate) twice: sequentially (`sequential_map`) and as Ray
-tasks on a local Ray of this machine's CPUs (`ray_map`, what `mixfleet plan --workers 0` does, Ray's start
-included in the wall time). Recorded per K and mode: wall seconds, tasks, workers and nodes that ran them, and
-whether the verified figures are identical to the sequential ones. The machine's load average is recorded
-beside them: on a shared 2-core machine the wall times say more about the neighbours than about Ray.
+(`planner.search.verify_candidates`, one `twin.checks.twin_check` per candidate) twice: sequentially
+(`sequential_map`) and as Ray tasks on a local Ray of this machine's CPUs (`ray_map`, what `mixfleet plan
+--workers 0` does, Ray's start included in the wall time). Recorded per K and mode: wall seconds, tasks, workers
+and nodes that ran them, and whether the verified figures are identical to the sequential ones. The machine's
+load average is recorded beside them: on a shared 2-core machine the wall times say more about the neighbours
+than about Ray.
 
     nice -n 15 python benchmarks/planner_ray.py [--ks 3,12] [--workers 0] [--out benchmarks/results/planner_ray.json]
 """
@@ -23,16 +24,11 @@ from pathlib import Path
 
 import numpy as np
 from mixfleet.costmodel.jsonsafe import json_safe
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.fleet import feasible, group_types
+from mixfleet.planner.search import _candidate, screen, sequential_map, verify_candidates
 from mixfleet.runner.orchestration.ray_map import ray_map
-from mixfleet.twin.planner import (
-    PlannerConfig,
-    _candidate,
-    feasible,
-    group_types,
-    screen,
-    sequential_map,
-    verify_candidates,
-)
+from mixfleet.twin.checks import twin_check
 
 OUT = Path(__file__).resolve().parent / "results" / "planner_ray.json"
 
@@ -63,7 +59,7 @@ def main() -> None:
         for mode, check_map in (("sequential", sequential_map),
                                 ("ray", functools.partial(ray_map, workers=args.workers))):
             load0 = os.getloadavg()
-            done, info = verify_candidates(cands[:k], types, cfg, check_map=check_map)
+            done, info = verify_candidates(cands[:k], types, cfg, check=twin_check, check_map=check_map)
             figures = [c.verified for c in done]
             if mode == "sequential":
                 ref = figures

@@ -1,6 +1,6 @@
 """The planner's analytic screen against the twin's steady state, on random feasible mixes and the seed fleets.
 
-Per mix: the analytic time per update, cost per update and staleness (`twin.planner.metrics`) next to the
+Per mix: the analytic time per update, cost per update and staleness (`planner.fleet.metrics`) next to the
 twin's steady-state means with their 95% batch-means intervals (`simulate`, then costmodel's steady-state
 analysis: pipeline fill and MSER-5 warm-up left out), and the relative error (analytic - twin) / twin.
 Mixes: `--mixes` random ones (seeded) from the default pool's group types: 1-4 types, 1-16 replicas each,
@@ -26,16 +26,10 @@ from pathlib import Path
 import numpy as np
 from mixfleet.costmodel.jsonsafe import json_safe
 from mixfleet.costmodel.specs.workload import load_workload
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.fleet import group_types, metrics
+from mixfleet.planner.search import K_FACTORS, _candidate, candidate_plan, evaluate_plan
 from mixfleet.policies.plan import load_plan
-from mixfleet.twin.planner import (
-    K_FACTORS,
-    PlannerConfig,
-    _candidate,
-    candidate_plan,
-    evaluate_plan,
-    group_types,
-    metrics,
-)
 from mixfleet.twin.sim import simulate
 
 OUT = Path(__file__).resolve().parent / "results" / "planner_vs_twin.json"

@@ -4,7 +4,7 @@ At the seed's scale (data/plans/seed-mixed.toml: 8 groups, 128 prompts x 8 sampl
 each group free to move within [1, 40] replicas. Three plans, the same seeds, the same truth world
 (`simulate(plan, truth=...)`, `twin.replan.perturbed_truth`):
 
-- static: the counts the planner's model picks from the priors (`twin.replan.planner_solver` with no fit), kept;
+- static: the counts the planner's model picks from the priors (`planner.solver.planner_solver` with no fit), kept;
 - re-planned: the same start with the `replan` autoscaler (defaults, the bench's objective and staleness bound);
 - oracle: the counts the same model picks with the truth from the start, kept.
 
@@ -29,9 +29,10 @@ from typing import Any
 
 import numpy as np
 from mixfleet.costmodel.records.runlog import RunLog
+from mixfleet.planner.solver import planner_solver
 from mixfleet.policies.plan import Plan, load_plan, with_overrides
 from mixfleet.policies.registry import make_config
-from mixfleet.twin.replan import perturbed_truth, planner_solver
+from mixfleet.twin.replan import perturbed_truth
 from mixfleet.twin.sim import simulate
 
 OUT = Path(__file__).resolve().parent / "results" / "replan_bench.json"

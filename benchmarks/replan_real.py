@@ -38,11 +38,11 @@ import numpy as np
 from mixfleet.costmodel.jsonsafe import json_safe
 from mixfleet.costmodel.records.runlog import EventRecord, GroupRecord, RunLog, TrajectoryRecord, UpdateRecord
 from mixfleet.costmodel.records.runsummary import summarize
+from mixfleet.planner.solver import solver_for
 from mixfleet.policies.plan import plan_from_dict
 from mixfleet.policies.registry import make
 from mixfleet.policies.replan import replan_decisions
 from mixfleet.runner.orchestration.launcher import run_argv
-from mixfleet.twin.replan import solver_for
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "benchmarks" / "results" / "replan_real.json"
@@ -142,7 +142,7 @@ def _plain(row: dict[str, Any]) -> dict[str, Any]:
 def replay(d: Path) -> list[dict[str, Any]]:
     """The run log's records fed, update by update in the order the runner wrote them (the update's trajectories,
     the events up to its end, its group rows, then the update), to a fresh `replan` autoscaler of the log's plan
-    with the current solver (`twin.replan.solver_for`): the decisions the current code makes on this real run's
+    with the current solver (`planner.solver.solver_for`): the decisions the current code makes on this real run's
     measurements (the run itself followed the decisions of the code it ran with, in its `replan` events)."""
     log = RunLog.open(d)
     plan = plan_from_dict(log.header["plan"])

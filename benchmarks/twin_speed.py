@@ -22,8 +22,10 @@ import time
 from pathlib import Path
 
 import mixfleet.twin.core as core
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.search import evaluate_plan, plan_mix
 from mixfleet.policies.plan import load_plan
-from mixfleet.twin.planner import PlannerConfig, evaluate_plan, plan_mix
+from mixfleet.twin.checks import default_map, twin_check
 from mixfleet.twin.sim import simulate
 
 OUT = Path(__file__).resolve().parent / "results" / "twin_speed.json"
@@ -76,7 +78,7 @@ def main() -> None:
     print(json.dumps(sim, indent=2))
 
     c0, w0 = time.process_time(), time.perf_counter()
-    res = plan_mix(PlannerConfig(verify=args.plan_verify))
+    res = plan_mix(PlannerConfig(verify=args.plan_verify), check=twin_check, check_map=default_map)
     plan = {"verify": args.plan_verify, "wall_s": time.perf_counter() - w0, "cpu_s": time.process_time() - c0,
             "screened": res.screened, "feasible": res.feasible,
             "best": res.best.replicas if res.best else None}

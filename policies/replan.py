@@ -11,10 +11,10 @@ each one: `RunLogWriter.observe`) and, after each update:
    error;
 2. it re-solves when `every_updates` have passed since the last re-solve, or sooner when a fitted value has left the
    interval of the values the fleet was last sized on (the prior at first: |fit - ref| > drift_sigma x stderr and >
-   drift_rel x |ref|). The solver (the world hands one in, `attach`: the twin's is the planner's own analytic model,
-   `twin.replan`) returns the replica counts within the plan's pool (each group's [min_replicas, max_replicas], only
-   the groups in `groups`), the budget, staleness and time limits, and the objective, with its predictions for the
-   current counts and the new ones;
+   drift_rel x |ref|). The solver (the world hands one in, `attach`: the twin and the runner attach the planner's
+   own analytic model, `planner.solver`) returns the replica counts within the plan's pool (each group's
+   [min_replicas, max_replicas], only the groups in `groups`), the budget, staleness and time limits, and the
+   objective, with its predictions for the current counts and the new ones;
 3. it adopts the new counts only when they differ, meet the limits, and the predicted gain 1 - objective(new) /
    objective(now) is at least `min_gain` (a move costs updates' worth of re-prefilled sessions, and the fit reads
    the groups it sees a little slow; docs/twin.md); after a change it holds for `hold_updates` updates, and
@@ -336,7 +336,7 @@ class Replan(Autoscaler):
         now. The sessions still in flight (a long-tailed share on agentic workloads) are not in the frames, so the
         fit undercounts the replicas' concurrency near the end and reads every group somewhat slow: the solver
         takes the fitted speeds relative to each other and anchors their scale on the window's measured time
-        per update (`twin.replan.planner_solver`)."""
+        per update (`planner.solver.planner_solver`)."""
         cfg = self.config
         ups = self._updates[-cfg.window_updates:]
         first_v = ups[0].version

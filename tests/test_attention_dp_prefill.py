@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 from mixfleet.costmodel.steptime.measured import Layout
 from mixfleet.costmodel.steptime.roofline import replica_model
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.fleet import group_types
 from mixfleet.policies.plan import plan_from_dict
-from mixfleet.twin.planner import PlannerConfig, group_types
 from mixfleet.twin.rates import build_setup
 
 DP_PLAN = {"name": "dp", "seed": 0, "model": "qwen3-30b-a3b", "workload": "tiny-cpu", "price_table": "modal",
@@ -61,7 +62,7 @@ def test_the_twin_and_the_planner_charge_a_request_per_rank() -> None:
     assert s.groups[1].rates.prefill_s(1024.0) == pytest.approx(float(s.models["H100-FP8"].prefill_s(1024.0)),
                                                                 rel=1e-12)
     from mixfleet.costmodel.specs.workload import load_workload
-    from mixfleet.twin.episodes import workload_shape
+    from mixfleet.planner.shape import workload_shape
 
     wl = load_workload(plan.workload)
     new = workload_shape(wl, wl.samples_per_prompt).new_tokens_per_turn

@@ -7,9 +7,10 @@ from __future__ import annotations
 import pytest
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.steptime.roofline import FitError
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.fleet import group_types
 from mixfleet.policies.plan import load_plan, plan_from_dict
 from mixfleet.runner.orchestration.fleet import fleet_from_plan
-from mixfleet.twin.planner import PlannerConfig, group_types
 from mixfleet.twin.rates import build_setup
 
 

@@ -1,13 +1,14 @@
 """The import direction of ARCHITECTURE.md, enforced over the real import graph.
 
-costmodel <- policies <- twin / runner <- studies <- ui. costmodel imports nothing of ours; policies
-imports no twin/runner/ui and no simpy/torch; twin imports neither runner nor torch; runner imports
-neither twin nor simpy; studies (built on the runner) imports no twin or ui. Inside runner/ the rooms
+costmodel <- policies <- planner <- twin / runner <- studies <- ui. costmodel imports nothing of ours; policies
+imports no planner/twin/runner/ui and no simpy/torch; planner (the analytic planner, below both worlds) imports
+costmodel and policies only (no twin, runner, studies or ui; no simpy or torch: the twin's check is handed in);
+twin imports neither runner nor torch; runner imports neither twin nor simpy (it may import planner: the
+re-planner's solver); studies (built on the runner) imports no twin or ui. Inside runner/ the rooms
 import one way (ROOMS below): checkpoint and corrections import no other room; sampler imports checkpoint;
 rollout imports sampler and checkpoint; trainer imports checkpoint and corrections; orchestration may
 import them all. Every module under each folder is parsed (ast), so an import hidden inside a function
-counts too.
-"""
+counts too."""
 
 from __future__ import annotations
 
@@ -18,12 +19,14 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAYERS = ("costmodel", "policies", "twin", "runner", "studies", "ui")
+LAYERS = ("costmodel", "policies", "planner", "twin", "runner", "studies", "ui")
 
 # package -> names it must never import (ours are given as mixfleet.<pkg>)
 FORBIDDEN: dict[str, set[str]] = {
-    "costmodel": {"mixfleet.policies", "mixfleet.twin", "mixfleet.runner", "mixfleet.ui", "torch", "simpy"},
-    "policies": {"mixfleet.twin", "mixfleet.runner", "mixfleet.ui", "simpy", "torch"},
+    "costmodel": {"mixfleet.policies", "mixfleet.planner", "mixfleet.twin", "mixfleet.runner", "mixfleet.ui", "torch",
+                  "simpy"},
+    "policies": {"mixfleet.planner", "mixfleet.twin", "mixfleet.runner", "mixfleet.ui", "simpy", "torch"},
+    "planner": {"mixfleet.twin", "mixfleet.runner", "mixfleet.studies", "mixfleet.ui", "simpy", "torch"},
     "twin": {"mixfleet.runner", "mixfleet.ui", "torch"},
     "runner": {"mixfleet.twin", "mixfleet.studies", "mixfleet.ui", "simpy"},
     "studies": {"mixfleet.twin", "mixfleet.ui", "simpy"},
@@ -69,13 +72,14 @@ def test_the_checker_catches_a_violation(tmp_path: Path, monkeypatch: pytest.Mon
     """A planted bad import in each layer is reported (so the test above can fail)."""
     fake_root = tmp_path
     for i, (pkg, bad) in enumerate((("costmodel", "mixfleet.twin"), ("policies", "simpy"), ("twin", "torch.nn"),
-                                    ("runner", "simpy"), ("policies", "mixfleet.runner.sampler.engine"))):
+                                    ("runner", "simpy"), ("policies", "mixfleet.runner.sampler.engine"),
+                                    ("planner", "mixfleet.twin.sim"), ("policies", "mixfleet.planner.fleet"))):
         d = fake_root / pkg
         d.mkdir(exist_ok=True)
         (d / f"bad{i}.py").write_text(f"def f():\n    import {bad}\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", fake_root)
-    assert violations("costmodel") and violations("twin") and violations("runner")
-    assert len(violations("policies")) == 2
+    assert violations("costmodel") and violations("twin") and violations("runner") and violations("planner")
+    assert len(violations("policies")) == 3
 
 
 # runner room -> the rooms it may import (besides itself); anything not listed is forbidden.

@@ -20,8 +20,9 @@ from mixfleet.costmodel.steptime.roofline import (
     kv_capacity_tokens,
     replica_model,
 )
-from mixfleet.twin.episodes import workload_shape
-from mixfleet.twin.planner import PlannerConfig, group_types, planner_load
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.fleet import group_types, planner_load
+from mixfleet.planner.shape import workload_shape
 
 # 1k/1k offline: what TensorRT-LLM's max-throughput benchmark asks (up to 2048 running requests per DP rank)
 LOAD = ServingLoad(context=1536.0, kv_per_request=2048.0, prefill_tokens=1024.0, reply_tokens=1024.0,

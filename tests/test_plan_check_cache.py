@@ -10,8 +10,9 @@ import json
 from pathlib import Path
 
 import pytest
-from mixfleet.twin.checks import cached_map, job_digest, local_map
-from mixfleet.twin.planner import PlannerConfig, plan_mix, sequential_map, twin_check
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.search import plan_mix, sequential_map
+from mixfleet.twin.checks import cached_map, default_map, job_digest, local_map, twin_check
 
 CFG = PlannerConfig(model="tiny", workload="tiny-cpu", accelerators=("H100", "A100-80GB"),
                     max_gpus={"H100": 4, "A100-80GB": 2}, trainer_accelerator="H100", trainer_gpus=1,
@@ -28,22 +29,23 @@ def test_default_map_matches_sequential_and_reads_the_cache_back(tmp_path: Path,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("MIXFLEET_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("MIXFLEET_NO_CACHE", raising=False)
-    ref = plan_mix(CFG, check_map=sequential_map)
-    first = plan_mix(CFG)
+    ref = plan_mix(CFG, check=twin_check, check_map=sequential_map)
+    first = plan_mix(CFG, check=twin_check, check_map=default_map)
     _same(ref, first)
     assert first.checks["cached"] == 0 and first.checks["tasks"] == 4
     assert len(list((tmp_path / "twin-checks").glob("*.json"))) == 4
-    again = plan_mix(CFG)
+    again = plan_mix(CFG, check=twin_check, check_map=default_map)
     _same(ref, again)
     assert again.checks["cached"] == 4 and again.checks["mode"] == "cache"
 
     other = plan_mix(PlannerConfig(**{**{f: getattr(CFG, f) for f in ("model", "workload", "accelerators", "max_gpus",
                                                                        "trainer_accelerator", "trainer_gpus", "verify",
-                                                                       "verify_seeds", "verify_updates")}, "seed": 5}))
+                                                                       "verify_seeds", "verify_updates")}, "seed": 5}),
+                     check=twin_check, check_map=default_map)
     assert other.checks["cached"] == 0   # other seeds: other checks
 
     monkeypatch.setenv("MIXFLEET_NO_CACHE", "1")
-    off = plan_mix(CFG)
+    off = plan_mix(CFG, check=twin_check, check_map=default_map)
     _same(ref, off)
     assert off.checks["cached"] == 0
 

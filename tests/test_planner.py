@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.specs.workload import load_workload
-from mixfleet.twin.episodes import workload_shape
-from mixfleet.twin.planner import Binding, PlannerConfig, binds_text, group_types, pareto_mask, plan_mix, screen
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.fleet import group_types
+from mixfleet.planner.search import Binding, binds_text, pareto_mask, plan_mix, screen
+from mixfleet.planner.shape import workload_shape
+from mixfleet.twin.checks import twin_check
 from mixfleet.twin.sim import simulate
 
 TINY = {"model": "tiny", "workload": "tiny-cpu", "accelerators": ("H100", "A100-80GB"),
@@ -99,7 +102,10 @@ def test_pareto_set_is_sorted_and_non_dominated() -> None:
 
 
 def test_the_chosen_plan_is_verified_in_the_des_and_runs_again(tmp_path) -> None:
-    r = plan_mix(PlannerConfig(**TINY, verify=1, verify_updates=2))
+    # the planner imports no twin: a twin check is handed in
+    with pytest.raises(SpecError, match="'verify' = 1 is invalid; allowed: 0, or a twin check"):
+        plan_mix(PlannerConfig(**TINY, verify=1, verify_updates=2))
+    r = plan_mix(PlannerConfig(**TINY, verify=1, verify_updates=2), check=twin_check)
     assert r.best.verified["updates"] == 2 and r.best.verified["time_per_update_s"] > 0
     assert r.verified == [r.best] and r.best.verified["steady_updates"] == 1
     assert [g.name for g in r.plan.groups] == list(r.best.replicas)
@@ -108,8 +114,8 @@ def test_the_chosen_plan_is_verified_in_the_des_and_runs_again(tmp_path) -> None
 
 
 def test_the_analytic_model_of_a_plan_agrees_with_the_des() -> None:
+    from mixfleet.planner.search import evaluate_plan
     from mixfleet.policies.plan import load_plan
-    from mixfleet.twin.planner import evaluate_plan
 
     plan = load_plan("tiny-cpu")
     est = evaluate_plan(plan)
@@ -123,7 +129,7 @@ def test_session_limited_throughput_solves_its_fixed_point() -> None:
     """Light load (few sessions per replica): each session decodes at its replica's small-batch speed, the
     solution satisfies x = S (c - tool) / c and c = reply / (speed(x) (1 - S p / c)) + p + tool; heavy load:
     every replica at its busy tokens/s."""
-    from mixfleet.twin.planner import session_limited_throughput
+    from mixfleet.planner.fleet import session_limited_throughput
 
     cfg = PlannerConfig(accelerators=("B300", "H100"))
     types = [t for t in group_types(cfg) if t.name in ("B300-NVFP4", "H100-FP8")]

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import pytest
 from mixfleet.costmodel.calibration.record import Calibration
-from mixfleet.twin.planner import PlannerConfig, calibrated_group, group_types, metrics
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.fleet import calibrated_group, group_types, metrics
 from test_calibration import TRUTH, truth_calibration
 from typer.testing import CliRunner
 

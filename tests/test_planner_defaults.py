@@ -1,4 +1,4 @@
-"""One set of planner defaults for the app and the CLI (issue 26): `twin.planner_defaults.DEFAULTS` is what
+"""One set of planner defaults for the app and the CLI (issue 26): `planner.defaults.DEFAULTS` is what
 `mixfleet plan`'s options default to, what the Plan page's inputs start at (and show), and what PlannerConfig
 takes; planned with nothing changed, the two front ends choose the same mix.
 
@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 import typer
-from mixfleet.twin.planner import PlannerConfig
-from mixfleet.twin.planner_defaults import DEFAULTS
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.defaults import DEFAULTS
 from mixfleet.ui.cli import app as cli_app
 from typer.testing import CliRunner
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.twin.planner import PlannerConfig
+from mixfleet.planner.config import PlannerConfig
 from mixfleet.ui.cli import app
 from typer.testing import CliRunner
 
@@ -40,7 +40,7 @@ def test_the_cli_says_what_is_wrong_instead_of_a_traceback() -> None:
 
 
 def test_no_candidate_says_which_limit_binds_and_the_best_value_reached() -> None:
-    from mixfleet.twin.planner import binding_constraints  # main: "no candidate meets the constraints; relax one"
+    from mixfleet.planner.search import binding_constraints  # main: "no candidate meets the constraints; relax one"
 
     m = {"cost_per_update": np.array([1.0, 2.0, 3.0]), "staleness": np.array([0.7, 0.9, 2.0]),
          "time_per_update_s": np.array([50.0, 40.0, 30.0]), "usd_per_hour": np.array([90.0, 60.0, 53.0])}

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.fleet import group_types
+from mixfleet.planner.search import candidate_plan
 from mixfleet.policies.plan import GroupPlan, Plan, plan_from_dict
-from mixfleet.twin.planner import PlannerConfig, candidate_plan, group_types
 
 
 def _cfg(**kw) -> PlannerConfig:
@@ -21,7 +23,7 @@ def test_cheapest_layout_beats_the_smallest_that_fits_and_is_recorded_in_the_pla
     s, c = smallest[0], cheapest[0]
     assert s.tp == 2 and s.dp_attention == 1  # the smallest TP that holds 235B in FP8 on H200
     assert c.usd_per_hour / c.tokens_per_s < s.usd_per_hour / s.tokens_per_s
-    from mixfleet.twin.planner import Candidate
+    from mixfleet.planner.search import Candidate
 
     cand = Candidate(replicas={c.name: 2}, inflight_prompts=64, throughput_tokens_per_s=1.0, time_per_update_s=1.0,
                      staleness=0.0, usd_per_hour=1.0, cost_per_update_usd=1.0, cost_per_effective_update_usd=1.0,
@@ -32,7 +34,7 @@ def test_cheapest_layout_beats_the_smallest_that_fits_and_is_recorded_in_the_pla
     again = plan_from_dict(plan.to_dict())
     assert again.groups[0] == g
     # the recorded layout prices the same replica when the plan is evaluated again
-    from mixfleet.twin.planner import evaluate_plan  # noqa: F401  (imported for its group_types path)
+    from mixfleet.planner.search import evaluate_plan  # noqa: F401  (imported for its group_types path)
 
     same = group_types(_cfg(), only=[g])
     assert same[0].tokens_per_s == pytest.approx(c.tokens_per_s)

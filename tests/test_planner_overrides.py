@@ -10,8 +10,11 @@ import math
 import pytest
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.specs.catalog import load_catalog
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.fleet import group_types
+from mixfleet.planner.search import evaluate_plan, plan_mix
 from mixfleet.policies.plan import Plan, load_plan, plan_from_dict, save_plan
-from mixfleet.twin.planner import PlannerConfig, evaluate_plan, group_types, plan_mix
+from mixfleet.twin.checks import default_map, twin_check
 from mixfleet.twin.sim import simulate
 
 TINY = {"model": "tiny", "workload": "tiny-cpu", "accelerators": ("H100", "A100-80GB"),
@@ -63,7 +66,7 @@ def test_group_prices_and_costs_scale_with_the_override() -> None:
 
 def test_the_written_plan_carries_the_prices_and_the_twin_costs_it_the_same(tmp_path) -> None:
     cfg = PlannerConfig(**{**TINY, "verify": 1, "verify_updates": 2}, prices={"A100-80GB": 0.5, "B200": 9.0})
-    r = plan_mix(cfg)
+    r = plan_mix(cfg, check=twin_check, check_map=default_map)
     used = {g.accelerator for g in r.plan.groups} | {"H100"}
     assert r.plan.prices == {a: usd for a, usd in {"A100-80GB": 0.5}.items() if a in used}  # B200 unused: left out
     path = save_plan(r.plan, tmp_path / "planned.toml")

@@ -11,9 +11,11 @@ from __future__ import annotations
 import functools
 
 import pytest
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.search import plan_mix, sequential_map
 from mixfleet.runner.orchestration import local_ray
 from mixfleet.runner.orchestration.ray_map import ray_map
-from mixfleet.twin.planner import PlannerConfig, plan_mix, sequential_map
+from mixfleet.twin.checks import twin_check
 
 pytest.importorskip("ray")
 START_ATTEMPTS = 3
@@ -25,7 +27,7 @@ CFG = PlannerConfig(model="tiny", workload="tiny-cpu", accelerators=("H100", "A1
 
 @pytest.fixture(scope="module")
 def sequential():
-    r = plan_mix(CFG, check_map=sequential_map)   # the reference path (the default runs them on the cores)
+    r = plan_mix(CFG, check=twin_check, check_map=sequential_map)   # the reference path (one after another)
     assert r.checks["mode"] == "sequential" and r.checks["tasks"] == 4 and r.checks["workers"] == 1
     return r
 
@@ -61,7 +63,7 @@ def test_checks_on_a_two_node_ray_cluster_match_the_sequential_path(sequential) 
     try:
         ray.init(address=cluster.address, log_to_driver=False)
         cluster.wait_for_nodes()
-        r = plan_mix(CFG, check_map=functools.partial(ray_map, address=cluster.address))
+        r = plan_mix(CFG, check=twin_check, check_map=functools.partial(ray_map, address=cluster.address))
     finally:
         if ray.is_initialized():
             ray.shutdown()
@@ -76,7 +78,7 @@ def test_checks_on_a_two_node_ray_cluster_match_the_sequential_path(sequential) 
 def test_checks_on_a_local_ray_started_for_them_match_the_sequential_path(sequential) -> None:  # noqa: ANN001
     import ray
 
-    r = plan_mix(CFG, check_map=functools.partial(ray_map, workers=2))
+    r = plan_mix(CFG, check=twin_check, check_map=functools.partial(ray_map, workers=2))
     assert not ray.is_initialized()                                    # the Ray it started is shut down
     _same(sequential, r)
     assert r.checks["mode"] == "ray" and r.checks["nodes"] == 1 and 1 <= r.checks["workers"] <= 2

@@ -16,10 +16,11 @@ from mixfleet.costmodel.calibration.fit import calibrate
 from mixfleet.costmodel.calibration.logs import FrameLog
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.records.runlog import EventRecord, RunLog, RunLogWriter
+from mixfleet.planner.solver import planner_solver
 from mixfleet.policies.plan import Plan, load_plan, with_overrides
 from mixfleet.policies.registry import make, make_config
 from mixfleet.policies.replan import Proposal
-from mixfleet.twin.replan import perturbed_truth, planner_solver
+from mixfleet.twin.replan import perturbed_truth
 from mixfleet.twin.sim import simulate
 
 SLOW = 0.4    # cpu-bf16's true speed, x its prior
@@ -173,14 +174,14 @@ def test_the_cli_runs_the_world_on_a_truth_file(tmp_path: Path) -> None:
     assert header["truth"]["groups"][0]["decode_scale"]["value"] == pytest.approx(1 / SLOW)
 
 
-def test_the_runner_is_handed_the_same_solver() -> None:
-    from mixfleet.runner.orchestration.config import RunConfig
-    from mixfleet.twin.replan import solver_for
+def test_the_solver_is_the_planners_for_a_replan_plan_only() -> None:
+    # the twin's simulate and the runner's orchestrator both attach planner.solver.solver_for(plan) themselves
+    # (tests/test_studies_replan.py starts a real studies run of a replan plan)
+    from mixfleet.planner.solver import solver_for
 
     assert solver_for(load_plan("tiny-cpu")) is None            # a fixed fleet needs none
     plan = tiny_pool()
     solve = solver_for(plan)
     assert solve is not None
-    cfg = RunConfig(out_dir=Path("unused"), init_checkpoint="ckpt", replan_solver=solve).resolved(plan)
-    p = cfg.replan_solver(None, {g.name: g.replicas for g in plan.groups}, ("cpu-fp8",), {})
+    p = solve(None, {g.name: g.replicas for g in plan.groups}, ("cpu-fp8",), {})
     assert set(p.counts) == {"cpu-bf16", "cpu-fp8", "cpu-nvfp4"} and p.counts["cpu-bf16"] == 2

@@ -8,8 +8,9 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from mixfleet.planner.solver import solver_for
 from mixfleet.policies.plan import load_plan
-from mixfleet.twin.replan import perturbed_truth, solver_for
+from mixfleet.twin.replan import perturbed_truth
 
 MEASURED = {"time_per_update_s": 46.4, "staleness": 2.0}
 TRAIN_STEP_S = 44.0

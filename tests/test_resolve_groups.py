@@ -15,8 +15,9 @@ from mixfleet.costmodel.calibration.record import Calibration, Fitted, GroupCali
 from mixfleet.costmodel.plan.planspec import resolve_groups
 from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.costmodel.steptime.roofline import DEFAULT_MAX_BATCH
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.fleet import group_types, metrics
 from mixfleet.policies.plan import Plan, plan_from_dict
-from mixfleet.twin.planner import PlannerConfig, group_types, metrics
 from mixfleet.twin.rates import Setup, build_setup
 from mixfleet.twin.sim import simulate
 
@@ -90,7 +91,7 @@ def test_a_calibration_that_covers_no_group_gives_the_uncalibrated_setup() -> No
 
 def _generated(plan_raw: dict) -> float:
     from mixfleet.costmodel.specs.workload import load_workload
-    from mixfleet.twin.episodes import workload_shape
+    from mixfleet.planner.shape import workload_shape
 
     wl = load_workload(plan_raw["workload"])
     shape = workload_shape(wl, wl.samples_per_prompt)
@@ -142,7 +143,7 @@ def test_the_twin_and_the_planner_match_calibrated_groups_by_one_rule() -> None:
 
 def test_the_planners_types_are_the_twins_records() -> None:
     from mixfleet.costmodel.specs.workload import load_workload
-    from mixfleet.twin.episodes import workload_shape
+    from mixfleet.planner.shape import workload_shape
 
     plan = plan_from_dict(DP_PLAN)
     wl = load_workload(plan.workload)

@@ -14,8 +14,11 @@ import pandas as pd
 import pytest
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.specs.catalog import load_catalog
+from mixfleet.planner.config import PlannerConfig
+from mixfleet.planner.fleet import group_types
+from mixfleet.planner.search import candidate_plan, plan_mix
+from mixfleet.planner.spot import expected_lost_work
 from mixfleet.policies.plan import plan_from_dict
-from mixfleet.twin.planner import PlannerConfig, candidate_plan, expected_lost_work, group_types, plan_mix
 from mixfleet.twin.sim import simulate
 
 TINY = {"model": "tiny", "workload": "tiny-cpu", "accelerators": ("H100", "A100-80GB"), "price_table": "runpod",

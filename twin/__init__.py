@@ -1,5 +1,6 @@
 """mixfleet.twin: the simulated world. A SimPy discrete-event model of samplers, router, autoscaler,
-trainer and weight sync, plus the mix planner. Never imports torch or mixfleet.runner.
+trainer and weight sync, and the twin check the mix planner (mixfleet.planner, below) is handed to verify its
+best candidates (checks.py). Never imports torch or mixfleet.runner.
 
 Its hot path, twin/core.py, is compiled at install (setup.py) where a C compiler is there. Here the plain Python
 source is used instead of the compiled module when MIXFLEET_PURE_PYTHON is set (tests compare the two), or when

@@ -1,13 +1,14 @@
 """Running the planner's twin checks fast: on this machine's cores, and never twice for the same inputs.
 
-A twin check (`planner.twin_check`) is a pure function of its job (the plan as a dict, the updates, the seed,
+A twin check (`twin_check`, which the planner's search is handed: `planner.search.plan_mix(check=twin_check)`)
+is a pure function of its job (the plan as a dict, the updates, the seed,
 the calibration) and of the code and data that simulate it: the same job gives the same figures, bit for bit,
 in any process. So
 
 - `local_map` runs the jobs as processes on this machine's cores (the default `CheckMap`; one job or one core:
-  in this process, as `planner.sequential_map`), with the results in the jobs' order;
+  in this process, as `planner.search.sequential_map`), with the results in the jobs' order;
 - `cached_map(check_map)` keeps each check's result on disk, keyed on the digest of its job and of the code and
-  data it runs (`code_digest`: every source and data file of costmodel/, policies/ and twin/ and data/, the
+  data it runs (`code_digest`: every source and data file of costmodel/, policies/, planner/, twin/ and data/, the
   compiled core included), and of the contents of any spec file the plan names by path. `mixfleet plan` run
   twice, or the app's Plan page asked the same question again, reads the checks instead of re-simulating them.
 
@@ -28,12 +29,34 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from mixfleet.policies.plan import plan_from_dict
+
 Job = tuple[Any, ...]
 CheckMap = Callable[[Callable[..., dict[str, Any]], list[Job]], tuple[list[dict[str, Any]], dict[str, Any]]]
 
-_ROOT = Path(__file__).resolve().parent.parent   # the installed package's root (costmodel/, policies/, twin/, data/)
-_CODE_DIRS = ("costmodel", "policies", "twin", "data")
+_ROOT = Path(__file__).resolve().parent.parent   # the package's root (costmodel/, policies/, planner/, twin/, data/)
+_CODE_DIRS = ("costmodel", "policies", "planner", "twin", "data")
 _CODE_SUFFIXES = (".py", ".so", ".pyd", ".toml", ".json", ".csv", ".yaml", ".txt")
+
+
+def twin_check(plan: dict[str, Any], updates: int, seed: int, calibration: Any = None) -> dict[str, Any]:
+    """One twin check, a job any worker can run: the plan (as `Plan.to_dict`) simulated from a warm start for
+    `updates` updates on `seed`; its steady-state figures (costmodel's analysis: means and 95% half-widths) and
+    the preemption losses the twin saw (turns cut by a lost replica, trajectories restarted)."""
+    from mixfleet.twin.sim import simulate
+
+    r = simulate(plan_from_dict(plan), updates=updates, seed=seed, calibration=calibration, warm_start=True)
+    s = r.summary
+    return {"time_per_update_s": s.steady_time_per_update_s, "time_per_update_ci_s": s.steady_time_per_update_ci_s,
+            "cost_per_update_usd": s.steady_cost_per_update_usd,
+            "cost_per_update_ci_usd": s.steady_cost_per_update_ci_usd,
+            "cost_sampler_per_update_usd": s.steady_cost_sampler_per_update_usd,
+            "cost_sampler_per_update_ci_usd": s.steady_cost_sampler_per_update_ci_usd,
+            "extreme_share": s.extreme_share, "staleness": s.steady_staleness_mean,
+            "staleness_ci": s.steady_staleness_ci,
+            "tokens_per_s": s.steady_tokens_per_s, "fill_s": s.first_update_s, "updates": updates,
+            "warmup_updates": s.warmup_updates, "steady_updates": s.steady_updates, "seed": seed,
+            "turns_lost": r.turns_lost, "sessions_restarted": r.sessions_restarted}
 
 
 def cores() -> int:

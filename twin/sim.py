@@ -105,8 +105,8 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
                   **({"truth": truth.to_dict()} if truth is not None else {})}
         with RunLogWriter(folder, header, flush_every_rows=50_000, flush_every_s=None) as writer:
             policies = plan.build_policies(setup.workload)
-            if hasattr(policies["autoscaler"], "attach"):   # the re-planner reads the run and re-solves (twin.replan)
-                from mixfleet.twin.replan import solver_for
+            if hasattr(policies["autoscaler"], "attach"):   # the re-planner reads the run, re-solves (planner.solver)
+                from mixfleet.planner.solver import solver_for
                 policies["autoscaler"].attach(writer, solver_for(plan, calibration))
             world = World(groups=setup.groups, trainer=setup.trainer, workload=setup.workload,
                           policies=policies, seed=seed, writer=writer,

@@ -3,7 +3,7 @@
 run the mix planner, and see the chosen mix, the Pareto chart (with the seed's two fleets as
 reference points) and the plan TOML to download.
 
-The planner is `mixfleet.twin.planner` (engineer C); this page only gathers its inputs and shows
+The planner is `mixfleet.planner` (engineer C); this page only gathers its inputs and shows
 its result (see `app_planner.py`, the adapter). Edited model / workload numbers are validated by
 costmodel and written as spec files under the runs folder, which the plan then names.
 """
@@ -22,7 +22,7 @@ import pandas as pd
 import streamlit as st
 import tomli_w
 from mixfleet.costmodel.specs.formats import formats
-from mixfleet.twin.planner_defaults import DEFAULTS
+from mixfleet.planner.defaults import DEFAULTS
 from mixfleet.ui import app_charts as charts
 from mixfleet.ui import app_planner as planner
 from mixfleet.ui.app_common import (

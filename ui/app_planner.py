@@ -1,14 +1,15 @@
-"""Adapter between the Plan page and the mix planner (`mixfleet.twin.planner`).
+"""Adapter between the Plan page and the mix planner (`mixfleet.planner`).
 
 `run(...)` turns the page's inputs (model, workload, price table, the edited accelerator pool with its
 prices per GPU-hour and allowed precisions, constraints) into a `PlannerConfig`, calls `plan_mix` (`verify`
 candidates verified in the twin's steady state and re-ranked; every default is the planner's one set,
-`twin.planner_defaults.DEFAULTS`, the same as `mixfleet plan`'s), dry-runs the chosen plan
+`planner.defaults.DEFAULTS`, the same as `mixfleet plan`'s), dry-runs the chosen plan
 in the twin (kept as a run log so its per-group share of samples can be shown), and evaluates the seed's two
 fleets with the planner's analytic model (`evaluate_plan`) as reference points, and dry-runs them in the
 twin too (warm starts; their steady state). It returns a `PlannerView` for the page: the chosen plan as
-TOML, the chosen mix as a display table, the Pareto set, and the twin's points. Planning and simulation
-happen in mixfleet.twin; here only inputs and outputs are shaped.
+TOML, the chosen mix as a display table, the Pareto set, and the twin's points. Planning happens in
+mixfleet.planner (its candidates checked by the twin's `twin_check`, handed in here) and simulation in
+mixfleet.twin; here only inputs and outputs are shaped.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 import pandas as pd
 import tomli_w
 from mixfleet.costmodel.specs.formats import formats
-from mixfleet.twin.planner_defaults import DEFAULTS
+from mixfleet.planner.defaults import DEFAULTS
 from mixfleet.ui.app_common import (
     REFERENCE_PLANS,
     PlanText,
@@ -36,7 +37,7 @@ from mixfleet.ui.app_common import (
     with_workload,
 )
 
-PLANNER_MODULE = "mixfleet.twin.planner"
+PLANNER_MODULE = "mixfleet.planner.search"
 # The page's defaults are the planner's one set (`mixfleet plan` plans with the same; the page shows them).
 DEFAULT_MAX_GPUS = DEFAULTS.default_max_gpus
 DEFAULT_MAX_STALENESS = DEFAULTS.max_staleness or 0.0        # versions; 0 = no limit
@@ -70,7 +71,7 @@ class PlannerView:
 
 def available() -> bool:
     try:
-        import mixfleet.twin.planner  # noqa: F401
+        import mixfleet.planner.search  # noqa: F401
     except ImportError:
         return False
     return True
@@ -113,7 +114,7 @@ def pool_overrides(pool: pd.DataFrame, price_table: str) -> tuple[dict[str, floa
 
 def check_pool(pool: pd.DataFrame, price_table: str, emulated: bool = False) -> None:
     """Validate the edited pool's prices and precisions with the planner's config (raises its SpecError)."""
-    from mixfleet.twin.planner import PlannerConfig
+    from mixfleet.planner.config import PlannerConfig
 
     prices, precisions = pool_overrides(pool, price_table)
     PlannerConfig(price_table=price_table, prices=prices, precisions=precisions, emulated=emulated)
@@ -158,8 +159,10 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
     """Plan a mix; raises the planner's SpecError on bad inputs and ValueError when nothing is feasible.
     `pool`: columns use, accelerator, max_gpus and optionally usd_per_gpu_hour and precisions (edited prices
     and precision lists become the planner's per-accelerator overrides; `emulated` allows emulated ones)."""
+    from mixfleet.planner.config import PlannerConfig
+    from mixfleet.planner.search import binds_text, plan_mix, verify_updates
     from mixfleet.policies.plan import with_overrides
-    from mixfleet.twin.planner import PlannerConfig, binds_text, plan_mix, verify_updates
+    from mixfleet.twin.checks import default_map, twin_check
 
     say = progress or (lambda _f, _m: None)
     used = pool[pool["use"].astype(bool)]
@@ -178,7 +181,8 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
 
         raise SpecError("accelerator pool", "use", "none ticked", "at least one accelerator")
     say(0.02, "planner: starting")
-    result = plan_mix(cfg, progress=lambda m: say(0.05 if m == "group types" else 0.15, f"planner: {m}"))
+    result = plan_mix(cfg, progress=lambda m: say(0.05 if m == "group types" else 0.15, f"planner: {m}"),
+                      check=twin_check, check_map=default_map)
     if result.best is None or result.plan is None:
         raise ValueError(f"no plan: {result.note or 'no feasible candidate'} "
                          f"({result.screened} candidates screened, {result.feasible} feasible)")
@@ -192,7 +196,7 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
     jobs: list[tuple[str, PlanText]] = [("chosen mix (twin)", pt)]
     analytic: list[dict[str, Any]] = []
     if references:
-        from mixfleet.twin.planner import evaluate_plan
+        from mixfleet.planner.search import evaluate_plan
 
         say(0.18, "planner: the seed's fleets")
         for ref in REFERENCE_PLANS:  # the seed's sampler fleets on this model, workload, prices and trainer

@@ -57,8 +57,6 @@ class RunConfig:
     seed: int = 0
     ray_num_cpus: int | None = None
     allow_group_loss: bool = False             # a group that cannot start: go on without it (reported) or fail
-    replan_solver: Callable[..., Any] | None = None  # the `replan` autoscaler's solver (policies.replan.Solver;
-                                               # `mixfleet run` hands the twin's, twin.replan.solver_for)
     # overrides of the plan's [embedded] settings (None: the plan's; see EmbeddedPlan for each one's meaning)
     task: str | None = None                    # the plan's "" is the runner's default task, "guess"
     task_options: dict[str, Any] | None = None

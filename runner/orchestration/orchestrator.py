@@ -181,15 +181,14 @@ class Orchestrator:
                             "pass resume=True / --resume to continue it)")
         resuming = point is not None and point.from_state
         replan = getattr(self.fleet.autoscaler, "attach", None)   # the re-planner (policies.replan) reads the log
-        if replan is not None and cfg.replan_solver is None:
-            raise SpecError("mixfleet run", "policies.autoscaler", "replan", "a run given its solver "
-                            "(RunConfig.replan_solver; `mixfleet run` hands the twin's, twin.replan.solver_for)")
         header = self._header()
         if point is not None:
             header["plan"] = point.plan             # the same plan (checked): keep it as the log recorded it
         writer = self.recorder.open(header)
-        if replan is not None:
-            replan(writer, cfg.replan_solver)
+        if replan is not None:   # it re-solves with the planner's solver, as in the twin (planner.solver)
+            from mixfleet.planner.solver import solver_for
+
+            replan(writer, solver_for(self.plan))
         if cfg.address is None:
             init_ray(num_cpus=cfg.ray_num_cpus, resources=dict(self.spec.resources))
         else:

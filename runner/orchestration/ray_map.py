@@ -1,7 +1,7 @@
 """Independent jobs as Ray tasks: `ray_map(fn, jobs)` runs `fn(*job)` for every job on a Ray cluster and returns
 the results in the jobs' order with what ran them.
 
-The planner's twin checks (`mixfleet.twin.planner.twin_check`, one per candidate and seed) go through here when
+The planner's twin checks (`mixfleet.twin.checks.twin_check`, one per candidate and seed) go through here when
 `mixfleet plan` is given `--workers N` (a local Ray of N CPUs, started as the runner starts one:
 `actors.init_ray`, bound to 127.0.0.1 and never left behind) or `--address` (a running cluster). Nothing here
 knows the twin (runner imports no twin): `fn` is any picklable module-level function, and each task is one call

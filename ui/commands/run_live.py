@@ -212,7 +212,6 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
     from mixfleet.policies.plan import load_plan
     from mixfleet.runner.orchestration import launcher
     from mixfleet.runner.orchestration.orchestrator import RunConfig
-    from mixfleet.twin.replan import solver_for
 
     torch.set_num_threads(1)
     lock = None
@@ -239,7 +238,7 @@ def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, emb
         cfg = RunConfig(out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
                         fleet_mode=fleet_mode, attach=attach_map, address=address, resume=resume,
                         task=task, eval_every=eval_every, trainer_threads=trainer_threads,  # None: the plan's
-                        allow_group_loss=allow_group_loss, replan_solver=solver_for(plan))
+                        allow_group_loss=allow_group_loss)
     except (SpecError, ValueError) as e:
         if lock is not None:
             lock.release()

@@ -158,7 +158,7 @@ def _print_spot(result: Any, cfg: Any) -> None:
 def register(app: typer.Typer) -> None:
     """Add this module's commands to the `mixfleet` app."""
 
-    from mixfleet.twin.planner_defaults import DEFAULTS as D  # one set of defaults with the app's Plan page
+    from mixfleet.planner.defaults import DEFAULTS as D  # one set of defaults with the app's Plan page
 
     @app.command("plan")
     def plan_cmd(
@@ -219,8 +219,9 @@ def register(app: typer.Typer) -> None:
         """Find the fleet mix with the lowest cost per (effective) update under the constraints."""
         from mixfleet.costmodel.errors import SpecError
         from mixfleet.costmodel.jsonsafe import json_safe
+        from mixfleet.planner.config import PlannerConfig
+        from mixfleet.planner.search import binds_text, plan_mix
         from mixfleet.policies.plan import save_plan
-        from mixfleet.twin.planner import PlannerConfig, binds_text, plan_mix
         from rich.console import Console
         from rich.table import Table
 
@@ -243,7 +244,9 @@ def register(app: typer.Typer) -> None:
                                 spot=("all",) if spot else tuple(a.strip() for a in spot_accelerators.split(",")
                                                                  if a.strip()),
                                 spot_preemptions_per_hour=spot_rate)
-            check_map = None
+            from mixfleet.twin.checks import default_map, twin_check
+
+            check_map = default_map   # this machine's cores, each check read back when it was checked before
             if workers != 1 or address:   # the twin checks as Ray tasks (runner/orchestration/ray_map.py)
                 import functools
 
@@ -252,12 +255,13 @@ def register(app: typer.Typer) -> None:
                 check_map = functools.partial(ray_map, workers=workers, address=address)
             wall0 = time.perf_counter()
             with console.status("planning") as status:
-                result = plan_mix(cfg, progress=lambda m: status.update(f"planning: {m}"), check_map=check_map)
+                result = plan_mix(cfg, progress=lambda m: status.update(f"planning: {m}"), check=twin_check,
+                                  check_map=check_map)
             wall_s = time.perf_counter() - wall0
         except (SpecError, FileNotFoundError) as e:
             _fail(e)
         if cal is not None:
-            from mixfleet.twin.planner import calibrated_group
+            from mixfleet.planner.fleet import calibrated_group
 
             covered = [t.name for t in result.types if calibrated_group(cal, t.accelerator, t.precision, t.kv_dtype)]
             typer.echo(f"calibrated planner: fitted values from {calibration} in place of the priors for "
