@@ -46,13 +46,25 @@ def test_a_cpu_calibration_says_it_changes_nothing_in_a_gpu_pool(cal: str) -> No
     assert "fitted on model **tiny**" in text and "CPU-2core" in text          # what it covers
     assert "changes nothing" in text and "does not apply" in text              # what it changes here
     assert "the model here is qwen3.6-35b-a3b, not the calibrated tiny" in text
-    offer = [b for b in at.button if b.label == "Plan its model (tiny)"]        # its own model, offered
-    assert offer
+    # its own setup offered (issue 44: "Plan its model" switched only the model, so a CPU calibration could never
+    # change a plan in the app): the model, the measured workload, the CPU pool, precisions and trainer it ran
+    offer = [b for b in at.button if b.label == "Plan its setup (tiny on CPU-2core, its measured workload)"]
+    assert offer and not [b for b in at.button if b.label.startswith("Plan its model")]
     offer[0].click().run()
     assert not at.exception, [e.value for e in at.exception]
     assert at.selectbox(key="pl_model").value == "tiny"
-    text = next(w.value for w in at.warning if "Calibration `" in w.value)
-    assert "changes nothing" in text and "the model here is" not in text       # still no GPU group matches
+    assert Path(at.selectbox(key="pl_workload").value).name.startswith("workload-tiny-cpu-measured-")
+    assert at.selectbox(key="pl_tacc").value == "CPU-2core" and at.toggle(key="pl_emul").value
+    text = next(i.value for i in at.info if "Calibration `" in i.value)
+    assert "its fitted values replace the priors for CPU-2core bf16 (KV bf16), CPU-2core fp8 (KV fp8_e4m3), " \
+           "CPU-2core nvfp4 (KV fp8_e4m3)" in text and "the trainer's fit applies" in text
+    at.button(key="pl_go").click().run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert "Chosen mix (calibrated)" in [s.value for s in at.subheader]
+    mix = [tb for tb in at.table if "accelerator" in tb.value.columns]
+    assert mix and set(mix[0].value["accelerator"]) == {"CPU-2core"}, mix[0].value
+    at.button(key="pl_setup_off").click().run()                                # and back
+    assert not at.exception and "Calibration `" in next(w.value for w in at.warning if "Calibration `" in w.value)
 
 
 def test_a_calibration_that_covers_the_trainer_says_so_and_the_plan_is_marked_calibrated(cal: str) -> None:

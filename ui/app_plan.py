@@ -64,15 +64,16 @@ def _spec_toml(kind: str, name: str) -> str:
 
 
 @st.cache_data(show_spinner=False)
-def _pool(price_table: str) -> pd.DataFrame:
-    """The default pool: every GPU of the catalog at this price table, its native precisions allowed."""
+def _pool(price_table: str, setup: tuple[tuple[str, tuple[str, ...]], ...] = ()) -> pd.DataFrame:
+    """The default pool: every GPU of the catalog at this price table, its native precisions allowed; with a
+    calibration's `setup` ((accelerator, precisions), ...): those accelerators with those precisions only."""
     from mixfleet.costmodel.specs.catalog import load_catalog
 
     cat = load_catalog(price_table)
     rows = []
-    for name in cat.gpus():
+    for name, allowed in setup or tuple((n, ()) for n in cat.gpus()):
         acc = cat.accelerator(name)
-        native = [p for p in PRECISIONS if cat.support(name, p) == "native"]
+        native = list(allowed) or [p for p in PRECISIONS if cat.support(name, p) == "native"]
         rows.append({"use": True, "accelerator": name, "usd_per_gpu_hour": acc.price_usd_per_gpu_hour,
                      "max_gpus": planner.DEFAULT_MAX_GPUS, "precisions": native,
                      "price_note": "estimate" if acc.price_estimate else price_table})
@@ -138,8 +139,11 @@ def _model_and_workload() -> tuple[str, str] | None:
             mtext = st.text_area("model spec (TOML)", _spec_toml("model", model), height=260, key=f"pl_mt_{model}")
     with c2:
         wdef = default_workload_override() or DEFAULT_WORKLOAD
+        if (setup := st.session_state.get(SETUP_KEY)) and setup["workload"] not in workloads:
+            workloads = [setup["workload"], *workloads]        # the calibration's measured workload (a file)
         wl = st.selectbox("Workload", workloads, index=workloads.index(wdef) if wdef in workloads else 0,
-                          key="pl_workload")
+                          key="pl_workload", format_func=lambda w: f"{Path(w).stem} (measured, from the "
+                          "calibration)" if w.endswith(".toml") else w)
         base = tomllib.loads(_spec_toml("workload", wl))
         k1, k2, k3 = st.columns(3)
         ppu = int(k1.number_input("prompts / update", 1, 100_000, int(base["prompts_per_update"]), key=f"pl_p_{wl}"))
@@ -175,8 +179,19 @@ def _pool_editor() -> tuple[str, pd.DataFrame | None, tuple[str, ...], bool]:
                    "or edit a price (it then overrides the table for the samplers, the trainer and the written plan). "
                    "Untick **use** to leave an accelerator out; edit **max GPUs** to cap it; narrow **allowed "
                    "precisions** to restrict the weight formats the planner may use there (default: the native ones).")
+    setup = st.session_state.get(SETUP_KEY)
+    if setup:
+        c1, c2 = st.columns([3, 1])
+        c1.info(f"The pool, trainer, model and workload of calibration `{Path(setup['calibration']).name}`: "
+                f"{', '.join(a for a, _ in setup['pool'])} with the precisions its groups ran, its measured workload "
+                "`" + Path(setup["workload"]).stem + "`. A plan here can change with the calibration on this machine.")
+        if c2.button("Back to the GPU pool", key="pl_setup_off"):
+            del st.session_state[SETUP_KEY]
+            st.rerun()
+    pool_setup = tuple((a, tuple(ps)) for a, ps in setup["pool"]) if setup else ()
     pool = st.data_editor(
-        _pool(table), key=f"pl_pool_{table}", hide_index=True, width="stretch", num_rows="fixed",
+        _pool(table, pool_setup), key=f"pl_pool_{table}" + ("_setup" if setup else ""), hide_index=True,
+        width="stretch", num_rows="fixed",
         column_config={
             "use": st.column_config.CheckboxColumn("use"),
             "accelerator": st.column_config.TextColumn("accelerator", disabled=True),
@@ -204,6 +219,9 @@ def _trainer() -> dict[str, Any]:
     from mixfleet.costmodel.specs.catalog import load_catalog
 
     accs = load_catalog().gpus()
+    setup = st.session_state.get(SETUP_KEY)
+    if setup and setup["trainer"] not in accs:
+        accs = [setup["trainer"], *accs]
     c = st.columns(4)
     t = DEFAULTS.trainer_accelerator
     acc = c[0].selectbox("trainer accelerator", accs, index=accs.index(t) if t in accs else 0, key="pl_tacc")
@@ -233,6 +251,28 @@ def _constraints() -> dict[str, Any]:
 
 
 MODEL_REQUEST_KEY = "plan_model_request"   # "Plan its model" (the calibration's): applied before the Model box
+SETUP_REQUEST_KEY = "plan_setup_request"   # "Plan its setup" (a CPU calibration's): applied before the inputs
+SETUP_KEY = "plan_setup"                   # session state: the setup in force (pool, trainer, workload file)
+
+
+def calibration_setup(path: str) -> dict[str, Any] | None:
+    """What "Plan its setup" puts on the page for a calibration fitted on accelerators that are not GPUs of the
+    catalog (a run on this machine's CPUs, issue 44: such a calibration could never change a plan in the app):
+    its model, its measured workload (written under the runs folder), its accelerators with the precisions and KV
+    dtypes its groups ran, its trainer. None for a calibration of GPUs (their pool is the default one)."""
+    from mixfleet.costmodel.calibration.record import Calibration
+    from mixfleet.costmodel.specs.catalog import load_catalog
+
+    cal = Calibration.load(path)
+    gpus = set(load_catalog().gpus())
+    accs = sorted({g.accelerator for g in cal.groups})
+    if not accs or set(accs) <= gpus or not cal.model or cal.workload is None:
+        return None
+    pool = [(a, sorted({g.precision for g in cal.groups if g.accelerator == a})) for a in accs]
+    workload = _validated_spec("workload", tomli_w.dumps(cal.workload))
+    return {"calibration": path, "model": cal.model, "workload": workload, "pool": pool,
+            "kv": sorted({g.kv_dtype for g in cal.groups}), "trainer": cal.trainer_accelerator,
+            "trainer_gpus": int(cal.trainer_gpus)}
 PLANNED_CAL_KEY = "plan_planned_calibration"   # session state: (calibration file, coverage line) of the last plan
 
 
@@ -292,8 +332,18 @@ def _calibration_notice(path: str, model: str, pool: pd.DataFrame | None, kv: tu
     (st.info if changes else st.warning)(f"{covers} {what}")
     from mixfleet.costmodel.calibration.record import Calibration
 
-    cal_model = Calibration.load(path).model
+    cal = Calibration.load(path)
+    cal_model = cal.model
     models = _known()[0]
+    if (setup := calibration_setup(path)) is not None:
+        if (st.session_state.get(SETUP_KEY) or {}).get("calibration") != path and st.button(
+                f"Plan its setup ({cal_model} on {', '.join(a for a, _ in setup['pool'])}, its measured workload)",
+                key="pl_cal_setup", help="The calibration was fitted on accelerators outside the GPU pool (a run on "
+                                         "this machine): plan its model and measured workload on its accelerators, "
+                                         "precisions and trainer, where its fitted values apply."):
+            st.session_state[SETUP_REQUEST_KEY] = setup
+            st.rerun()
+        return what
     if cal_model and cal_model in models and st.session_state.get("pl_model") != cal_model:
         if st.button(f"Plan its model ({cal_model})", key="pl_cal_model",
                      help="Selects the model the calibration was fitted on. Its accelerators are offered in the "
@@ -393,6 +443,11 @@ def render() -> None:
         st.warning(f"The mix planner is not available yet: {planner.unavailable_reason()}")
     if (want := st.session_state.pop(MODEL_REQUEST_KEY, None)) is not None:
         st.session_state["pl_model"] = want
+    if (setup := st.session_state.pop(SETUP_REQUEST_KEY, None)) is not None:    # before the widgets it sets
+        st.session_state[SETUP_KEY] = setup
+        st.session_state.update(pl_model=setup["model"], pl_workload=setup["workload"], pl_emul=True,
+                                pl_kv=setup["kv"], pl_tacc=setup["trainer"], pl_tgpus=setup["trainer_gpus"],
+                                pl_cal=setup["calibration"])
     with st.container(border=True):
         st.markdown("**Model and workload**")
         mw = _model_and_workload()
