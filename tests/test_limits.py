@@ -18,6 +18,8 @@ from mixfleet.policies.plan import load_plan, plan_from_dict
 from mixfleet.ui.cli import app
 from typer.testing import CliRunner
 
+runner = CliRunner()
+
 
 def _with_batcher(**settings: object) -> dict:
     raw = load_plan("tiny-cpu").to_dict()
@@ -66,6 +68,13 @@ def test_capacity_contexts_beyond_the_models_max_context_are_refused() -> None:
         catalog_report("tiny", mean_context=10**9)
     res = CliRunner().invoke(app, ["capacity", "-a", "H100", "-q", "fp8", "--contexts", "100000000000"])
     assert res.exit_code != 0 and "max context" in res.output and "—" not in res.output
+
+
+def test_kv_budget_zero_is_refused_with_its_range() -> None:
+    for cmd in (["capacity", "-a", "H100", "-q", "fp8"], ["catalog"]):
+        res = runner.invoke(app, [*cmd, "--kv-budget", "0"])
+        assert res.exit_code == 2 and "--kv-budget" in res.output and "greater than or equal to 1" in res.output, \
+            res.output
 
 
 # ---- workload distributions are bounded (BAD 5) --------------------------------------------------------------
