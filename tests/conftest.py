@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -26,3 +27,11 @@ def _main_module_restored():
     yield
     if main is not None and sys.modules.get("__main__") is not main:
         sys.modules["__main__"] = main
+
+
+@pytest.fixture()
+def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """This test's own state folder (the app's record key, local Ray records)."""
+    d = tmp_path / "state"
+    monkeypatch.setenv("MIXFLEET_STATE_DIR", str(d))
+    return d

@@ -3,7 +3,8 @@
 The real thing: a child process starts Ray as the runner does (runner/orchestration/actors.py init_ray) with one
 embedded sampler replica and the trainer (Megatron-core on torch.distributed), and every socket its process tree
 listens on is listed (psutil). Then the child is
-killed with kill -9 and `mixfleet cleanup` stops whatever of its Ray outlived it (the agents do).
+killed with kill -9 and `mixfleet cleanup` stops whatever of its Ray outlived it (the agents do). `mixfleet cleanup`
+never stops what a hand-written record names (issue 24, the second probe).
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import psutil
 import pytest
 from mixfleet.runner.orchestration.local_ray import LOOPBACK_ADDRESSES, listening_sockets
+from trust_helpers import end_all, running, sleeper
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -89,5 +92,96 @@ def test_local_ray_binds_loopback_only_and_cleanup_stops_its_leftovers(tmp_path:
     finally:
         for p in _alive(procs):                  # only the processes this test started
             p.kill()
+        if child.poll() is None:
+            child.kill()
+
+
+# ---- `mixfleet cleanup` never stops what a hand-written record names (issue 24, the second probe) ------
+def test_cleanup_never_stops_what_a_hand_written_record_names(tmp_path: Path, state: Path) -> None:
+    """The probe's record: a dead "driver", an unrelated `sleep` by pid and start time, and another `sleep`
+    carrying the record's token in its environment. `mixfleet cleanup` stops neither and drops the record."""
+    from mixfleet.runner.orchestration.local_ray import TOKEN_ENV
+    from mixfleet.ui.cli import app
+    from typer.testing import CliRunner
+
+    token = uuid.uuid4().hex
+    recorded = sleeper()
+    marked = sleeper(env={**os.environ, TOKEN_ENV: token})
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        rec = {"driver": {"pid": gone.pid, "create_time": 1.0, "name": "python3"}, "token": token,
+               "started_utc": time.time(),
+               "processes": [{"pid": recorded.pid, "create_time": psutil.Process(recorded.pid).create_time(),
+                              "name": "sleep"}]}
+        (state / "ray").mkdir(parents=True)
+        path = state / "ray" / f"{gone.pid}-{token[:12]}.json"
+        path.write_text(json.dumps(rec))
+        res = CliRunner().invoke(app, ["cleanup"])
+        assert res.exit_code == 0, res.output
+        assert "0 leftover Ray process(es) stopped" in res.output, res.output
+        time.sleep(0.3)
+        assert running(recorded) and running(marked)
+        assert not path.exists()
+    finally:
+        end_all(recorded, marked)
+
+
+RAY_CHILD = """
+import sys, time
+from mixfleet.runner.orchestration.actors import init_ray
+init_ray(num_cpus=1)
+print("READY", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_cleanup_still_stops_a_killed_drivers_ray(tmp_path: Path, state: Path) -> None:
+    """The other side: a real local Ray whose driver was killed with kill -9 is stopped by `mixfleet cleanup`
+    (its agents outlive the driver), while a hand-written record's `sleep` next to it lives."""
+    from mixfleet.ui.cli import app
+    from typer.testing import CliRunner
+
+    child = subprocess.Popen([sys.executable, "-c", RAY_CHILD], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, start_new_session=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    victim = sleeper()
+    procs: list[psutil.Process] = []
+    try:
+        lines = []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = child.stdout.readline()
+            if not line or line.startswith("READY"):
+                break
+            lines.append(line)
+        assert line.startswith("READY"), "".join(lines[-20:])
+        time.sleep(2.0)
+        procs = psutil.Process(child.pid).children(recursive=True)
+        assert {"gcs_server", "raylet"} <= {p.name() for p in procs}
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        (state / "ray" / f"{gone.pid}-crafted.json").write_text(json.dumps(
+            {"driver": {"pid": gone.pid, "create_time": 1.0}, "token": uuid.uuid4().hex,
+             "processes": [{"pid": victim.pid, "create_time": psutil.Process(victim.pid).create_time()}]}))
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=30)
+        time.sleep(3.0)
+        left = [p for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert left, "nothing outlived the driver: this test would not show cleanup at work"
+        res = CliRunner().invoke(app, ["cleanup"])
+        assert res.exit_code == 0, res.output
+        still = [p.name() for p in procs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+        assert still == [], (still, res.output)
+        assert running(victim)
+        assert list((state / "ray").glob("*.json")) == []
+    finally:
+        for p in procs:
+            try:
+                if p.is_running():
+                    p.kill()
+            except psutil.Error:
+                pass
+        end_all(victim)
         if child.poll() is None:
             child.kill()

@@ -3,10 +3,17 @@ folder).
 
 A non-empty destination that is not the same kind is refused with a message naming --resume / --force; --force
 replaces only what mixfleet wrote; a user's folder survives every command, --force or not.
+
+Nothing of a run log is lost to a writer (issue 44, third probe): `evaluate --out` refuses an existing file
+without --force and never writes into a run folder; `simulate` locks its --out as `run` does; `export` never
+writes into any run log's folders.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,11 +33,20 @@ def _user_folder(tmp_path: Path) -> Path:
     return d
 
 
-def _runner_log(d: Path) -> Path:
-    with RunLogWriter(d, {"source": "runner", "plan": {"name": "p"}}) as w:
+def _run_log(d: Path, source: str = "runner") -> Path:
+    with RunLogWriter(d, {"source": source, "plan": {"name": "p"}}) as w:
         w.append(UpdateRecord(version=1, start_s=0, end_s=1, train_step_s=1, weight_sync_s=0, tokens=1,
                               trajectories=1, staleness_mean=0, staleness_p50=0, staleness_p95=0, staleness_max=0,
                               cost_sampler_usd=0, cost_trainer_usd=0))
+    return d
+
+
+def _tree(d: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(d)): p.read_bytes() for p in sorted(d.rglob("*")) if p.is_file()}
+
+
+def _runner_log(d: Path) -> Path:
+    _run_log(d)
     (d / "trainer_state").mkdir()
     return d
 
@@ -122,3 +138,92 @@ def test_the_helper_decides_new_resume_replace(tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="did not write"):
         prepare_output_dir(run2, "run", where="t", force=True)
     assert (run2 / "notes.md").exists() and (run2 / "run.json").exists()
+
+
+def test_evaluate_out_refuses_an_existing_file_and_any_run_folder(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    assert runner.invoke(app, ["init-model", "tiny", "-o", str(ck), "--seed", "0"]).exit_code == 0
+    run = _run_log(tmp_path / "runs" / "a")
+    before = _tree(run)
+    mine = tmp_path / "notes.json"
+    mine.write_text("years of work")
+    ev = ["evaluate", str(ck), "--problems", "1", "--k", "1", "--json"]
+    res = runner.invoke(app, [*ev, "--out", str(mine)])
+    assert res.exit_code == 2 and "--force" in res.output and "already exists" in res.output, res.output
+    assert mine.read_text() == "years of work"
+    for target in (run / "run.json", run / "eval.json", run / "updates" / "x.json"):      # with --force too
+        res = runner.invoke(app, [*ev, "--out", str(target), "--force"])
+        assert res.exit_code == 2 and f"{run} is a run log" in res.output, res.output
+        assert len(res.output.strip().splitlines()) == 1 and str(tmp_path / "runs" / "a-") in res.output
+    assert _tree(run) == before and RunLog.open(run).run_id
+    res = runner.invoke(app, [*ev, "--out", str(mine / "sub")])
+    assert res.exit_code == 2 and "not a folder" in res.output
+    res = runner.invoke(app, [*ev, "--out", str(mine), "--force"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(mine.read_text())["settings"]["problems"] == 1
+
+
+_HOLD = ("import sys, time\nfrom mixfleet.costmodel.records.outdir import lock_output_dir\n"
+         "lock_output_dir(sys.argv[1], where='mixfleet run')\nprint('held', flush=True)\ntime.sleep(120)\n")
+
+
+def _simulate(out: Path, *extra: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "mixfleet.ui.cli", "simulate", "tiny-cpu", "-n", "30", "--out",
+                             str(out), "--json", *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_simulate_locks_its_out_as_run_does(tmp_path: Path) -> None:
+    """Another writer holds the folder (a run's lock, taken by another process): simulate, with --force or not, is
+    refused naming its pid and writes nothing. Two simulates started together into one new --out: one log, each
+    version once."""
+    out = tmp_path / "log"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        for extra in ((), ("--force",)):
+            p = _simulate(out, *extra)
+            _, err = p.communicate(timeout=300)
+            assert p.returncode == 2, err
+            assert f"mixfleet pid {holder.pid} holds its lock" in err and len(err.strip().splitlines()) == 1, err
+            assert sorted(x.name for x in out.iterdir()) == [".mixfleet.lock"]
+    finally:
+        holder.kill()
+        holder.wait()
+    both = tmp_path / "both"
+    a, b = _simulate(both), _simulate(both)
+    codes = sorted((a.wait(timeout=300), b.wait(timeout=300)))
+    assert codes == [0, 2], codes
+    versions = list(RunLog.open(both).updates.version)
+    assert versions == list(range(1, 31))
+    assert runner.invoke(app, ["simulate", "tiny-cpu", "-n", "2", "--out", str(both), "--force"]).exit_code == 0
+
+
+def test_export_never_writes_under_a_file_or_into_any_run_log(tmp_path: Path) -> None:
+    a, other = _run_log(tmp_path / "a", "twin"), _run_log(tmp_path / "other", "runner")
+    before = _tree(other)
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    res = runner.invoke(app, ["export", str(a), "--to", "tensorboard", "--out", str(f / "sub")])
+    assert res.exit_code == 2 and "not a folder" in res.output and len(res.output.strip().splitlines()) == 1, \
+        res.output
+    assert not isinstance(res.exception, NotADirectoryError)
+    for dest in (other / "updates", other / "events" / "tb", other):
+        res = runner.invoke(app, ["export", str(a), "--to", "tensorboard", "--out", str(dest)])
+        assert res.exit_code == 2 and str(other) in res.output and "run log" in res.output, res.output
+    assert _tree(other) == before and len(RunLog.open(other).updates) == 1
+    ok = runner.invoke(app, ["export", str(a), "--to", "tensorboard", "--out", str(tmp_path / "tb" / "a")])
+    assert ok.exit_code == 0, ok.output
+
+
+def test_run_tracker_under_a_file_is_refused_before_the_run_starts(tmp_path: Path) -> None:
+    f = tmp_path / "notes.txt"
+    f.write_text("x")
+    out = tmp_path / "run"
+    res = runner.invoke(app, ["run", "tiny-cpu", "--out", str(out), "--updates", "1",
+                              "--tracker", f"tensorboard={f / 'sub'}"])
+    assert res.exit_code == 2 and "--tracker" in res.output and "not a folder" in res.output, res.output
+    assert not out.exists()
+    other = _run_log(tmp_path / "other")
+    res = runner.invoke(app, ["run", "tiny-cpu", "--out", str(out), "--updates", "1",
+                              "--tracker", f"tensorboard={other / 'groups'}"])
+    assert res.exit_code == 2 and f"{other} is a run log" in res.output and not out.exists(), res.output

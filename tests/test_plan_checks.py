@@ -1,11 +1,21 @@
 """A plan's fields checked once, when it loads: formats against the registry (data/precisions.toml),
-accelerators against the catalog, types and required fields (issue 12 items 1-3, issue 13 item 5)."""
+accelerators against the catalog, types and required fields (issue 12 items 1-3, issue 13 item 5); a binary plan
+file is a one-line error and a plan's `base` is a shipped name or a file beside it (issue 13), and so are its
+model and workload specs (issue 24, the second probe)."""
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 import pytest
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.policies.plan import load_plan, plan_from_dict
+from mixfleet.ui.cli import app
+from trust_helpers import SECRET, plan_text
+from typer.testing import CliRunner
+
+runner = CliRunner()
 
 
 def _raw(**group: object) -> dict:
@@ -115,3 +125,66 @@ def test_shipped_plans_live_in_one_place_and_benchmarks_write_under_results() ->
     assert {"seed-mixed", "seed-homogeneous", "tiny-cpu"} <= set(known_plans())
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
     assert sorted(p.name for p in bench.iterdir() if p.is_file() and p.suffix != ".py") == []
+
+
+def test_a_binary_plan_file_is_a_one_line_error(tmp_path: Path) -> None:
+    from mixfleet.policies.plan import load_plan
+
+    plan = tmp_path / "plan.toml"
+    plan.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(SpecError, match="binary data"):
+        load_plan(plan)
+    res = runner.invoke(app, ["simulate", str(plan), "-n", "1"])
+    assert res.exit_code == 2 and "binary data" in res.output and not isinstance(res.exception, UnicodeDecodeError)
+
+
+def test_an_uploaded_plan_base_is_a_shipped_name_or_a_file_beside_it(tmp_path: Path) -> None:
+    from mixfleet.policies.plan import load_plan
+    from mixfleet.ui.app_common import plan_from_upload
+
+    secret = tmp_path / "elsewhere" / "secrets.toml"
+    secret.parent.mkdir()
+    secret.write_text('api_key = "SECRET-123"\n')
+    for base in (str(secret), "../elsewhere/secrets.toml", "/etc/passwd"):
+        with pytest.raises(SpecError, match="base") as err:
+            plan_from_upload(f'base = "{base}"\nname = "x"\n'.encode())
+        assert "SECRET-123" not in str(err.value) and "shipped" in str(err.value)
+    assert plan_from_upload(b'base = "tiny-cpu"\nname = "mine"\n').name == "mine"
+    own = tmp_path / "plans"
+    own.mkdir()
+    (own / "parent.toml").write_text('base = "tiny-cpu"\nname = "parent"\nseed = 5\n')
+    (own / "child.toml").write_text('base = "parent.toml"\nname = "child"\n')
+    assert load_plan(own / "child.toml").seed == 5
+    os.symlink(secret, own / "link.toml")                      # a link out of the folder counts as outside
+    (own / "sneaky.toml").write_text('base = "link.toml"\nname = "s"\n')
+    with pytest.raises(SpecError, match="base"):
+        load_plan(own / "sneaky.toml")
+
+
+@pytest.mark.parametrize("field", ["model", "workload"])
+def test_an_uploaded_plan_cannot_read_a_toml_file_elsewhere(tmp_path: Path, field: str) -> None:
+    from mixfleet.ui.app_common import plan_from_upload
+
+    secret = tmp_path / "secret.toml"
+    secret.write_text(f'api_key = "{SECRET}"\n')
+    (tmp_path / "up").mkdir()
+    (tmp_path / "up" / "link.toml").symlink_to(secret)
+    for ref in (str(secret), "../secret.toml", "link.toml"):
+        with pytest.raises(SpecError) as e:
+            plan_from_upload(plan_text(**{field: ref}).encode())
+        msg = str(e.value)
+        assert f"field '{field}'" in msg and ref in msg and "shipped" in msg and SECRET not in msg, msg
+    # the same rule for a plan file on disk: a link out of its folder is refused, a spec beside it is fine
+    (tmp_path / "up" / "plan.toml").write_text(plan_text(**{field: "link.toml"}))
+    with pytest.raises(SpecError, match=f"field '{field}'"):
+        load_plan(tmp_path / "up" / "plan.toml")
+    shipped = load_plan("tiny-cpu")
+    spec_name = "tiny" if field == "model" else "tiny-cpu"
+    folder = "models" if field == "model" else "workloads"
+    from mixfleet.costmodel.paths import data_path
+
+    (tmp_path / "up" / "mine.toml").write_text(data_path(folder, f"{spec_name}.toml").read_text())
+    (tmp_path / "up" / "plan.toml").write_text(plan_text(**{field: "mine.toml"}))
+    plan = load_plan(tmp_path / "up" / "plan.toml")
+    assert getattr(plan, field) == str((tmp_path / "up" / "mine.toml").resolve())   # beside it, wherever the CWD
+    assert getattr(shipped, field) == spec_name                                     # shipped names stay names

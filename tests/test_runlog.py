@@ -1,7 +1,8 @@
 """Run-log format: every table round-trips (values and dtypes), empty tables keep their columns, a log cut
 mid-write (garbage part, leftover temp file, a writer killed with SIGKILL) reads up to its last complete
 part, resume continues the part numbering without losing or duplicating rows, bad enums are refused
-with the allowed values, and plain pandas / pyarrow read the tables."""
+with the allowed values, and plain pandas / pyarrow read the tables. Bad logs (issue 13): a part of another schema
+is skipped with a warning, a corrupt run.json is reported as corrupt, and finding run logs is bounded."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 
 import pandas as pd
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from mixfleet.costmodel.errors import SpecError
@@ -33,6 +35,10 @@ from mixfleet.costmodel.records.runlog import (
     TrajectoryRecord,
     UpdateRecord,
 )
+from mixfleet.ui.cli import app
+from typer.testing import CliRunner
+
+runner = CliRunner()
 
 
 def traj(i: int, **kw) -> TrajectoryRecord:
@@ -325,3 +331,51 @@ def test_find_and_is_run_log(tmp_path: Path) -> None:
     assert not RunLog.is_run_log(tmp_path / "notalog") and not RunLog.is_run_log(tmp_path / "missing")
     assert RunLog.find(tmp_path) == [tmp_path / "a" / "run1", tmp_path / "b" / "run2", tmp_path / "run0"]
     assert RunLog.find(tmp_path / "run0") == [tmp_path / "run0"]
+
+
+def test_a_part_with_another_schema_is_skipped_with_a_warning(tmp_path: Path) -> None:
+    log = tmp_path / "log"
+    with RunLogWriter(log, {"source": "twin"}) as w:
+        w.append(update(1))
+        w.flush()
+        w.append(update(2))
+    pq.write_table(pa.table({"version": ["x", "y"], "foo": [1, 2]}), log / "updates" / "part-000007.parquet")
+    pq.write_table(pa.table({"bar": [1.0]}), log / "updates" / "part-000008.parquet")
+    with pytest.warns(RunLogWarning, match="part-00000[78]"):
+        read = RunLog.open(log)
+    assert list(read.updates.version) == [1, 2] and len(read.skipped) == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RunLogWarning)
+        w = RunLogWriter(log, {"source": "twin"})                      # a resume cuts around them, too
+        assert w.truncate_after_version(1, tables=("updates",)) == 1
+        w.close()
+        assert list(RunLog.open(log).updates.version) == [1]
+
+
+def test_a_corrupt_run_json_is_reported_as_corrupt(tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "run.json").write_text('{"format": "mixfleet-runlog", ')
+    assert "not valid JSON" in RunLog.not_a_run_log(bad) and RunLog.not_a_run_log(tmp_path) == "no run.json"
+    res = runner.invoke(app, ["calibrate", str(bad)])
+    assert res.exit_code == 2 and "not valid JSON" in res.output and "no run.json" not in res.output
+    res = runner.invoke(app, ["fidelity", "--runlog", str(bad)])
+    assert res.exit_code == 2 and "not valid JSON" in res.output
+
+
+def test_finding_run_logs_is_bounded(tmp_path: Path) -> None:
+    shallow = tmp_path / "study" / "mixed" / "grpo" / "seed0"
+    deep = tmp_path.joinpath(*[f"d{i}" for i in range(9)])
+    for d in (shallow, deep):
+        RunLogWriter(d, {"source": "twin"}).close()
+    assert RunLog.find(tmp_path) == [shallow]
+    for i in range(30):
+        (tmp_path / "many" / f"f{i:02d}").mkdir(parents=True)
+    RunLogWriter(tmp_path / "many" / "f29" / "run", {"source": "twin"}).close()
+    assert RunLog.find(tmp_path / "many", max_dirs=10) == []                 # stops looking after 10 folders
+    assert RunLog.find(tmp_path / "many") == [tmp_path / "many" / "f29" / "run"]
+    # issue 44: a link to a run folder elsewhere is not listed (the Runs page opened it; links are not followed)
+    outside = tmp_path / "elsewhere" / "run"
+    RunLogWriter(outside, {"source": "twin"}).close()
+    (tmp_path / "many" / "linked").symlink_to(outside, target_is_directory=True)
+    assert RunLog.find(tmp_path / "many") == [tmp_path / "many" / "f29" / "run"]

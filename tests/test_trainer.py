@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import warnings
 from pathlib import Path
 
@@ -295,3 +296,29 @@ def test_corrections_policy_loss_plugs_in(spec) -> None:
     assert m["version"] == 3 and "k3" in m and "group/0/k3" in m
     gain = ((t.token_logprobs(ids) - before) * mask[:, :-1]).sum(dim=1)
     assert (gain[adv_row > 0] > 0).all() and (gain[adv_row < 0] < 0).all(), gain
+
+
+def test_trainer_state_loads_tensors_only(tmp_path: Path) -> None:
+    """A trainer_state.pt that would run code when unpickled is refused, and its code does not run."""
+    import json
+
+    from mixfleet.runner.trainer.trainer import META_FILE, STATE_FILE, STATE_FORMAT, Trainer
+
+    marker = tmp_path / "pwned"
+
+    class Evil:
+        def __reduce__(self):  # noqa: ANN204
+            return (os.system, (f"touch {marker}",))
+
+    state = tmp_path / "state"
+    state.mkdir()
+    import torch
+
+    torch.save({"format": STATE_FORMAT, "model": Evil()}, state / STATE_FILE)   # the real file format
+    from mixfleet.costmodel.specs.model import load_model_spec
+
+    spec = load_model_spec("tiny").to_dict()
+    (state / META_FILE).write_text(json.dumps({"format": STATE_FORMAT, "version": 1, "spec": spec, "config": {}}))
+    with pytest.raises(ValueError, match="tensors and plain values"):
+        Trainer.resume(state)
+    assert not marker.exists()

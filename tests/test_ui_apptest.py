@@ -1,7 +1,9 @@
 """The Streamlit app driven in-process by Streamlit's AppTest: every page renders with its defaults,
 the planner runs and shows a mix, bad plan uploads show the validation error (never a traceback), the
 Dry-run page simulates two plans, and the Runs page charts run logs made here by the twin and by
-RunLogWriter (a "runner" run of the same plan, overlaid with the twin's prediction).
+RunLogWriter (a "runner" run of the same plan, overlaid with the twin's prediction). `mixfleet ui` serves
+headless on loopback, and a SIGTERM to it stops its Streamlit child (slow: the real command). An uploaded plan
+naming a TOML file elsewhere shows none of its values on the Dry-run page.
 
 Kept quick: dry runs use the tiny-cpu workload and 2 updates (MIXFLEET_UI_UPDATES / MIXFLEET_UI_WORKLOAD).
 """
@@ -10,13 +12,19 @@ from __future__ import annotations
 
 import json
 import math
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 pytest.importorskip("streamlit.testing.v1")
 from mixfleet.costmodel.records.runlog import GroupRecord, RunLogWriter, UpdateRecord  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
+from trust_helpers import SECRET, plan_text  # noqa: E402
 
 APP = str(Path(__file__).resolve().parents[1] / "ui" / "app.py")
 TIMEOUT_S = 240
@@ -261,6 +269,34 @@ def test_ui_command_serves_headless_on_loopback_without_telemetry() -> None:
     assert flags["--server.headless"] == "true" and flags["--browser.gatherUsageStats"] == "false"
 
 
+@pytest.mark.slow
+def test_sigterm_to_mixfleet_ui_stops_the_streamlit_child(tmp_path: Path) -> None:
+    from mixfleet.ui.commands.webapp import free_port
+
+    exe = Path(sys.executable).with_name("mixfleet")
+    ui = subprocess.Popen([str(exe), "ui", "--port", str(free_port()), "--runs-dir", str(tmp_path)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    child = None
+    try:
+        for _ in range(900):                                 # a loaded machine: up to 90 s
+            kids = [k for k in psutil.Process(ui.pid).children() if "streamlit" in " ".join(k.cmdline())]
+            if kids:                                          # (a child caught before its exec looks like us)
+                child = kids[0]
+                break
+            time.sleep(0.1)
+        assert child is not None and "streamlit" in " ".join(child.cmdline())
+        time.sleep(3.0)                                       # let it start serving
+        ui.send_signal(signal.SIGTERM)
+        ui.wait(timeout=90)
+        _, alive = psutil.wait_procs([child], timeout=60)
+        assert alive == [], "the Streamlit child outlived `mixfleet ui`"
+    finally:
+        if ui.poll() is None:
+            ui.kill()
+        if child is not None and child.is_running():            # only what this test started
+            child.kill()
+
+
 def test_runs_page_checks_the_twin_against_a_runner_log(env: Path) -> None:
     """A real run without a twin prediction: one click runs twin.calibrated.fidelity on it (priors), the
     fidelity table appears, and the kept twin log becomes the run's overlay."""
@@ -300,3 +336,39 @@ def test_plan_page_edited_workload_numbers_are_validated_and_used(env: Path) -> 
     at.run()
     errors = [e.value for e in at.error]
     assert len(errors) == 1 and "invalid model / workload numbers" in errors[0] and "Traceback" not in errors[0]
+
+
+def test_the_dry_run_page_does_not_show_an_outside_tomls_values(tmp_path: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe on the page: an uploaded plan with `model = "/abs/secret.toml"`; the page names the field and what
+    is allowed, and no value of the secret file appears, before or after Simulate."""
+    pytest.importorskip("streamlit.testing.v1")
+    from streamlit.testing.v1 import AppTest
+
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    monkeypatch.setenv("MIXFLEET_RUNS_DIR", str(runs))
+    monkeypatch.setenv("MIXFLEET_UI_UPDATES", "1")
+    monkeypatch.setenv("MIXFLEET_UI_WORKLOAD", "tiny-cpu")
+    secret = tmp_path / "secret.toml"
+    secret.write_text(f'name = "{SECRET}"\napi_key = "{SECRET}"\n')
+    at = AppTest.from_file(APP, default_timeout=240)
+    at.run()
+    at.switch_page("app_dryrun.py")
+    at.run()
+    at.radio(key="a_src").set_value("Upload a plan TOML")
+    at.toggle(key="dr_two").set_value(False)
+    at.run()
+    at.file_uploader(key="a_upload").set_value(("plan.toml", plan_text(model=str(secret)).encode(),
+                                                "application/octet-stream"))
+    at.run()
+    for b in at.button:
+        if b.key == "dr_go" and not b.disabled:
+            b.click().run()
+            break
+    assert not at.exception, [e.value for e in at.exception]
+    shown = [str(e.value) for kind in ("markdown", "caption", "info", "warning", "error", "code", "text")
+             for e in at.get(kind)]
+    assert not [s for s in shown if SECRET in s], [s for s in shown if SECRET in s]
+    errors = [e.value for e in at.error]
+    assert len(errors) == 1 and "field 'model'" in errors[0] and "shipped" in errors[0], errors

@@ -3,10 +3,14 @@
 The calibration is the real one fitted on tiny-cpu runs (benchmarks/results/fidelity-calibration.toml): CPU
 groups of the tiny model and a CPU trainer, so in the default GPU pool it matches nothing. Before, the Plan page
 said "its fitted values replace the priors for the groups and trainer it covers" and planned on the priors.
+
+The calibration table (issue 26, issue 44): no "None", no "kept at prior" on a value that moved, a round-off zero
+shown as zero, a value far from its prior flagged.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 from pathlib import Path
 
@@ -81,3 +85,51 @@ def test_a_calibration_that_covers_the_trainer_says_so_and_the_plan_is_marked_ca
     assert not at.exception, [e.value for e in at.exception]
     assert "Chosen mix (calibrated)" in [s.value for s in at.subheader]
     assert any(f"Planned with calibration `{cal}`" in c.value for c in at.caption)
+
+
+def test_the_calibration_table_has_no_none_and_a_moved_value_is_not_kept_at_prior() -> None:
+    from mixfleet.costmodel.calibration.record import Calibration
+    from mixfleet.ui.app_launch import _fitted_rows
+
+    rows = _fitted_rows(Calibration.load(CAL))
+    assert rows and all(r[k] is not None for r in rows for k in r), [r for r in rows if None in r.values()]
+    pre = [r for r in rows if r["parameter"] == "prefill_overhead_s"]
+    assert pre and all(r["source"] == "derived (moved from the prior)" for r in pre
+                       if not math.isclose(r["fitted"], r["prior"])), pre
+    kept = [r for r in rows if r["source"] == "kept at prior"]
+    assert all(math.isclose(r["fitted"], r["prior"], rel_tol=1e-9, abs_tol=1e-12) for r in kept), kept
+
+
+def test_the_calibration_table_shows_a_round_off_zero_as_zero() -> None:
+    """Issue 44: a value fitted at its bound of 0 read '1.178e-19 +- 0.029' in the table."""
+    import dataclasses
+
+    from mixfleet.costmodel.calibration.record import Calibration, Fitted
+    from mixfleet.ui.app_launch import _fitted_rows
+
+    cal = Calibration.load(CAL)
+    name = next(f.name for f in dataclasses.fields(cal) if isinstance(getattr(cal, f.name), Fitted))
+    cal = dataclasses.replace(cal, **{name: dataclasses.replace(getattr(cal, name), value=1.178e-19, stderr=0.029)})
+    row = next(r for r in _fitted_rows(cal) if r["where"] == "shared" and r["parameter"] == name)
+    assert row["fitted"] == 0.0 and row["± (1σ)"] == 0.029
+
+
+def test_the_calibration_table_flags_a_value_far_from_its_prior() -> None:
+    """Issue 44: a trainer fitted 11x slower than its prior went unremarked in the table."""
+    import dataclasses
+
+    from mixfleet.costmodel.calibration.record import Calibration, Fitted
+    from mixfleet.ui.app_launch import _fitted_rows, far_from_prior
+
+    cal = Calibration.load(CAL)
+    rows = _fitted_rows(cal)
+    assert all(r["fitted / prior"] == pytest.approx(r["fitted"] / r["prior"]) for r in rows
+               if r["prior"] > 0 and math.isfinite(r["prior"]))
+    name = next(f.name for f in dataclasses.fields(cal) if isinstance(getattr(cal, f.name), Fitted)
+                and (getattr(cal, f.name).prior or 0) > 0)
+    v = getattr(cal, name)
+    moved = dataclasses.replace(cal, **{name: dataclasses.replace(v, value=11 * v.prior, fitted=True, note="")})
+    flagged = far_from_prior(_fitted_rows(moved))
+    assert f"`{name}` (shared): 11x its prior" in flagged
+    near = dataclasses.replace(cal, **{name: dataclasses.replace(v, value=2 * v.prior, fitted=True, note="")})
+    assert not any(f"`{name}` (shared)" in x for x in far_from_prior(_fitted_rows(near)))

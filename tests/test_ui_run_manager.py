@@ -3,20 +3,32 @@ as a background process of its own, found again from its folder after the app's 
 it would start twice or overwrite something, killed (SIGKILL to its process group) with the run log left
 readable. The full loop (start -> stop -> resume -> calibrate -> re-plan) is the browser test's
 (tests/test_ui_browser.py); a stop and resume with each update exactly once is checked there with pandas.
+
+Nothing a file or a page says about a process is trusted (issue 24, the second probe): a managed.json the app did
+not write (by hand, or copied from another folder) is no managed run: the Runs page offers no controls for it and
+shows no driver log from the folder it names, and Stop / Kill / Resume refuse it; even a record the app wrote is
+signalled only while its pid is this run's `mixfleet run`. A managed run that ended is reaped, and a run's folder
+holds the specs its plan names.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
-import tomli_w
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.policies.plan import load_plan
 from mixfleet.ui import run_manager as rm
+from trust_helpers import SECRET, end_all, plan_text, running, sleeper
+
+APP = str(Path(__file__).resolve().parents[1] / "ui" / "app.py")
 
 
 def _group_members(pgid: int) -> list[int]:
@@ -32,10 +44,6 @@ def _group_members(pgid: int) -> list[int]:
     return out
 
 
-def _plan_text() -> str:
-    return tomli_w.dumps(load_plan("tiny-cpu").to_dict())
-
-
 def test_names_stay_one_folder_inside_the_runs_root(tmp_path: Path) -> None:
     for bad in ("", "../x", "a/b", "/etc", ".hidden", "x" * 65, "a b"):
         with pytest.raises(rm.RunManagerError, match="run name"):
@@ -48,23 +56,24 @@ def test_a_plan_is_data_only(tmp_path: Path) -> None:
         rm.parse_plan('base = "/etc/some.toml"\nname = "x"\n')
     with pytest.raises(SpecError, match="not TOML"):
         rm.parse_plan("this is [not toml")
-    assert rm.parse_plan(_plan_text()).name == "tiny-cpu"
+    assert rm.parse_plan(plan_text()).name == "tiny-cpu"
 
 
 def test_refuses_a_folder_that_holds_anything(tmp_path: Path) -> None:
     (tmp_path / "mine").mkdir()
     (tmp_path / "mine" / "notes.txt").write_text("keep me")
     with pytest.raises(rm.RunManagerError, match="not empty"):
-        rm.start(tmp_path, "mine", _plan_text(), 2)
+        rm.start(tmp_path, "mine", plan_text(), 2)
     assert (tmp_path / "mine" / "notes.txt").read_text() == "keep me"
     assert not (tmp_path / "mine" / rm.MANAGED_FILE).exists()
     with pytest.raises(rm.RunManagerError, match="updates"):
-        rm.start(tmp_path, "new", _plan_text(), 0)
+        rm.start(tmp_path, "new", plan_text(), 0)
 
 
 def test_a_reused_pid_is_not_taken_for_the_run(tmp_path: Path) -> None:
     """A record whose pid now belongs to another process (other start time, or a process that is not this folder's
-    `mixfleet run`) reads as not alive (issue 24; a real run of ours reads alive: tests/test_probe2_procs.py)."""
+    `mixfleet run`) reads as not alive (issue 24; a real run of ours reads alive:
+    test_our_own_run_is_still_stopped_and_then_reaped below)."""
     me = rm.ManagedRun(folder=str(tmp_path), pid=os.getpid(), pid_start=rm._pid_start(os.getpid()) or "",
                        command=[], started_utc="", updates=1)
     assert not me.alive()                 # the right start time, but pytest is not this folder's `mixfleet run`
@@ -84,13 +93,13 @@ def test_start_find_refuse_twice_kill(tmp_path: Path) -> None:
 
     init = init_model(load_model_spec("tiny"), tmp_path / "init", seed=0)
     root = tmp_path / "runs"
-    m = rm.start(root, "r1", _plan_text(), 2, init=str(init))
+    m = rm.start(root, "r1", plan_text(), 2, init=str(init))
     try:
         assert m.alive() and m.state() == "running"
         again = rm.find(root)                 # what an app restarted later sees
         assert [x.name for x in again] == ["r1"] and again[0].pid == m.pid and again[0].alive()
         with pytest.raises(rm.RunManagerError, match="running"):
-            rm.start(root, "r1", _plan_text(), 2, init=str(init))
+            rm.start(root, "r1", plan_text(), 2, init=str(init))
         with pytest.raises(rm.RunManagerError, match="running"):
             rm.resume(again[0])
         deadline = time.monotonic() + 600    # wait for its run log (Ray and the samplers start first)
@@ -114,8 +123,9 @@ def test_start_find_refuse_twice_kill(tmp_path: Path) -> None:
 
 def test_the_runs_page_offers_controls_only_for_its_own_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A run log the app did not start has no Stop/Kill/Resume; a run it started does (a real `mixfleet run`
-    with the app's signed managed.json; a hand-written one gets none: tests/test_probe2_procs.py), and Kill
-    ends it while it is still starting."""
+    with the app's signed managed.json; a hand-written one gets none:
+    test_the_runs_page_never_offers_controls_or_foreign_logs_for_a_crafted_record below), and Kill ends it while it
+    is still starting."""
     pytest.importorskip("streamlit.testing.v1")
     from mixfleet.costmodel.records.runlog import RunLogWriter
     from mixfleet.costmodel.specs.model import load_model_spec
@@ -136,7 +146,7 @@ def test_the_runs_page_offers_controls_only_for_its_own_runs(tmp_path: Path, mon
     assert not at.exception, [e.value for e in at.exception]
     assert not [b for b in at.button if b.label.startswith(("Stop", "Kill", "Resume"))]
     init = init_model(load_model_spec("tiny"), tmp_path / "init", seed=0)
-    m = rm.start(runs, "mine", _plan_text(), 3, init=str(init))
+    m = rm.start(runs, "mine", plan_text(), 3, init=str(init))
     try:
         at.run()                              # the run is starting: its panel, with its controls
         assert not at.exception, [e.value for e in at.exception]
@@ -202,3 +212,192 @@ def test_the_starting_banner_shows_the_pretraining_progress_a_run_prints() -> No
     assert pretrain_step("\n".join(out[:14])) == "pretraining the base policy: steps 30/150, loss 0.067"
     assert pretrain_step("\n".join(out)) is None                  # the last step: the run is past pretraining
     assert pretrain_step("rehearsal of 'tiny-cpu' as written\n[ 13.7s] ready cpu-bf16#0") is None
+
+
+def _crafted_record(folder: Path, pid: int, names_folder: Path) -> dict:
+    """A managed.json written by hand: another process's pid and real start time, a folder outside the runs
+    folder, and launch options nobody chose."""
+    rec = {"folder": str(names_folder), "pid": pid, "pid_start": rm._pid_start(pid), "command": ["sleep", "60"],
+           "started_utc": "2026-12-01T00:00:00Z", "updates": 3, "resumes": 0,
+           "extra": {"init": "/etc", "address": "127.0.0.1:1", "attach": ["g=http://127.0.0.1:9"], "embedded": False}}
+    (folder / rm.MANAGED_FILE).write_text(json.dumps(rec))
+    return rec
+
+
+# ---- managed.json written by hand or copied (issue 24, the second probe) -----------------------------------
+def test_a_hand_written_managed_json_is_not_a_managed_run(tmp_path: Path, state: Path) -> None:
+    """The probe's record: its pid is a live `sleep` with its real start time. Not listed, never signalled, never
+    relaunched with its options; even handed over as a ManagedRun, Stop / Kill / Resume refuse it."""
+    root = tmp_path / "runs"
+    folder = root / "evil"
+    (folder / rm.RUN_SUBDIR).mkdir(parents=True)
+    (folder / rm.RUN_SUBDIR / "run.json").write_text(json.dumps({"format": "mixfleet-runlog", "status": "stopped"}))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / rm.LOG_FILE).write_text(f"{SECRET} from a driver.log outside the runs folder\n")
+    victim = sleeper()
+    try:
+        rec = _crafted_record(folder, victim.pid, outside)
+        assert rm.load(folder) is None and rm.find(root) == []
+        assert "not written by this app" in (rm.refusal(folder) or "")
+        m = rm.ManagedRun(**rec)
+        assert not m.alive() and m.state() != "running"
+        for act in (rm.stop, rm.kill):
+            with pytest.raises(rm.RunManagerError, match="not running"):
+                act(m)
+        with pytest.raises(rm.RunManagerError, match="not a run this app started"):
+            rm.resume(m)
+        time.sleep(0.3)
+        assert running(victim)
+        assert not (folder / rm.LOG_FILE).exists()          # nothing was launched
+        assert (outside / rm.LOG_FILE).read_text().count("mixfleet ui:") == 0
+    finally:
+        end_all(victim)
+
+
+def test_a_record_of_ours_whose_pid_is_another_process_is_not_signalled(tmp_path: Path, state: Path) -> None:
+    """The second check: a record this app signed, naming a live process that is not this run's `mixfleet run`
+    (pid and start time right, command line not), reads as not running; Stop and Kill refuse it."""
+    folder = (tmp_path / "runs" / "stale").resolve()
+    (folder / rm.RUN_SUBDIR).mkdir(parents=True)
+    victim = sleeper()
+    try:
+        m = rm.ManagedRun(folder=str(folder), pid=victim.pid, pid_start=rm._pid_start(victim.pid) or "",
+                          command=["whatever"], started_utc="2026-12-01T00:00:00Z", updates=3)
+        rm.save(m)
+        back = rm.load(folder)
+        assert back is not None and back.pid == victim.pid      # the app's own record, in its own folder
+        assert not back.alive() and back.state() == "exited"
+        for act in (rm.stop, rm.kill):
+            with pytest.raises(rm.RunManagerError, match="not running"):
+                act(back)
+        time.sleep(0.3)
+        assert running(victim)
+        # the same process, were it this run's `mixfleet run` (its argv), would be ours: the check is the argv
+        assert rm.run_argv(folder)[:4] == [sys.executable, "-m", "mixfleet.ui.cli", "run"]
+    finally:
+        end_all(victim)
+
+
+def test_a_copied_run_folder_is_not_a_managed_run_and_the_page_settles(tmp_path: Path, state: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """`runs/backup/<run>` (a copy of a managed run folder whose run log exists): the copy's record names the
+    original folder, so it is refused; the Runs page on the backup folder renders once (it reran itself forever)."""
+    pytest.importorskip("streamlit.testing.v1")
+    from mixfleet.costmodel.records.runlog import RunLogWriter
+    from streamlit.testing.v1 import AppTest
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("MIXFLEET_RUNS_DIR", str(runs))
+    original = (runs / "r").resolve()
+    with RunLogWriter(original / rm.RUN_SUBDIR, {"source": "runner", "plan": load_plan("tiny-cpu").to_dict(),
+                                                 "seed": 0}) as w:
+        w.flush()
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    rm.save(rm.ManagedRun(folder=str(original), pid=gone.pid, pid_start="1", command=[],
+                          started_utc="2026-12-01T00:00:00Z", updates=3))
+    shutil.copytree(original, runs / "backup" / "r")
+    assert rm.load(original) is not None
+    assert rm.load(runs / "backup" / "r") is None and rm.find(runs / "backup") == []
+    assert "copied" in (rm.refusal(runs / "backup" / "r") or "")
+    at = AppTest.from_file(APP, default_timeout=90)
+    at.run()
+    at.switch_page("app_runs.py")
+    at.run()
+    t0 = time.monotonic()
+    at.text_input[0].set_value(str(runs / "backup")).run()
+    assert not at.exception, [e.value for e in at.exception]
+    assert time.monotonic() - t0 < 60
+    assert not [b for b in at.button if b.label.startswith(("Stop", "Kill", "Resume"))]
+
+
+def test_the_runs_page_never_offers_controls_or_foreign_logs_for_a_crafted_record(
+        tmp_path: Path, state: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe on the page: a run log with a hand-written managed.json beside it (a live `sleep`'s pid and start
+    time, `folder` outside the runs folder). No Stop / Kill / Resume, no tail of the outside driver.log, the page
+    says the record is not the app's, and the `sleep` lives."""
+    pytest.importorskip("streamlit.testing.v1")
+    from mixfleet.costmodel.records.runlog import RunLogWriter
+    from streamlit.testing.v1 import AppTest
+
+    runs = tmp_path / "runs"
+    monkeypatch.setenv("MIXFLEET_RUNS_DIR", str(runs))
+    folder = runs / "evil"
+    w = RunLogWriter(folder / rm.RUN_SUBDIR, {"source": "runner", "plan": load_plan("tiny-cpu").to_dict(), "seed": 0})
+    w.flush()
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / rm.LOG_FILE).write_text(f"{SECRET} from a driver.log outside the runs folder\n")
+    victim = sleeper()
+    try:
+        _crafted_record(folder, victim.pid, outside)
+        at = AppTest.from_file(APP, default_timeout=240)
+        at.run()
+        at.switch_page("app_runs.py")
+        at.run()
+        at.selectbox(key="runs_pick").set_value(str(folder / rm.RUN_SUBDIR)).run()
+        assert not at.exception, [e.value for e in at.exception]
+        assert not [b for b in at.button if b.label.startswith(("Stop", "Kill", "Resume", "Continue"))]
+        shown = [str(e.value) for kind in ("markdown", "caption", "info", "warning", "error", "code", "text")
+                 for e in at.get(kind)]
+        assert not [s for s in shown if SECRET in s]
+        assert any("not written by this app" in s for s in shown), shown
+        assert running(victim)
+    finally:
+        end_all(victim)
+        w.close()
+
+
+# ---- managed runs of ours ------------------------------------------------------------------------------
+def test_our_own_run_is_still_stopped_and_then_reaped(tmp_path: Path, state: Path) -> None:
+    """A real `mixfleet run` the app started: its record is ours, Stop signals it, and once it has exited it is
+    reaped (it stayed a `<defunct>` child of the app)."""
+    from mixfleet.costmodel.specs.model import load_model_spec
+    from mixfleet.runner.checkpoint.init_model import init_model
+
+    init = init_model(load_model_spec("tiny"), tmp_path / "init", seed=0)
+    root = tmp_path / "runs"
+    m = rm.start(root, "ours", plan_text(), 2, init=str(init))
+    try:
+        back = rm.load(root / "ours")
+        assert back is not None and back.alive() and back.state() == "running"
+        assert rm.refusal(root / "ours") is None
+        import dataclasses
+
+        assert not dataclasses.replace(back, pid_start="1").alive()        # a reused pid: another start time
+        assert not dataclasses.replace(back, folder=str(tmp_path)).alive()  # the process is another folder's run
+        rm.stop(back)
+        deadline = time.monotonic() + 120
+        while Path(f"/proc/{m.pid}").exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not Path(f"/proc/{m.pid}").exists(), f"pid {m.pid} left behind: " + \
+            Path(f"/proc/{m.pid}/stat").read_text()
+        assert rm.load(root / "ours").state() in ("stopped", "exited", "failed")
+    finally:
+        if Path(f"/proc/{m.pid}").exists():
+            os.killpg(m.pid, signal.SIGKILL)
+
+
+def test_run_for_real_makes_the_run_folder_self_contained(tmp_path: Path, state: Path) -> None:
+    """A Plan-page plan names its edited spec under RUNS/ui-specs/; a managed run copies it beside its plan.toml,
+    so `mixfleet run` (which only reads specs beside the plan) runs it. A spec outside the runs folder is refused
+    before anything starts."""
+    from mixfleet.costmodel.paths import data_path
+
+    root = (tmp_path / "runs").resolve()
+    (root / "ui-specs").mkdir(parents=True)
+    spec = root / "ui-specs" / "workload-tiny-cpu-0123456789.toml"
+    spec.write_text(data_path("workloads", "tiny-cpu.toml").read_text())
+    folder = root / "edited"
+    folder.mkdir()
+    text = rm.self_contained_plan(plan_text(workload=str(spec)), root, folder)
+    assert (folder / "workload.toml").read_text() == spec.read_text()
+    (folder / rm.PLAN_FILE).write_text(text)
+    assert load_plan(folder / rm.PLAN_FILE).workload == str(folder / "workload.toml")
+    secret = tmp_path / "secret.toml"
+    secret.write_text(f'api_key = "{SECRET}"\n')
+    with pytest.raises(SpecError) as e:
+        rm.start(root, "outside", plan_text(model=str(secret)), 2)
+    assert "field 'model'" in str(e.value) and SECRET not in str(e.value)
+    assert not (root / "outside").exists()

@@ -1,5 +1,5 @@
 """The named writes of one update of a run, where a test kills the process to check that the run log and the
-trainer state stay consistent at every crash point (tests/test_probe3_crash.py).
+trainer state stay consistent at every crash point (tests/test_run_crash_points.py).
 
 Set `MIXFLEET_DIE_AT=POINT@VERSION` and the process kills itself (SIGKILL: no handler, no flush, as a power cut
 or `kill -9`) right after that write of that update. The points, in order (runner/orchestration/orchestrator.py

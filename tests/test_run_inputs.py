@@ -6,7 +6,8 @@ line naming the flag or field, before anything starts, and nothing on disk is lo
   killed trainer save's `.trainer_state.<random>` no longer blocks `--resume` / `--force`;
 - one writer per run folder: a second writer is refused naming the first one's pid (`lock_output_dir`);
 - a resumed run log refuses another plan (`RunLogWriter`'s own check);
-- `--kill-at cpu-bf16@abc`, `--kv-budget 0`, `[embedded] task = "chess"`: refused naming the flag / field.
+- `--kill-at cpu-bf16@abc`, `[embedded] task = "chess"`: refused naming the flag / field
+  (`--kv-budget 0` of capacity / catalog is in tests/test_limits.py).
 """
 
 from __future__ import annotations
@@ -187,13 +188,6 @@ def test_kill_at_errors_name_the_flag(tmp_path: Path) -> None:
                                   "--updates", "2", "--kill-at", item])
         _one_line_error(res, "--kill-at", repr(item), why)
     assert not (tmp_path / "out").exists()
-
-
-def test_kv_budget_zero_is_refused_with_its_range() -> None:
-    for cmd in (["capacity", "-a", "H100", "-q", "fp8"], ["catalog"]):
-        res = runner.invoke(app, [*cmd, "--kv-budget", "0"])
-        assert res.exit_code == 2 and "--kv-budget" in res.output and "greater than or equal to 1" in res.output, \
-            res.output
 
 
 def test_an_unknown_task_is_refused_before_anything_starts(tmp_path: Path) -> None:

@@ -1,7 +1,9 @@
-"""Issue 26's "Confusing" items on the Dry-run page and its charts: the pipeline fill that makes this page read
-higher than the Plan page for the same plan, said here; the side-by-side table in the cards' formats with a
-difference column; side-by-side subplot titles that do not run into each other; replica lines with equal counts
-that do not hide each other."""
+"""What the pages show reads right (issue 26's "Confusing" and small items, issue 44). The Dry-run page and its
+charts: the pipeline fill that makes this page read higher than the Plan page for the same plan, said here; the
+side-by-side table in the cards' formats with a difference column; side-by-side subplot titles that do not run
+into each other; replica lines with equal counts that do not hide each other; a readable Pareto chart. Numbers in
+tables and costs as on the cards; wide intervals flagged on the Plan page's cards; errors without Python class
+names."""
 
 from __future__ import annotations
 
@@ -109,3 +111,33 @@ def test_a_small_cost_is_not_shown_as_zero() -> None:
     assert fmt_usd(0.00351) == "$0.0035" and fmt_usd(-0.004) == "-$0.004"
     assert fmt_usd(0.0) == "$0.00" and fmt_usd(2.5) == "$2.50" and fmt_usd(1234.5) == "$1,234.50"
     assert fmt_usd(0.3, 0) == "$0.3" and fmt_usd(61.64, 0) == "$62"
+
+
+def test_an_interval_wider_than_half_its_value_is_flagged() -> None:
+    from mixfleet.ui.app_common import fmt_s
+    from mixfleet.ui.app_plan import interval_text
+
+    assert interval_text(10.0, 6.0, fmt_s) == (f"⚠ {fmt_s(10.0)} ± {fmt_s(6.0)}", True)
+    assert interval_text(10.0, 4.0, fmt_s) == (f"{fmt_s(10.0)} ± {fmt_s(4.0)}", False)
+    # issue 44: one unit on both sides (it read "5.7 min ± 26.41 s")
+    assert interval_text(342.0, 26.41, fmt_s) == ("5.7 min ± 0.4 min", False)
+    assert interval_text(8000.0, 600.0, fmt_s) == ("2.22 h ± 0.17 h", False)
+    assert interval_text(10.0, math.nan, fmt_s)[1] is False        # no interval (too few updates): not flagged
+
+
+def _page_with_an_error() -> None:
+    from mixfleet.ui.app_common import show_error
+
+    show_error("cannot start the run", ValueError("run name 'a b': allowed letters, digits, '.', '_' and '-'"))
+
+
+def test_errors_show_the_message_and_the_class_only_in_an_expander() -> None:
+    pytest.importorskip("streamlit.testing.v1")
+    from streamlit.testing.v1 import AppTest
+
+    at = AppTest.from_function(_page_with_an_error)
+    at.run()
+    assert [e.value for e in at.error] == ["cannot start the run: run name 'a b': allowed letters, digits, '.', '_' "
+                                           "and '-'"]                # was "cannot start the run: ValueError: run..."
+    assert at.expander[0].label == "Details"
+    assert "builtins.ValueError" in at.expander[0].code[0].value
