@@ -16,7 +16,7 @@ every ratio stays inside the MIS band, sc_mis's centering is exactly 0 (its coef
 tokens only), so a broken centering shows only in sc's. An inverted MIS weight, a MIS mask that drops every
 token, the centering's sign flipped or taken against the trainer's p instead of the sampler's q, a replay that
 ignores the kept set, a flipped loss: each changes one of these gradients by far more than REF_TOL
-(benchmarks/results/learning_guard_rates.json).
+(benchmarks/results/learning_guard_rates_corr0.3.json: 0 of 20 seeds passed for each).
 
 Check 2, the direction (STEPS AdamW steps at LR on that batch): the change of each trajectory's log-probability
 under the trainer (sum over its generated tokens, full vocabulary) must follow its TRUE advantage (GRPO, from the
@@ -53,7 +53,9 @@ SAMPLER = {"precision": "nvfp4", "kv_cache_dtype": "bf16", "weight_noise": 0.1} 
 LR = 3e-4                      # AdamW, no warm-up, grad clip 1.0 (the recipe's optimizer)
 STEPS = 3
 REF_TOL = 1e-3                 # relative L2 error of the loss's gradient against the reference
-CORR_MIN = 0.3                 # Pearson(change of log-prob, true advantage)
+CORR_MIN = 0.67                # Pearson(change of log-prob, true advantage): at 0.3 shuffled rewards passed
+                               # 12 of 20 seeds (their r 0.10..0.60; the correct loss's 0.74..0.92:
+                               # benchmarks/results/learning_guard_rates_corr0.3.json); 0.67 lies between
 DELTA_MIN = 1e-3               # mean |change of a trajectory's log-prob| (nats)
 FAULTS = ("none", "sign", "lr0", "shuffle", "mis_inverted", "mis_drop", "sc_sign", "sc_wrong_q", "topp_ignore")
 TRAIN_SEED_SPAN = 10**8
