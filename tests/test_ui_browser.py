@@ -189,7 +189,7 @@ def test_click_through_the_three_pages(app_url: str, tmp_path: Path) -> None:
 
             page.get_by_test_id("stSidebarNav").get_by_text("Dry-run", exact=True).click()
             expect(page.get_by_role("heading", name="Dry-run", exact=True)).to_be_visible()
-            simulate = page.get_by_role("button", name="Simulate")
+            simulate = page.get_by_role("button", name="Simulate", exact=True)
             if simulate.is_enabled():  # disabled when both dry runs are already in the runs folder
                 simulate.click()
             expect(page.locator(".js-plotly-plot .gtitle", has_text="Timeline").first).to_be_visible()
