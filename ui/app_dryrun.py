@@ -166,9 +166,10 @@ def side_by_side_table(a: dict, b: dict, la: str, lb: str) -> pd.DataFrame:
         ok = all(isinstance(v, int | float) and v == v for v in (va, vb))
         diff = vb - va if ok else None
         # a difference of seconds in the unit of the larger value beside it (issue 44: "−47.70 s" next to minutes)
-        dfmt = (lambda x, ref=max(abs(va), abs(vb)) if ok else None: fmt_s(x, like=ref)) if fmt is fmt_s else fmt
+        size = (fmt_s(abs(diff), like=max(abs(va), abs(vb))) if fmt is fmt_s else fmt(abs(diff))) \
+            if diff is not None else ""
         rows.append({"metric": label, la: fmt(va), lb: fmt(vb),
-                     "difference (B - A)": ("+" if diff > 0 else "−" if diff < 0 else "") + dfmt(abs(diff))
+                     "difference (B - A)": ("+" if diff > 0 else "−" if diff < 0 else "") + size
                      if diff is not None else "—",
                      "B / A": f"{vb / va:.2f}x" if ok and va else "—"})
     return pd.DataFrame(rows)

@@ -255,15 +255,16 @@ SETUP_REQUEST_KEY = "plan_setup_request"   # "Plan its setup" (a CPU calibration
 SETUP_KEY = "plan_setup"                   # session state: the setup in force (pool, trainer, workload file)
 
 
-def calibration_setup(path: str) -> dict[str, Any] | None:
+def calibration_setup(path: str, cal: Any = None) -> dict[str, Any] | None:
     """What "Plan its setup" puts on the page for a calibration fitted on accelerators that are not GPUs of the
     catalog (a run on this machine's CPUs, issue 44: such a calibration could never change a plan in the app):
     its model, its measured workload (written under the runs folder), its accelerators with the precisions and KV
-    dtypes its groups ran, its trainer. None for a calibration of GPUs (their pool is the default one)."""
+    dtypes its groups ran, its trainer. None for a calibration of GPUs (their pool is the default one). `cal`:
+    the file's Calibration if the caller has loaded it already."""
     from mixfleet.costmodel.calibration.record import Calibration
     from mixfleet.costmodel.specs.catalog import load_catalog
 
-    cal = Calibration.load(path)
+    cal = cal if cal is not None else Calibration.load(path)
     gpus = set(load_catalog().gpus())
     accs = sorted({g.accelerator for g in cal.groups})
     if not accs or set(accs) <= gpus or not cal.model or cal.workload is None:
@@ -335,7 +336,7 @@ def _calibration_notice(path: str, model: str, pool: pd.DataFrame | None, kv: tu
     cal = Calibration.load(path)
     cal_model = cal.model
     models = _known()[0]
-    if (setup := calibration_setup(path)) is not None:
+    if (setup := calibration_setup(path, cal)) is not None:
         if (st.session_state.get(SETUP_KEY) or {}).get("calibration") != path and st.button(
                 f"Plan its setup ({cal_model} on {', '.join(a for a, _ in setup['pool'])}, its measured workload)",
                 key="pl_cal_setup", help="The calibration was fitted on accelerators outside the GPU pool (a run on "

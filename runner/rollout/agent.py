@@ -320,6 +320,21 @@ class _Recorder:
         return ids
 
 
+class _Stopwatch:
+    """Adds the wall seconds of each `with` block to `total_s` (also when the block raises)."""
+
+    def __init__(self) -> None:
+        self.total_s = 0.0
+        self._t0 = 0.0
+
+    def __enter__(self) -> _Stopwatch:
+        self._t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.total_s += time.perf_counter() - self._t0
+
+
 async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: AgentConfig | None = None,
                       session_id: str | None = None, group_id: str | None = None,
                       clock: Callable[[], float] = time.time) -> Episode:
@@ -338,11 +353,10 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
     finish, error, by_context = FINISH_MAX_TURNS, None, False
     start = clock()
     prompt_len = 0
-    tool_s = 0.0
+    in_tools = _Stopwatch()                   # seconds in the task's environment (Episode.tool_s)
     try:
-        t0 = time.perf_counter()
-        prompt_text = await task.areset(seed)
-        tool_s += time.perf_counter() - t0
+        with in_tools:
+            prompt_text = await task.areset(seed)
         prompt = first_prompt_ids(prompt_text)
         if len(prompt) + config.min_reply_tokens > config.context_length:
             raise ValueError(f"the task prompt ({len(prompt)} tokens) leaves less than min_reply_tokens "
@@ -379,11 +393,8 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
                 obs_ids = nudge_ids(observation)
             else:
                 without_call = 0
-                t0 = time.perf_counter()
-                try:
+                with in_tools:
                     step = await task.astep(call)
-                finally:
-                    tool_s += time.perf_counter() - t0
                 observation = step.output
                 obs_ids = tool_output_ids(observation)
                 done = step.done or task.done
@@ -407,27 +418,23 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
             if not fits:
                 finish, by_context = FINISH_MAX_TURNS, True
                 break
-        t0 = time.perf_counter()
-        try:
+        with in_tools:
             reward = float(task.reward())
-        finally:
-            tool_s += time.perf_counter() - t0
     except Exception as e:  # noqa: BLE001 - any failure of the sampler or the tool ends this episode only
         finish, error, reward = FINISH_ERROR, f"{type(e).__name__}: {e}", 0.0
     finally:
-        t0 = time.perf_counter()
         try:
-            await task.aclose()
+            with in_tools:
+                await task.aclose()
         except Exception as e:  # noqa: BLE001
             if error is None:
                 finish, error, reward = FINISH_ERROR, f"close: {type(e).__name__}: {e}", 0.0
-        tool_s += time.perf_counter() - t0
     return Episode(task=task.name, seed=seed, session_id=session_id, prompt_len=prompt_len, tokens=rec.tokens,
                    loss_mask=rec.loss_mask, logprobs=rec.logprobs, weight_versions=rec.weight_versions,
                    group_ids=rec.group_ids, top_logprobs=rec.top_logprobs, mask_ids=rec.mask_ids,
                    mask_logprobs=rec.mask_logprobs, turns=turns, reward=reward, finish_reason=finish,
                    truncated_by_context=by_context, error=error, start_s=start, end_s=clock(),
-                   routed_experts=rec.routed_experts(), tool_s=tool_s)
+                   routed_experts=rec.routed_experts(), tool_s=in_tools.total_s)
 
 
 def engine_generate(engine: SamplerEngine, *, return_logprob: bool = True, top_logprobs_num: int = 0,
