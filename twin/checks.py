@@ -69,10 +69,14 @@ def cores() -> int:
 
 def local_map(fn: Callable[..., dict[str, Any]], jobs: list[Job], *, workers: int = 0
               ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """`fn(*job)` for every job, as processes on this machine's cores (workers: 0 = one per core, at most one per
-    job); results in the jobs' order, the same as one after another in this process. One worker: in this
-    process."""
-    n = min(workers or cores(), len(jobs))
+    """`fn(*job)` for every job, as processes on this machine's cores; results in the jobs' order, the same as one
+    after another in this process. One worker: in this process.
+
+    workers: 0 = up to two per core (one core: in this process), at most one per job. Up to twice the cores, every
+    job runs at once and the kernel shares the cores: jobs of about equal length then end together, where one
+    worker per core leaves cores idle for the last round (3 checks on 2 cores: 1.5 checks' time instead of 2)."""
+    c = cores()
+    n = min(workers or (2 * c if c > 1 else 1), len(jobs))
     if n <= 1:
         return [fn(*job) for job in jobs], {"mode": "sequential", "workers": 1, "nodes": 1}
     with ProcessPoolExecutor(max_workers=n) as pool:
