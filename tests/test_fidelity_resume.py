@@ -114,6 +114,13 @@ def test_the_fidelity_note_says_what_the_resumed_runs_summary_counts(tmp_path: P
     rep = fidelity(None, tmp_path / "run", None)
     note = next(n for n in rep.notes if "segments" in n)
     assert "2 segments" in note and "60.5 s of start-ups and stops left out" in note, note
+    # the card leaves the same start-ups out (runsummary: time per update on the loop), so the note must not say the
+    # summary counts them (the probe: "the fidelity note and the run card contradict each other"), and the figure
+    # it quotes for the card is the one fidelity measures
+    s = summarize(tmp_path / "run")
+    assert "counts" not in note and "as on the run's card" in note, note
+    assert f"{s.time_per_update_mean_s:.2f} s" in note
+    assert s.time_per_update_mean_s == pytest.approx(rep.row("time_per_update_mean_s").measured)
 
 
 @pytest.mark.slow

@@ -250,8 +250,9 @@ def fidelity(plan: Plan | str | Path | None, runlog: str | Path, calibration: Ca
     if log.header.get("source") == "runner" and clock.segments > 1:
         s = summarize(log)
         notes.append(f"measured on the update loop of its {clock.segments} segments (stopped or killed, then resumed): "
-                     f"{s.elapsed_s - clock.span_s:.1f} s of start-ups and stops left out, which the run's own "
-                     f"summary counts ({s.time_per_update_mean_s:.2f} s per update there)")
+                     f"{s.elapsed_s - clock.span_s:.1f} s of start-ups and stops left out, as on the run's card "
+                     f"(its time per update, {s.time_per_update_mean_s:.2f} s, is measured on the same loop; its "
+                     f"tokens/s divides by all {s.elapsed_s:.1f} s)")
     if log.header.get("source") == "runner":
         up = log.updates
         if len(up) and float(up["cost_trainer_usd"].fillna(0).max()) == 0.0:
