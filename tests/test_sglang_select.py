@@ -16,6 +16,8 @@
 
 from __future__ import annotations
 
+import os
+
 import httpx
 import pytest
 import torch
@@ -23,6 +25,7 @@ from sampler_helpers import make_checkpoint
 
 PREFIX = "Q: Is the sky blue? A:"
 CHOICES = [" yes", " no", " maybe"]
+FRONTEND_ENV = "MIXFLEET_SGLANG_FRONTEND"   # a folder holding SGLang's frontend (see the last test)
 
 
 @pytest.fixture(scope="module")
@@ -88,12 +91,19 @@ def test_select_requests_replayed_field_by_field(setup):
     assert [r["meta_info"]["input_token_logprobs"] for r in unc] == [[], [], []]   # SGLang 0.5.23: -1 -> none
 
 
-def test_real_sglang_frontend_select(setup):
-    """Needs SGLang's frontend importable (e.g. PYTHONPATH of a `pip install --no-deps --target` copy)."""
+def test_real_sglang_frontend_select(setup, monkeypatch):
+    """Needs SGLang's frontend importable: installed, or a `pip install --no-deps --target DIR` copy named by
+    MIXFLEET_SGLANG_FRONTEND (.ci/run makes one: sglang 0.5.6 and the packages its import needs). Where that
+    variable is set the test fails instead of skipping."""
+    folder = os.environ.get(FRONTEND_ENV, "")
+    if folder:
+        monkeypatch.syspath_prepend(folder)
     try:
         import sglang as sgl
         from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
     except Exception as e:   # not installed, or its imports need packages this machine lacks
+        if folder:
+            pytest.fail(f"{FRONTEND_ENV}={folder}: SGLang's frontend does not import ({type(e).__name__}: {e})")
         pytest.skip(f"SGLang's frontend does not import here ({type(e).__name__}: {e})")
     url, engine, w = setup
 
