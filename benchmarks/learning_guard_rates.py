@@ -1,10 +1,11 @@
 """The CI learning guard's false-pass and false-fail rates, measured over seeds (resumable).
 
-    nice -n 10 python benchmarks/learning_guard_rates.py [--seeds K] [--faults none,sign,...] [--fresh]
+    nice -n 10 python benchmarks/learning_guard_rates.py [--seeds K] [--first-seed S] [--faults none,sign,...] [--fresh]
 
-For each seed 0..K-1: one batch sampled as tests/test_learning_guard.py samples it (its `sample_batch` with that
-seed: other problems, other sampling seeds, another weight-noise draw), then the guard's two checks (`run_guard`)
-once with the correct loss and once per counter-case, all on that batch. A seed's records are written to
+For each seed S..S+K-1 (S = 0 by default; --first-seed 20 measures seeds the threshold was not chosen on): one
+batch sampled as tests/test_learning_guard.py samples it (its `sample_batch` with that seed: other problems, other
+sampling seeds, another weight-noise draw), then the guard's two checks (`run_guard`) once with the correct loss
+and once per counter-case, all on that batch. A seed's records are written to
 benchmarks/results/learning_guard_rates.json as soon as they exist; a second call skips (seed, fault) pairs
 already there, so an interrupted run goes on where it stopped.
 
@@ -76,14 +77,16 @@ def main(argv: list[str] | None = None) -> int:
     from mixfleet.runner.orchestration.pretrain import pretrain
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--seeds", type=int, default=20, help="K seeds, 0..K-1 (default 20)")
+    ap.add_argument("--seeds", type=int, default=20, help="K seeds, S..S+K-1 (default 20)")
+    ap.add_argument("--first-seed", type=int, default=0, help="S, the first seed (default 0)")
     ap.add_argument("--faults", default=",".join(g.FAULTS), help=f"comma-separated, of {', '.join(g.FAULTS)}")
     ap.add_argument("--fresh", action="store_true", help="drop the results file's records first")
     args = ap.parse_args(argv)
     faults = tuple(f for f in args.faults.split(",") if f)
     bad = [f for f in faults if f not in g.FAULTS]
-    if bad or args.seeds < 1:
-        ap.error(f"--faults {bad} / --seeds {args.seeds}; allowed: faults of {', '.join(g.FAULTS)}, seeds >= 1")
+    if bad or args.seeds < 1 or args.first_seed < 0:
+        ap.error(f"--faults {bad} / --seeds {args.seeds} / --first-seed {args.first_seed}; allowed: faults of "
+                 f"{', '.join(g.FAULTS)}, seeds >= 1, first seed >= 0")
     torch.set_num_threads(2)
     data = json.loads(RESULTS.read_text()) if RESULTS.exists() and not args.fresh else {}
     settings = {"prompts": g.PROMPTS, "samples": g.SAMPLES, "top_p": g.TOP_P, "sampler": g.SAMPLER, "lr": g.LR,
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     records: list[dict[str, Any]] = data.get("records", [])
     done = {(r["seed"], r["fault"]) for r in records}
     base = str(pretrain().path)
-    for seed in range(args.seeds):
+    for seed in range(args.first_seed, args.first_seed + args.seeds):
         todo = [f for f in faults if (seed, f) not in done]
         if not todo:
             continue
