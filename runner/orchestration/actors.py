@@ -160,6 +160,10 @@ class TrainerWorker:
     def version(self) -> int:
         return int(self.trainer.version)
 
+    def pid(self) -> int:
+        """This actor's process (tests kill it: costmodel/records/writepoints.py)."""
+        return os.getpid()
+
     def cpu_s(self) -> float:
         """CPU seconds (user + system) this process has used."""
         t = os.times()

@@ -201,6 +201,8 @@ class Orchestrator:
             init_from=cfg.init_checkpoint, state_dir=str(state_dir), correction=self.correction,
             optimizer={"lr": cfg.lr, "grad_clip_norm": cfg.grad_clip_norm, "warmup_steps": cfg.lr_warmup_steps},
             threads=cfg.trainer_threads, resume=resuming, routing=self.plan.trainer.routing)
+        if writepoints.wants("trainer"):                # a test kills the trainer at a named write
+            writepoints.victim("trainer", await self.trainer.pid.remote())
         if point is None:                 # samplers load the base policy: start them while the trainer builds
             await self.weights.begin()
             ctx.version, *_ = await asyncio.gather(_trainer_version(self.trainer, None),
