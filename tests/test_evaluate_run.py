@@ -84,3 +84,35 @@ def test_a_runs_last_policy_evaluated_again_is_its_last_evaluation(tmp_path: Pat
     more = json.loads((tmp_path / "e.json").read_text())
     assert more["settings"]["problems"] == 6 and len(more["problem_rewards"]) == 6
     assert more["problem_rewards"][:4] == pytest.approx(list(again.problem_rewards))
+
+
+def test_a_task_sets_evaluation_says_each_tasks_outcome(tmp_path: Path) -> None:
+    """Issue 40: the per-task outcome of a task set. Problem i of the eval split is task (seed mod n) of the set,
+    named by its folder; `by_task` adds each task's problems up; `mixfleet evaluate --task-set` prints them."""
+    from mixfleet.runner.orchestration.evaluate_run import PolicyEvaluation
+    from mixfleet.runner.rollout.tasks import split_seeds
+    from sampler_helpers import make_checkpoint
+
+    root = Path(__file__).resolve().parents[1] / "data" / "tasksets" / "example"
+    names = sorted(p.name for p in root.iterdir() if p.is_dir())
+    ck = make_checkpoint(tmp_path / "ck", seed=1, weight_version="v0")
+    res = evaluate_policy(ck, problems=6, k=1, task="repo", task_options={"task_set": str(root)}, max_turns=2,
+                          max_new_tokens=8)
+    assert res.problem_names == tuple(names[s % len(names)] for s in split_seeds("eval", 6))
+    rows = {r["task"]: r for r in res.by_task()}
+    assert sum(r["problems"] for r in rows.values()) == 6 and set(rows) == set(res.problem_names)
+    assert res.to_dict()["by_task"] == res.by_task()
+    # solved and mean reward per task, on known rewards
+    ev = PolicyEvaluation(source="x", kind="checkpoint", version=None, settings={}, reward=0.5, reward_se=0.0,
+                          pass_at_k=0.5, problem_rewards=(1.0, 0.0, 0.5, 0.0), wall_s=0.0,
+                          problem_names=("a", "b", "a", "b"), problem_solved=(True, False, True, False))
+    assert ev.by_task() == [{"task": "a", "problems": 2, "reward": 0.75, "solved": 2},
+                            {"task": "b", "problems": 2, "reward": 0.0, "solved": 0}]
+    r = runner.invoke(app, ["evaluate", str(ck), "--task-set", str(root), "--problems", "6", "--k", "1",
+                            "--max-turns", "2", "--max-new-tokens", "8"])
+    assert r.exit_code == 0, r.output
+    lines = r.output.splitlines()
+    at = lines.index(f"per task ({root}):")
+    assert [ln.split()[0] for ln in lines[at + 1:at + 1 + len(rows)]] == list(rows)
+    bad = runner.invoke(app, ["evaluate", str(ck), "--task-set", str(tmp_path / "none"), "--problems", "2"])
+    assert bad.exit_code == 2 and "task_set" in bad.output and "Traceback" not in bad.output

@@ -44,9 +44,25 @@ class PolicyEvaluation:
     pass_at_k: float
     problem_rewards: tuple[float, ...]       # each problem's mean reward over its k samples, in problem order
     wall_s: float
+    problem_names: tuple[str, ...] = ()      # each problem's name (a task set's task folder, else "seed N")
+    problem_solved: tuple[bool, ...] = ()    # each problem solved by any of its k samples (pass@k's count)
+
+    def by_task(self) -> list[dict[str, Any]]:
+        """The outcome per named problem, in first-seen order: a task set's tasks recur (problem i is task
+        i mod n), so each task's problems, mean reward and problems solved."""
+        out: dict[str, dict[str, Any]] = {}
+        for name, r, ok in zip(self.problem_names, self.problem_rewards, self.problem_solved, strict=True):
+            t = out.setdefault(name, {"task": name, "problems": 0, "reward_sum": 0.0, "solved": 0})
+            t["problems"] += 1
+            t["reward_sum"] += r
+            t["solved"] += int(ok)
+        return [{"task": t["task"], "problems": t["problems"], "reward": t["reward_sum"] / t["problems"],
+                 "solved": t["solved"]} for t in out.values()]
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self) | {"problem_rewards": list(self.problem_rewards)}
+        return dataclasses.asdict(self) | {"problem_rewards": list(self.problem_rewards),
+                                           "problem_names": list(self.problem_names),
+                                           "problem_solved": list(self.problem_solved), "by_task": self.by_task()}
 
 
 def run_eval_settings(run_dir: str | Path) -> dict[str, Any]:
@@ -132,8 +148,11 @@ def _evaluation(source: str, kind: str, version: int | None, cfg: EvalConfig, re
     se = statistics.stdev(per_problem) / math.sqrt(len(per_problem)) if len(per_problem) > 1 else math.nan
     settings = {"problems": cfg.problems, "k": cfg.k, "seed": cfg.seed, "split": "eval",
                 **{k: getattr(cfg, k) for k in SETTINGS}}
+    solved = tuple(any(r >= cfg.success_reward for r in res.rewards[i * cfg.k:(i + 1) * cfg.k])
+                   for i in range(cfg.problems))
     return PolicyEvaluation(source=source, kind=kind, version=version, settings=settings, reward=res.reward_mean,
-                            reward_se=se, pass_at_k=res.pass_at_k, problem_rewards=per_problem, wall_s=res.wall_s)
+                            reward_se=se, pass_at_k=res.pass_at_k, problem_rewards=per_problem, wall_s=res.wall_s,
+                            problem_names=res.problem_names, problem_solved=solved)
 
 
 def paired_difference(a: PolicyEvaluation | dict[str, Any], b: PolicyEvaluation | dict[str, Any]) -> dict[str, float]:

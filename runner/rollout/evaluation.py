@@ -59,6 +59,8 @@ class EvalResult:
     solved: int
     wall_s: float
     rewards: tuple[float, ...] = ()        # every episode's reward, problem by problem (k each, in sample order)
+    problem_names: tuple[str, ...] = ()    # each problem's name (`Task.problem_name`, a task set's task folder;
+                                           # "seed N" for a task that does not name its problems)
 
 
 def pass_at_k(successes: list[list[bool]]) -> float:
@@ -84,9 +86,10 @@ async def pass_at_k_eval(checkpoint: str | Path, config: EvalConfig | None = Non
     agent = AgentConfig(context_length=engine.context_length, max_turns=config.max_turns,
                         sampling=SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                                 top_p=config.top_p))
+    tasks = [make_task(config.task, **config.task_options) for _ in range(len(seeds) * config.k)]
     try:
         eps = await asyncio.gather(*[
-            run_episode(make_task(config.task, **config.task_options), s, generate, session_id=f"eval-{s}-{j}",
+            run_episode(tasks[i * config.k + j], s, generate, session_id=f"eval-{s}-{j}",
                         config=dataclasses.replace(agent, sampling=dataclasses.replace(
                             agent.sampling, sampling_seed=config.seed * 1_000_003 + i * 97 + j)))
             for i, s in enumerate(seeds) for j in range(config.k)])
@@ -98,4 +101,5 @@ async def pass_at_k_eval(checkpoint: str | Path, config: EvalConfig | None = Non
     rewards = [e.reward for e in eps]
     return EvalResult(pass_at_k=pass_at_k(succ), reward_mean=sum(rewards) / len(rewards), problems=config.problems,
                       k=config.k, solved=sum(1 for s in succ if any(s)), wall_s=time.perf_counter() - t0,
-                      rewards=tuple(float(r) for r in rewards))
+                      rewards=tuple(float(r) for r in rewards),
+                      problem_names=tuple(tasks[i * config.k].problem_name or f"seed {s}" for i, s in enumerate(seeds)))

@@ -28,6 +28,9 @@ def register_evaluate(app: typer.Typer) -> None:
         top_p: float = typer.Option(None, "--top-p", help="Default: the run's own evaluation's (1: full vocabulary)."),
         max_turns: int = typer.Option(None, "--max-turns", help="Default: the run's own evaluation's."),
         max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="Default: the run's own evaluation's."),
+        task_set: Path = typer.Option(None, "--task-set", help="Evaluate on this task set (a folder of repository "
+                                      "tasks, docs/tasks.md) with the repo task; prints the outcome per task. "
+                                      "Default: the run's own task."),
         out: Path = typer.Option(None, "--out", "-o", help="Also write the result (with each problem's reward) "
                                  "to this JSON file (a new file outside every run folder)."),
         force: bool = typer.Option(False, "--force", help="Replace the file --out names if it exists."),
@@ -44,8 +47,9 @@ def register_evaluate(app: typer.Typer) -> None:
         try:
             if out is not None:                 # checked before anything is built: never replaced, never in a run
                 prepare_output_file(out, where="mixfleet evaluate", force=force)
+            on_set = {} if task_set is None else {"task": "repo", "task_options": {"task_set": str(task_set)}}
             res = evaluate_policy(path, problems=problems, k=k, seed=seed, temperature=temperature, top_p=top_p,
-                                  max_turns=max_turns, max_new_tokens=max_new_tokens)
+                                  max_turns=max_turns, max_new_tokens=max_new_tokens, **on_set)
         except (SpecError, ValueError, FileNotFoundError) as e:
             typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from None
@@ -63,3 +67,10 @@ def register_evaluate(app: typer.Typer) -> None:
                    f"+- {res.reward_se:.3f} (standard error), pass@{s['k']} {res.pass_at_k:.3f}; {s['problems']} "
                    f"problems x {s['k']}, T = {s['temperature']}, top-p {s['top_p']}, seed {s['seed']}, "
                    f"{res.wall_s:.0f} s")
+        if (s.get("task_options") or {}).get("task_set"):     # a task set's tasks by name (docs/tasks.md)
+            rows = res.by_task()
+            width = max(len(r["task"]) for r in rows)
+            typer.echo(f"per task ({s['task_options']['task_set']}):")
+            for r in rows:
+                typer.echo(f"  {r['task']:<{width}}  reward {r['reward']:.3f}  solved {r['solved']} of "
+                           f"{r['problems']} problems (pass@{s['k']})")

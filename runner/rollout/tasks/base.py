@@ -92,6 +92,8 @@ class Task(abc.ABC):
     tools: ClassVar[tuple[str, ...]] = ()
     Config: ClassVar[type]               # the task's frozen kw-only config dataclass (make_task's options)
     max_turns: int = 8
+    problem_name: str = ""               # the problem the last reset drew, for a task that names its problems (a
+                                         # task set's task folder); "": the evaluation names it by its seed
 
     # ---- synchronous core (in-process tasks implement these) ----------------------------------
     @abc.abstractmethod

@@ -199,6 +199,7 @@ class RepoTask(Task):
             self.spec = problem_spec(self.problem)
             prompt = f"{self.problem.issue}\nFiles: {MODULE}, {TEST_FILE}. Tests: {self.spec.test_command}. " \
                      f"{TOOLS_LINE}"
+        self.problem_name = self.spec.name
         self._src = Path(tempfile.mkdtemp(prefix="mixfleet-repo-"))
         for rel, text in self.spec.files.items():
             path = self._src / rel
