@@ -37,6 +37,7 @@ LADDER = "learning.json"
 SAME_BASE = "learning_b-lr_same_base.json"
 FINAL = "learning_final_eval.json"
 TOUR = "tour_learning.json"                 # the README tour's runs (benchmarks/tour_learning.py)
+TREAT = "learning_treatment.json"           # the treatment fleet t-grpo / t-c beside b-lr (benchmarks/learning.py)
 ABLATIONS = ("moe", "moe-base300")          # docs/ablation/<dir>/verdicts.json, the MoE ablation reports quoted
 DOC = "docs/learning.md"
 README = "README.md"
@@ -58,7 +59,7 @@ wholly outside (beyond +0.05 or below -0.05); otherwise not shown, and not refut
 
 def load(results: Path = RESULTS) -> dict[str, Any]:
     out = {}
-    for key, name in (("ladder", LADDER), ("same", SAME_BASE), ("final", FINAL), ("tour", TOUR)):
+    for key, name in (("ladder", LADDER), ("same", SAME_BASE), ("final", FINAL), ("tour", TOUR), ("treat", TREAT)):
         path = results / name
         try:
             out[key] = json.loads(path.read_text())
@@ -327,6 +328,27 @@ def findings(data: dict[str, Any]) -> tuple[list[tuple[str, str, str, str]], dic
     rows.append(("the treatment: the mixed fleet's mismatch exceeds the homogeneous one's", "c-grpo-lr vs b-lr, "
                  "same base: run k3, mean of updates 2-6", f"mixed / homogeneous {min(kr):.2f}-{max(kr):.2f}x per seed",
                  "not shown (needs >= 3x)" if min(kr) < 3 else "shown"))
+    tre = data["treat"]
+    pairs = [(t, h) for t in runs_of(tre, "t-grpo") for h in runs_of(tre, "b-lr") if t["seed"] == h["seed"]]
+    same_base = bool(pairs) and all(t.get("base_digest") and t["base_digest"] == h.get("base_digest")
+                                    for t, h in pairs)
+    kt = [statistics.fmean(t["kl_k3"][1:6]) / statistics.fmean(h["kl_k3"][1:6]) for t, h in pairs]
+    if kt:
+        m, _, lo, hi = t_interval(kt) if len(kt) > 1 else (kt[0], math.nan, math.nan, math.nan)
+        fx.update({"f.treat.min": min(kt), "f.treat.max": max(kt), "f.treat.mean": m, "f.treat.lo": lo,
+                   "f.treat.hi": hi, "f.treat.n": len(kt)})
+        digest = pairs[0][0]["base_digest"] if same_base else None
+        rows.append(("the treatment: the mixed fleet's mismatch exceeds the homogeneous one's",
+                     "t-grpo (tiny-cpu, kernel noise fp8 0.5 / nvfp4 0.9) vs b-lr, "
+                     + (f"same base (weights sha256 {digest[:12]}): " if same_base else "two bases: ")
+                     + "run k3, mean of updates 2-6",
+                     f"mixed / homogeneous {min(kt):.2f}-{max(kt):.2f}x per seed, mean {m:.2f}x, 95 % interval "
+                     f"[{lo:.2f}, {hi:.2f}] ({len(kt)} seeds)",
+                     "not shown (two bases)" if not same_base else
+                     _verdict_count(sum(k >= 3 for k in kt), len(kt)) + " (>= 3x per seed)"))
+        growth = {rung: [r["kl_k3"][-1] / r["kl_k3"][0] for r in runs_of(tre, rung)] for rung in ("t-grpo", "t-c")}
+        fx.update({f"f.treat.{rung}.growth_{x}": f(g) for rung, g in growth.items()
+                   for x, f in (("min", min), ("max", max))})
     return rows, fx
 
 
@@ -500,8 +522,12 @@ CLAIMS: list[Claim] = [
       "f.sooner.min", "f.sooner.max"),
     q("by {}-{} updates out of ~17, on 3 seeds, and at update 40 the mixed fleet's held-out reward is the higher "
       "one on {} of 3 seeds", "f.sooner.min", "f.sooner.max", "f.sooner.mixed_higher_end"),
-    q("the mixed fleet's run k3 over updates 2-6 is {}-{}x the homogeneous one's", "f.kl_ratio.min",
-      "f.kl_ratio.max"),
+    q("2e-4..4e-4, against ~1e-2 at staleness 2 by update 5; the mixed fleet's run k3 over updates 2-6 is {}-{}x the "
+      "homogeneous one's", "f.kl_ratio.min", "f.kl_ratio.max"),
+    q("the mixed fleet's run k3 over updates 2-6 is {}-{}x the homogeneous one's, mean {}x", "f.treat.min",
+      "f.treat.max", "f.treat.mean"),
+    q("GRPO's k3 grows {}-{}x from update 1 to 6 and SC + MIS + top-p's {}-{}x", "f.treat.t-grpo.growth_min",
+      "f.treat.t-grpo.growth_max", "f.treat.t-c.growth_min", "f.treat.t-c.growth_max"),
     q("Finding 2: GRPO collapses by all three signs on {} of 3 seeds on the mixed fleets, and on the homogeneous fleet "
       "from the same base on the same {} seeds; \"sooner on mixed\" is {}-{} updates, and at update 40 the mixed "
       "fleet's held-out reward is the higher one on {} of 3 seeds", "f.c-grpo-lr.collapsed", "f.b-lr@same.collapsed",
@@ -629,6 +655,8 @@ CLAIMS: list[Claim] = [
       "f.d-c300-grpo.collapsed", "d-c300-grpo.start", "d-c300-grpo.end", file=README),
     q("the mixed fleet's KL at the start is {}-{}x the homogeneous one's", "f.kl_ratio.min", "f.kl_ratio.max",
       file=README),
+    q("on its fp8 / nvfp4 groups (the treatment fleet, same base) it is {}-{}x (mean {}x, {} seeds",
+      "f.treat.min", "f.treat.max", "f.treat.mean", "f.treat.n", file=README),
     # README: the measured-figures rows
     q("**{} -> {}, {} -> {}, {} -> {} (mean {} -> {}): stable, not learning at lr 3e-4", "c.s0.v0", "c.s0.v40",
       "c.s1.v0", "c.s1.v40", "c.s2.v0", "c.s2.v40", "c.start", "c.end", file=README),
