@@ -125,7 +125,7 @@ START_MU, START_SIGMA = math.log(0.05), 0.3
 OUT_MU, OUT_SIGMA = math.log(40.0), 0.5
 
 
-def _synthetic_log(path: Path, episodes: int, seed: int) -> dict:
+def _synthetic_log(path: Path, episodes: int, seed: int, noop_share: float = 0.0) -> dict:
     """A run log of `episodes` repo-like episodes drawn from known distributions; returns the truths."""
     rng = np.random.default_rng(seed)
     plan = {"name": "synth", "workload": "tiny-cpu", "policies": {"batcher": {"prompts_per_update": 4,
@@ -136,6 +136,7 @@ def _synthetic_log(path: Path, episodes: int, seed: int) -> dict:
         for i in range(episodes):
             turns = int(rng.integers(2, 9))
             calls = np.exp(rng.normal(MU, SIGMA, turns))          # every reply calls a command
+            calls[rng.random(turns) < noop_share] = 2e-5          # ... but these (a call that runs none)
             out = np.rint(np.exp(rng.normal(OUT_MU, OUT_SIGMA, turns))).astype(int)
             starts = np.exp(rng.normal(START_MU, START_SIGMA, 2))
             waits = [0.0, float(rng.exponential(0.5))]
@@ -216,6 +217,20 @@ def test_calibrate_writes_a_workload_that_simulate_and_plan_load(tmp_path: Path)
         w.append(_traj(0))
     res = CliRunner().invoke(app, ["calibrate", str(tmp_path / "old"), "--workload-out", str(tmp_path / "x.toml")])
     assert res.exit_code != 0 and "turn_tool_s" in res.output and not (tmp_path / "x.toml").exists()
+
+
+def test_values_that_are_not_one_lognormal_are_written_as_measured(tmp_path: Path) -> None:
+    """Half the calls run no command (20 us), half a command (lognormal, median 0.8 s): the lognormal of all of
+    them is far off their mean, so the workload takes the measured seconds (their mean kept), and says so."""
+    _synthetic_log(tmp_path / "run", 100, seed=4, noop_share=0.5)
+    fit = fit_workload([tmp_path / "run"], seed=0)
+    lat = fit.fits["tool_latency_s"]
+    assert not lat.fits_the_mean() and abs(lat.clipped_mean() / lat.mean.value - 1) > 0.2
+    spec = fit.spec()
+    assert spec.tool_latency_s.kind == "empirical"
+    assert spec.tool_latency_s.mean == pytest.approx(lat.mean.value, rel=0.02)
+    assert spec.tool_output_tokens.kind == "lognormal"              # the others stay lognormal
+    assert any(n.startswith("tool_latency_s: the lognormal") for n in fit.notes)
 
 
 # ---- the workload field ----------------------------------------------------------------------------------------

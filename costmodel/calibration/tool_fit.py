@@ -9,6 +9,10 @@ seconds (`command_s`). The fit, over the episodes that ended normally (not "erro
 - `tool_latency_s`: lognormal, maximum likelihood (median = exp(mean log x), sigma = std log x) over the tool calls a
   next reply followed (the twin's "latency after turn i", i < turns - 1; the final call, `submit` for the repo task,
   is the reward's time and is reported as `final_call_s`), clipped to the range seen;
+- every lognormal written into the workload must reproduce the sample mean: when the clipped lognormal's mean is
+  more than MEAN_TOLERANCE (10 %) off (values that are not one lognormal: a weak policy's calls that run no
+  command take microseconds, its commands a second), the field is written as the measured values instead
+  (empirical, at most EMPIRICAL_MAX_VALUES order statistics) and a note says so; the lognormal is still reported;
 - `tool_output_tokens`: lognormal over the tokens appended after each reply a next reply followed (its tool output,
   or the nudge after a reply without a call: what the twin appends after turn i; integer, clipped to the range seen);
 - `turns`: the replies per episode as measured (empirical; its mean and median with intervals, and the share of
@@ -45,6 +49,7 @@ import pandas as pd
 from mixfleet.costmodel.calibration.record import CalibrationError
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.records.runlog import RunLog
+from mixfleet.costmodel.specs.dist import dist_from_dict
 from mixfleet.costmodel.specs.workload import WorkloadSpec, load_workload, workload_from_dict
 
 BOOTSTRAP_SAMPLES = 1000           # resamples of the episodes
@@ -53,6 +58,7 @@ MIN_EPISODES = 4                   # episodes with the per-reply lists a fit nee
 MIN_OBSERVATIONS = 4               # values of one lognormal field
 EMPIRICAL_MAX_VALUES = 512         # the turns distribution keeps at most this many values
 LEFT_OUT = ("error", "aborted", "restarted")
+MEAN_TOLERANCE = 0.10              # a lognormal is written when its clipped mean is this close to the sample mean
 # the fits written into the workload (the others, command_s, are reported only)
 WORKLOAD_FIELDS = ("tool_latency_s", "tool_output_tokens", "prompt_tokens", "reply_tokens", "sandbox_start_s")
 
@@ -83,6 +89,7 @@ class LognormalFit:
     high: float                        # largest value seen
     episodes: int
     integer: bool = False
+    values: tuple[float, ...] = field(default=(), repr=False, compare=False)   # every value fitted
 
     @property
     def mu(self) -> Estimate:
@@ -102,10 +109,34 @@ class LognormalFit:
             d.update(min=float(math.floor(self.low)), max=float(math.ceil(self.high)), integer=True)
         return d
 
+    def clipped_mean(self) -> float:
+        """The mean of `dist()` (the lognormal clipped to the range seen), what the twin's draws average."""
+        return dist_from_dict(self.dist(), where="fit").mean
+
+    def fits_the_mean(self) -> bool:
+        """The clipped lognormal's mean within MEAN_TOLERANCE of the sample mean (else the values are not one
+        lognormal, e.g. calls that ran no command, microseconds, next to commands that take a second)."""
+        return abs(self.clipped_mean() - self.mean.value) <= MEAN_TOLERANCE * abs(self.mean.value)
+
+    def empirical(self) -> dict[str, Any]:
+        """The workload TOML's inline table: the values seen (at most EMPIRICAL_MAX_VALUES evenly spaced order
+        statistics of them)."""
+        return {"kind": "empirical", "values": [_r(v) for v in _spaced(np.asarray(self.values))],
+                "min": _r(self.low), "max": _r(self.high), **({"integer": True} if self.integer else {})}
+
     def to_dict(self) -> dict[str, Any]:
-        return {"median": self.median.to_dict(), "mu": self.mu.to_dict(), "sigma": self.sigma.to_dict(),
+        return {"median": self.median.to_dict(), "mu": self.mu.to_dict(), "clipped_mean": self.clipped_mean(),
+                "fits_the_mean": self.fits_the_mean(), "sigma": self.sigma.to_dict(),
                 "mean": self.mean.to_dict(), "model_mean": self.model_mean(),
                 "min": self.low, "max": self.high, "episodes": self.episodes, "integer": self.integer}
+
+
+def _spaced(x: np.ndarray) -> np.ndarray:
+    """`x` sorted, cut to at most EMPIRICAL_MAX_VALUES evenly spaced order statistics."""
+    x = np.sort(x)
+    if len(x) > EMPIRICAL_MAX_VALUES:
+        x = x[np.linspace(0, len(x) - 1, EMPIRICAL_MAX_VALUES).round().astype(int)]
+    return x
 
 
 def _r(x: float) -> float:
@@ -153,7 +184,8 @@ def fit_lognormal(groups: Sequence[Sequence[float]], *, rng: np.random.Generator
                         unit=unit),
         sigma=Estimate(value=sigma, lo=_bounds(sigb)[0], hi=_bounds(sigb)[1], n=m),
         mean=Estimate(value=float(x.mean()), lo=_bounds(meanb)[0], hi=_bounds(meanb)[1], n=m, unit=unit),
-        low=float(x.min()), high=float(x.max()), episodes=len(groups), integer=integer)
+        low=float(x.min()), high=float(x.max()), episodes=len(groups), integer=integer,
+        values=tuple(float(v) for v in x))
 
 
 def _share(hits: Sequence[float], totals: Sequence[float], rng: np.random.Generator, unit: str = "") -> Estimate:
@@ -320,9 +352,17 @@ def fit_workload(runlogs: Iterable[str | os.PathLike[str] | RunLog], *, seed: in
     if len(tr):
         figures["pool_wait_share"] = _share(wait_tot, dur, rng)
     cap_max = float(cap) if cap else float(t.max())
-    vals = np.sort(t)
-    if len(vals) > EMPIRICAL_MAX_VALUES:
-        vals = vals[np.linspace(0, len(vals) - 1, EMPIRICAL_MAX_VALUES).round().astype(int)]
+    vals = _spaced(t)
+    written: dict[str, dict[str, Any]] = {}
+    for k, f in fits.items():
+        if k not in WORKLOAD_FIELDS:
+            continue
+        written[k] = f.dist() if f.fits_the_mean() else f.empirical()
+        if not f.fits_the_mean():
+            notes.append(f"{k}: the lognormal (median {f.median.value:.3g}, sigma {f.sigma.value:.3g}) averages "
+                         f"{f.clipped_mean():.3g} {f.median.unit}, the values {f.mean.value:.3g}: not one lognormal, "
+                         f"the workload takes the measured values (empirical, "
+                         f"{min(len(f.values), EMPIRICAL_MAX_VALUES)} of {len(f.values)})")
     runs = tuple(str(log.directory) for log in logs)
     workload: dict[str, Any] = {
         "name": name or f"{plan_name}-measured",
@@ -333,7 +373,7 @@ def fit_workload(runlogs: Iterable[str | os.PathLike[str] | RunLog], *, seed: in
         "success_prob": _r(figures["success_prob"].value), "no_tool_call_prob": _r(figures["no_tool_call_prob"].value),
         "turns": {"kind": "empirical", "values": [float(v) for v in vals], "min": 1.0, "max": cap_max,
                   "integer": True},
-        **{k: f.dist() for k, f in fits.items() if k in WORKLOAD_FIELDS},
+        **written,
     }
     counts = {"runs": len(logs), "episodes": len(tr), "tool_calls": int(calls.sum()),
               "between_calls": int(sum(len(x) for x in lat)), "sandbox_starts": int(sum(len(s) for s in starts)),
