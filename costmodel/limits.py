@@ -39,6 +39,7 @@ WORKLOAD_DIST_BOUNDS: dict[str, tuple[float, float, str]] = {
     "reply_tokens": (0, MAX_NEW_TOKENS, "MAX_NEW_TOKENS"),
     "tool_output_tokens": (0, MAX_CONTEXT_TOKENS, "MAX_CONTEXT_TOKENS"),
     "tool_latency_s": (0, MAX_TOOL_LATENCY_S, "MAX_TOOL_LATENCY_S"),
+    "sandbox_start_s": (0, MAX_TOOL_LATENCY_S, "MAX_TOOL_LATENCY_S"),     # optional (WorkloadSpec.sandbox_start_s)
 }
 
 

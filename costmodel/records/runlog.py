@@ -67,6 +67,8 @@ EVENT_KINDS = ("scale_up", "scale_down", "cold_start", "ready", "preempt", "cras
 EXTREME_RATIO_LOW = 0.2     # a token's sampler/trainer probability ratio below this is "extreme low"
 EXTREME_RATIO_HIGH = 5.0    # ... above this is "extreme high"
 
+EPISODE_LIST_MAX = 8192    # entries of a trajectory's per-episode list (commands, sandboxes); turn_* lists: turns
+
 FIND_MAX_DEPTH = 6          # RunLog.find: folders below the root it looks into (a study nests runs 3 deep)
 FIND_MAX_DIRS = 10_000      # ... and at most this many folders in all
 
@@ -131,6 +133,17 @@ class TrajectoryRecord:
     tool_calls: int = -1             # replies that called a tool; -1 = not recorded (older logs)
     tool_s: float = _NAN             # seconds in the task's environment (sandbox start, commands, the tests on
                                      # submit); NaN = not recorded (older logs, the twin)
+    # Per-episode lists (None = not recorded: older logs, the twin, a task without them). Bounded by the episode:
+    # the turn_* lists have exactly `turns` entries, the others at most EPISODE_LIST_MAX.
+    turn_tool_s: list[float] | None = None       # per reply: seconds of its tool call (NaN: the reply called none)
+    turn_output_tokens: list[int] | None = None  # per reply: tokens appended after it (tool output / nudge; 0: none)
+    command_s: list[float] | None = None         # seconds of each sandbox command, in order (the model's commands,
+                                                 # a task's setup, the tests on submit)
+    sandbox_start_s: list[float] | None = None   # start seconds of each sandbox the episode opened (repo: 2)
+    pool_wait_s: list[float] | None = None       # seconds each of them waited for a slot of the sandbox pool
+
+    LISTS: ClassVar[tuple[str, ...]] = ("turn_tool_s", "turn_output_tokens", "command_s", "sandbox_start_s",
+                                        "pool_wait_s")
 
     def __post_init__(self) -> None:
         where = "TrajectoryRecord"
@@ -138,6 +151,20 @@ class TrajectoryRecord:
             object.__setattr__(self, "prompt_id", str(self.prompt_id))
         _check_enum(where, "finish_reason", self.finish_reason, FINISH_REASONS)
         _nan_if_none(self, ("reward", "tool_s"))
+        for name in self.LISTS:
+            v = getattr(self, name)
+            if v is None:
+                continue
+            try:
+                vals = [int(x) for x in v] if name == "turn_output_tokens" else [float(x) for x in v]
+            except (TypeError, ValueError):
+                raise SpecError(where, name, v, "a list of numbers or None") from None
+            if len(vals) > EPISODE_LIST_MAX or (name.startswith("turn_") and len(vals) != self.turns):
+                raise SpecError(where, name, f"{len(vals)} entries", f"{self.turns} (turns)" if name.startswith(
+                    "turn_") else f"at most {EPISODE_LIST_MAX} (EPISODE_LIST_MAX)")
+            if not all(x >= 0 or (name == "turn_tool_s" and math.isnan(x)) for x in vals):
+                raise SpecError(where, name, v, "numbers >= 0" + (" or NaN" if name == "turn_tool_s" else ""))
+            object.__setattr__(self, name, vals)
         _check_nonneg(where, self, ("sample_index", "turns", "prompt_tokens", "generated_tokens", "restarts",
                                     "version_start", "start_s"))
         if self.version_end < self.version_start:
@@ -266,6 +293,9 @@ def _schema_for(cls: type) -> pa.Schema:
         t = f.type if isinstance(f.type, str) else f.type.__name__
         if t.startswith("dict[int, int]"):
             cols.append(pa.field(f.name, pa.map_(pa.int64(), pa.int64()), nullable=True))
+        elif t.startswith(("list[float]", "list[int]")):
+            item = pa.float64() if t.startswith("list[float]") else pa.int64()
+            cols.append(pa.field(f.name, pa.list_(item), nullable=True))
         else:
             cols.append(pa.field(f.name, _ARROW_TYPES[t], nullable=False))
     return pa.schema(cols)
@@ -283,6 +313,11 @@ def _to_pandas(t: pa.Table, table: str) -> pd.DataFrame:
     df = t.to_pandas()
     if table == "trajectories" and "tokens_by_version" in df.columns:
         df["tokens_by_version"] = [None if v is None else dict(v) for v in df["tokens_by_version"]]
+    if table == "trajectories":
+        for name in TrajectoryRecord.LISTS:
+            if name in df.columns:
+                df[name] = [None if v is None else (v.tolist() if hasattr(v, "tolist") else list(v))
+                            for v in df[name]]
     return df
 
 

@@ -2,7 +2,8 @@
 
 A workload (data/workloads/*.toml, or any path) says how many prompts and samples per prompt make
 an update, and per episode: turns, first-turn prompt tokens, reply tokens and tool-output tokens
-per turn, tool latency, the context limit, and the probability a trajectory earns reward 1. The
+per turn, tool latency, the context limit, and the probability a trajectory earns reward 1; optionally the
+seconds an episode's sandbox takes to start (`sandbox_start_s`, `mixfleet calibrate --workload-out` measures it). The
 twin samples episodes from it; the planner uses the closed-form means below. Each distribution's support
 is bounded (costmodel/limits.py `WORKLOAD_DIST_BOUNDS`: never negative, turns at most 4,096, ...), a value
 beyond refused with the limit named; a lognormal without `max` is clipped at its field's limit.
@@ -31,6 +32,7 @@ from mixfleet.costmodel.specs.dist import Dist, dist_from_dict
 from mixfleet.costmodel.tomlread import check_keys, get_float, get_int, get_str, read_toml
 
 DIST_FIELDS = ("turns", "prompt_tokens", "reply_tokens", "tool_output_tokens", "tool_latency_s")
+OPTIONAL_DIST_FIELDS = ("sandbox_start_s",)     # absent: the workload says nothing about it (None)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,6 +48,7 @@ class WorkloadSpec:
     max_context: int                   # tokens; an episode stops growing its context here
     success_prob: float = 0.5          # probability a trajectory earns reward 1
     no_tool_call_prob: float = 0.0     # probability a reply makes no tool call (3 in a row end it)
+    sandbox_start_s: Dist | None = None  # seconds to start an episode's sandbox (None: not given; optional)
     description: str = ""
     source: str = ""
     date: str = ""
@@ -57,10 +60,12 @@ class WorkloadSpec:
             check_count(where, f, getattr(self, f), 1, hi)
         check_product(where, "prompts_per_update x samples_per_prompt",
                       self.prompts_per_update * self.samples_per_prompt, MAX_TRAJECTORIES_PER_UPDATE)
-        for f in DIST_FIELDS:
+        for f in (*DIST_FIELDS, *OPTIONAL_DIST_FIELDS):
             d = getattr(self, f)
+            if d is None and f in OPTIONAL_DIST_FIELDS:
+                continue
             if not isinstance(d, Dist):
-                raise SpecError(where, f, d, "a Dist")
+                raise SpecError(where, f, d, "a Dist" + (" or None" if f in OPTIONAL_DIST_FIELDS else ""))
             if d.where == "dist":                          # built in code: say which workload and field it is
                 d = dataclasses.replace(d, where=f"{where} {f}")
             lo, hi, limit = WORKLOAD_DIST_BOUNDS[f]
@@ -114,6 +119,9 @@ class WorkloadSpec:
                              "success_prob": self.success_prob, "no_tool_call_prob": self.no_tool_call_prob}
         for f in DIST_FIELDS:
             d[f] = getattr(self, f).to_dict()
+        for f in OPTIONAL_DIST_FIELDS:
+            if getattr(self, f) is not None:
+                d[f] = getattr(self, f).to_dict()
         return d
 
 
@@ -121,12 +129,15 @@ def workload_from_dict(raw: dict[str, Any], where: str = "workload") -> Workload
     """Build a WorkloadSpec from a TOML table; unknown keys are refused, naming the known ones."""
     scalars = ("name", "description", "source", "date", "prompts_per_update", "samples_per_prompt", "max_context",
                "success_prob", "no_tool_call_prob")
-    check_keys(where, raw, (*scalars, *DIST_FIELDS))
+    check_keys(where, raw, (*scalars, *DIST_FIELDS, *OPTIONAL_DIST_FIELDS))
     dists = {}
     for f in DIST_FIELDS:
         if f not in raw:
             raise SpecError(where, f, None, "a distribution (the field is required)")
         dists[f] = dist_from_dict(raw[f], where=f"{where} {f}")
+    for f in OPTIONAL_DIST_FIELDS:
+        if f in raw:
+            dists[f] = dist_from_dict(raw[f], where=f"{where} {f}")
     return WorkloadSpec(
         name=get_str(where, raw, "name"), description=get_str(where, raw, "description", default=""),
         source=get_str(where, raw, "source", default=""), date=get_str(where, raw, "date", default=""),

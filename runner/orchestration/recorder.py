@@ -75,7 +75,10 @@ class RunRecorder:
             turns=ep.num_turns, prompt_tokens=len(ep.tokens) - ep.num_generated, generated_tokens=ep.num_generated,
             start_s=max(ep.start_s, 0.0), end_s=max(ep.end_s, ep.start_s, 0.0), reward=ep.reward,
             finish_reason=ep.finish_reason, restarts=s.restarts, tokens_by_version=tbv,
-            trained_version=trained_version, tool_calls=ep.num_tool_calls, tool_s=ep.tool_s))
+            trained_version=trained_version, tool_calls=ep.num_tool_calls, tool_s=ep.tool_s,
+            turn_tool_s=list(ep.turn_tool_s), turn_output_tokens=list(ep.turn_output_tokens),
+            **{k: list(v) for k in ("command_s", "sandbox_start_s", "pool_wait_s")
+               if isinstance(v := ep.env_metrics.get(k), list | tuple)}))
 
     def log_update(self, prompts: list[PromptGroup[Sample]], batch: Any, metrics: Mapping[str, Any], *,
                    start_s: float, train_s: float, sync_s: float, pass_at_k: float,

@@ -147,6 +147,13 @@ class Episode:
     # seconds spent in the task's environment (reset, tool calls, the reward, close): for a sandboxed task its
     # sandbox start, commands and the submission's tests; wall seconds of this process, not generation
     tool_s: float = 0.0
+    # per reply, in order (len == turns): seconds of its tool call in the task's environment (NaN: no call), and
+    # tokens appended after it (its tool output or the nudge, wrappers included; 0: nothing appended)
+    turn_tool_s: list[float] = field(default_factory=list)
+    turn_output_tokens: list[int] = field(default_factory=list)
+    # the task's own measurements of its environment when the episode ended (Task.metrics(); the repo task's
+    # sandbox starts, pool waits and command seconds); {} for an in-process task
+    env_metrics: dict[str, Any] = field(default_factory=dict)
 
     @property
     def num_turns(self) -> int:
@@ -354,6 +361,8 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
     start = clock()
     prompt_len = 0
     in_tools = _Stopwatch()                   # seconds in the task's environment (Episode.tool_s)
+    turn_tool_s: list[float] = []
+    turn_output_tokens: list[int] = []
     try:
         with in_tools:
             prompt_text = await task.areset(seed)
@@ -383,18 +392,23 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
             if gen_finish.get("type") == "abort":
                 turns.append(Turn(reply_start=reply_start, reply_end=len(rec.tokens), call=None, observation=None,
                                   generate_finish=gen_finish, group_id=served_by))
+                turn_tool_s.append(math.nan)
+                turn_output_tokens.append(0)
                 finish = FINISH_ABORTED
                 break
             call = parse_tool_call(reply)
             done = False
+            call_s = math.nan
             if call is None:
                 without_call += 1
                 observation = config.nudge
                 obs_ids = nudge_ids(observation)
             else:
                 without_call = 0
+                t_call = time.perf_counter()
                 with in_tools:
                     step = await task.astep(call)
+                call_s = time.perf_counter() - t_call
                 observation = step.output
                 obs_ids = tool_output_ids(observation)
                 done = step.done or task.done
@@ -405,6 +419,8 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
                 rec.add_context(obs_ids)
             else:
                 observation = None
+            turn_tool_s.append(call_s)
+            turn_output_tokens.append(len(obs_ids) if observation is not None else 0)
             turns.append(Turn(reply_start=reply_start, reply_end=reply_start + len(reply), call=call,
                               observation=observation, generate_finish=gen_finish, group_id=served_by))
             if done:
@@ -434,7 +450,17 @@ async def run_episode(task: Task, seed: int, generate: GenerateFn, *, config: Ag
                    group_ids=rec.group_ids, top_logprobs=rec.top_logprobs, mask_ids=rec.mask_ids,
                    mask_logprobs=rec.mask_logprobs, turns=turns, reward=reward, finish_reason=finish,
                    truncated_by_context=by_context, error=error, start_s=start, end_s=clock(),
-                   routed_experts=rec.routed_experts(), tool_s=in_tools.total_s)
+                   routed_experts=rec.routed_experts(), tool_s=in_tools.total_s, turn_tool_s=turn_tool_s,
+                   turn_output_tokens=turn_output_tokens, env_metrics=_env_metrics(task))
+
+
+def _env_metrics(task: Task) -> dict[str, Any]:
+    """Task.metrics() of the finished episode; {} when the task has none or it fails (the episode stands)."""
+    metrics = getattr(task, "metrics", None)
+    try:
+        return dict(metrics()) if callable(metrics) else {}
+    except Exception:  # noqa: BLE001 - a measurement must not fail an episode
+        return {}
 
 
 def engine_generate(engine: SamplerEngine, *, return_logprob: bool = True, top_logprobs_num: int = 0,

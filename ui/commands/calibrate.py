@@ -33,10 +33,15 @@ def register(app: typer.Typer) -> None:
                                           "efficiency factors to published GPU measurements (a folder or file, e.g. "
                                           "data/measurements/), judged leave-one-source-out."),
         out: Path = typer.Option(None, "--out", "-o", help="Write the calibration here (TOML)."),
+        workload_out: Path = typer.Option(None, "--workload-out", "-w", help="Fit the workload of real runs with "
+                                          "tools (command seconds, turns, tool-output tokens, sandbox start), each "
+                                          "with a 95% interval, and write it here as a workload TOML that "
+                                          "simulate and plan take; without --out only this fit runs."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:
         """Fit the cost model's free parameters to run logs: each value with its uncertainty and the residuals
-        (or, with --measurements, the roofline's factors to published figures)."""
+        (or, with --measurements, the roofline's factors to published figures; with --workload-out, the
+        workload the runs had)."""
         from mixfleet.costmodel.calibration.fit import calibrate
         from mixfleet.costmodel.calibration.record import calibration_dict
         from mixfleet.costmodel.errors import SpecError
@@ -46,6 +51,10 @@ def register(app: typer.Typer) -> None:
             return
         if not runlogs:
             _fail(SpecError("command line", "RUNLOGS", None, "one or more run-log folders, or --measurements DIR"))
+        if workload_out is not None:
+            _fit_workload(runlogs, workload_out, as_json and out is None)
+            if out is None:
+                return
         try:
             cal = calibrate(runlogs)
         except (SpecError, FileNotFoundError, OSError) as e:
@@ -119,6 +128,45 @@ def register(app: typer.Typer) -> None:
                    f"{g['staleness_within_half_update']}")
         for n in rep.notes:
             typer.echo(f"note: {n}")
+
+
+def _fit_workload(runlogs: list[Path], out: Path, as_json: bool) -> None:
+    from mixfleet.costmodel.calibration.tool_fit import INTERVAL, fit_workload
+    from mixfleet.costmodel.errors import SpecError
+
+    for r in runlogs:
+        if not r.is_dir():
+            _fail(SpecError("command line", "RUNLOGS", str(r), "run-log folders"))
+    try:
+        fit = fit_workload(runlogs)
+        fit.save(out)
+    except (SpecError, FileNotFoundError, OSError) as e:
+        _fail(e)
+    if as_json:
+        typer.echo(json.dumps(json_safe({**fit.to_dict(), "written_to": str(out)}), indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    c = fit.counts
+    t = Table(title=f"Workload measured from {c['runs']} run log(s): {c['episodes']} episodes, {c['tool_calls']} "
+                    f"tool calls, {c['sandbox_starts']} sandbox starts ({INTERVAL:.0%} bootstrap intervals)")
+    for col in ("field", "parameter", "fitted", "interval", "n", "unit"):
+        t.add_column(col, justify="left" if col in ("field", "parameter", "unit") else "right")
+    for name, f in fit.fits.items():
+        for label, e in (("median", f.median), ("mu (log median)", f.mu), ("sigma", f.sigma),
+                         ("mean (sample)", f.mean)):
+            t.add_row(name if label == "median" else "", label, _fmt(e.value),
+                      f"[{_fmt(e.lo)}, {_fmt(e.hi)}]", str(e.n), e.unit)
+    for name, e in fit.figures.items():
+        t.add_row(name, "", _fmt(e.value), f"[{_fmt(e.lo)}, {_fmt(e.hi)}]", str(e.n), e.unit)
+    Console().print(t)
+    p = fit.pool
+    typer.echo(f"sandbox pool: {p['sandboxes']} sandboxes, {p['waits_over_1ms']} waited > 1 ms, "
+               f"{_fmt(p['wait_s_total'], '.3g')} s of waits in {_fmt(p['episode_s_total'], '.4g')} episode-seconds")
+    for n in fit.notes:
+        typer.echo(f"note: {n}")
+    typer.echo(f"workload written to {out} (use: mixfleet plan --workload {out}, or a plan's workload = \"{out}\")")
 
 
 def _fit_measurements(path: Path, out: Path | None, as_json: bool) -> None:

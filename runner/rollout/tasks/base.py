@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 SPLITS: tuple[str, ...] = ("train", "eval")
 EVAL_SEED_START = 1_000_000_000          # first seed of the held-out evaluation split
@@ -126,6 +126,11 @@ class Task(abc.ABC):
 
     async def aclose(self) -> None:
         self.close()
+
+    def metrics(self) -> dict[str, Any]:
+        """The episode's measurements of its environment (the repo task: each sandbox's start and pool wait, each
+        command's seconds; runner/rollout/tasks/repo/task.py); {} for an in-process task."""
+        return {}
 
 
 def unknown_tool_message(call: ToolCall, tools: tuple[str, ...]) -> str:
