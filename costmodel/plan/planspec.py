@@ -262,9 +262,9 @@ def resolve_sandbox(sb: SandboxPlan | None, catalog_sandbox: Any = None) -> Reso
     if sb is None:
         return None
     if sb.price_per_hour_usd is not None:
+        src = f"the plan's [sandbox] ({sb.source or 'no source given'}" + (f", {sb.date})" if sb.date else ")")
         return ResolvedSandbox(max_live=sb.max_live, start_s=float(sb.start_s),
-                               usd_per_hour=float(sb.price_per_hour_usd), price_source=f"the plan's [sandbox] ({sb.source or 'no source given'}"
-                                            + (f", {sb.date})" if sb.date else ")"))
+                               usd_per_hour=float(sb.price_per_hour_usd), price_source=src)
     from mixfleet.costmodel.specs.catalog import sandbox_price
 
     price = catalog_sandbox or sandbox_price()
