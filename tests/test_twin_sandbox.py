@@ -1,0 +1,179 @@
+"""Sandboxes in the twin and the planner (issue 42): hand-computed timelines of the twin's pool (start latency,
+FIFO queueing at the cap, billing of every live sandbox, commands inside the sandbox), the run log's and the
+summary's sandbox figures, the [sandbox] plan table and its price, and the planner's sandbox model (Little's
+law at the cap, the split of cost per update, what binds)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.plan.planspec import ResolvedSandbox, SandboxPlan, resolve_sandbox
+from mixfleet.costmodel.records.runlog import RunLog, RunLogWriter
+from mixfleet.costmodel.specs.catalog import sandbox_price
+from mixfleet.costmodel.specs.workload import workload_from_dict
+from mixfleet.policies.plan import plan_from_dict
+from mixfleet.policies.prompt_buffer import PromptGroup
+from mixfleet.twin.episodes import Episode
+from mixfleet.twin.rates import FixedRates, Setup
+from mixfleet.twin.sim import simulate
+from mixfleet.twin.world import GroupSetup, Session, TrainerSetup, World
+
+USD_PER_S = 3600.0        # a sandbox price of 3600 USD/h: one USD per sandbox-second, so cost = seconds
+
+
+def workload(**kw):
+    raw = {"name": "w", "prompts_per_update": 1, "samples_per_prompt": 2, "max_context": 1_000_000, "turns": 1,
+           "prompt_tokens": 10, "reply_tokens": 100, "tool_output_tokens": 0, "tool_latency_s": 0.0,
+           "success_prob": 1.0}
+    return workload_from_dict({**raw, **kw})
+
+
+def gsetup() -> GroupSetup:
+    # decode 100 tokens/s per session at any batch (step 0.01 s, no per-sequence cost), no prefill time
+    return GroupSetup(name="g", rates=FixedRates(step_s=0.01), replicas=1, min_replicas=1, max_replicas=1,
+                      capacity_tokens_per_s=100.0, usd_per_mtoken=1.0, weight_sync_s=0.0)
+
+
+def plan(**kw):
+    return plan_from_dict({"name": "t", "model": "tiny", "workload": "tiny-cpu",
+                           "groups": [{"name": "g", "accelerator": "H100", "precision": "bf16"}], **kw})
+
+
+def pool(max_live: int, start_s: float) -> ResolvedSandbox:
+    return ResolvedSandbox(max_live=max_live, start_s=start_s, usd_per_hour=USD_PER_S, price_source="test")
+
+
+def world(tmp_path: Path, sandbox: ResolvedSandbox | None) -> World:
+    w = World(groups=[gsetup()], trainer=TrainerSetup(train_step_s=lambda n: 1.0, usd_per_hour=0.0),
+              workload=workload(), policies=plan().build_policies(), seed=0,
+              writer=RunLogWriter(tmp_path / "log", {"source": "twin"}), run_id="t", sandbox=sandbox)
+    w.admit_prompts = lambda: None  # only the sessions a test injects run
+    return w
+
+
+def ep(replies: list[int], tool_s: list[float] | None = None) -> Episode:
+    n = len(replies)
+    return Episode(turns=n, prompt_tokens=0, reply_tokens=tuple(replies), tool_tokens=(0,) * (n - 1),
+                   tool_s=tuple(tool_s or [0.0] * (n - 1)), reward=1.0, finish_reason="done")
+
+
+def inject(w: World, sid: int, e: Episode, at_s: float) -> Session:
+    s = Session(sid=sid, prompt_id=sid, sample=0, ep=e)
+    w.prompts.inflight[sid] = PromptGroup(prompt_id=sid, expected=1)
+    w.env.timeout(at_s).callbacks.append(lambda _e: w._begin(s))
+    return s
+
+
+def test_an_episode_starts_its_sandbox_before_its_first_turn(tmp_path: Path) -> None:
+    w = world(tmp_path, pool(max_live=4, start_s=5.0))
+    s = inject(w, 0, ep([100]), at_s=1.0)
+    w.env.run(until=50)
+    # asks at 1; its sandbox starts for 5 s (1..6); 100 tokens at 100 tokens/s (6..7); given back at 7
+    assert s.start_s == pytest.approx(1.0) and s.end_s == pytest.approx(7.0)
+    assert w.sandbox.done[0] == pytest.approx((0.0, 6.0))           # (pool wait, sandbox held)
+    assert w.sandbox.live == 0
+    w.sandbox.accrue(w.env.now)
+    assert w.sandbox.cost_usd == pytest.approx(6.0)                 # 6 sandbox-seconds, starting included
+
+
+def test_commands_run_inside_the_held_sandbox(tmp_path: Path) -> None:
+    w = world(tmp_path, pool(max_live=1, start_s=2.0))
+    s = inject(w, 0, ep([50, 20], tool_s=[4.0]), at_s=0.0)
+    w.env.run(until=50)
+    # start 0..2, reply 50 tokens 2..2.5, command 4 s 2.5..6.5, reply 20 tokens 6.5..6.7
+    assert s.end_s == pytest.approx(6.7)
+    assert w.sandbox.done[0] == pytest.approx((0.0, 6.7))
+    w.sandbox.accrue(w.env.now)
+    assert w.sandbox.cost_usd == pytest.approx(6.7)
+
+
+def test_episodes_queue_in_order_when_the_cap_binds(tmp_path: Path) -> None:
+    w = world(tmp_path, pool(max_live=1, start_s=2.0))
+    a = inject(w, 0, ep([100]), at_s=0.0)
+    b = inject(w, 1, ep([100]), at_s=0.5)
+    c = inject(w, 2, ep([100]), at_s=1.0)
+    w.env.run(until=50)
+    # one sandbox: a holds it 0..3 (start 0..2, turn 2..3); b asked at 0.5, takes it at 3 (start 3..5, turn 5..6);
+    # c asked at 1, takes it at 6 (start 6..8, turn 8..9). Never more than one live: 9 sandbox-seconds.
+    assert (a.end_s, b.end_s, c.end_s) == pytest.approx((3.0, 6.0, 9.0))
+    assert (a.start_s, b.start_s, c.start_s) == pytest.approx((0.0, 0.5, 1.0))   # a trajectory starts when it asks
+    assert w.sandbox.done == {0: pytest.approx((0.0, 3.0)), 1: pytest.approx((2.5, 3.0)),
+                              2: pytest.approx((5.0, 3.0))}
+    w.sandbox.accrue(w.env.now)
+    assert w.sandbox.cost_usd == pytest.approx(9.0)
+
+
+def test_below_the_cap_no_one_waits_and_each_live_sandbox_is_billed(tmp_path: Path) -> None:
+    w = world(tmp_path, pool(max_live=2, start_s=2.0))
+    a = inject(w, 0, ep([100]), at_s=0.0)
+    b = inject(w, 1, ep([300]), at_s=0.0)
+    w.env.run(until=50)
+    # both start 0..2; a's 100 tokens 2..3, b's 300 tokens 2..5: 3 + 5 sandbox-seconds
+    assert (a.end_s, b.end_s) == pytest.approx((3.0, 5.0))
+    assert w.sandbox.done == {0: pytest.approx((0.0, 3.0)), 1: pytest.approx((0.0, 5.0))}
+    w.sandbox.accrue(w.env.now)
+    assert w.sandbox.cost_usd == pytest.approx(8.0)
+
+
+def test_without_sandboxes_nothing_changes(tmp_path: Path) -> None:
+    w = world(tmp_path, None)
+    s = inject(w, 0, ep([100]), at_s=1.0)
+    w.env.run(until=50)
+    assert (s.start_s, s.end_s) == pytest.approx((1.0, 2.0)) and w.sandbox is None
+
+
+def test_run_log_and_summary_carry_the_sandbox_line(tmp_path: Path) -> None:
+    # 1 prompt x 2 samples per update, one prompt in flight, one sandbox (start 1 s) at 1 USD per sandbox-second;
+    # each episode: 100 tokens at 100 tokens/s (1 s); training 0.25 s; the trainer costs 3600 USD/h.
+    setup = Setup(groups=[gsetup()], trainer=TrainerSetup(train_step_s=lambda n: 0.25, usd_per_hour=3600.0),
+                  workload=workload(), models={}, sandbox=pool(max_live=1, start_s=1.0))
+    r = simulate(plan(policies={"batcher": {"inflight_prompts": 1}}), updates=2, setup=setup, out=tmp_path / "run")
+    log = RunLog.open(tmp_path / "run")
+    u = log.updates
+    # prompt 0: s0 holds the sandbox 0..2 (start 0..1, turn 1..2), s1 waits 0..2 and holds it 2..4; update 1 trains
+    # 4..4.25 while prompt 1's first sample holds the sandbox from 4; prompt 1 the same 4..8; update 2 8..8.25.
+    assert u.end_s.tolist() == pytest.approx([4.25, 8.25])
+    assert u.cost_sandbox_usd.tolist() == pytest.approx([4.25, 8.25])   # one sandbox live all along
+    assert u.sandbox_wait_s.tolist() == pytest.approx([2.0, 2.0])
+    assert u.sandbox_s.tolist() == pytest.approx([4.0, 4.0])
+    assert u.cost_trainer_usd.iloc[-1] == pytest.approx(8.25)
+    t = log.trajectories.sort_values(["prompt_id", "sample_index"])
+    assert t.sandbox_wait_s.tolist()[:2] == pytest.approx([0.0, 2.0])
+    s = r.summary
+    assert s.cost_sandbox_per_update_usd == pytest.approx(8.25 / 2)
+    assert s.sandbox_wait_share == pytest.approx(4.0 / 12.0)
+    assert s.cost_trainer_per_update_usd == pytest.approx(8.25 / 2)
+    assert s.cost_per_update_usd == pytest.approx(s.cost_sampler_per_update_usd + 8.25 / 2 + 8.25 / 2)
+
+
+def test_a_plan_without_sandboxes_logs_none(tmp_path: Path) -> None:
+    setup = Setup(groups=[gsetup()], trainer=TrainerSetup(train_step_s=lambda n: 0.25, usd_per_hour=0.0),
+                  workload=workload(), models={})
+    r = simulate(plan(policies={"batcher": {"inflight_prompts": 1}}), updates=2, setup=setup, out=tmp_path / "run")
+    u = RunLog.open(tmp_path / "run").updates
+    assert u.end_s.tolist() == pytest.approx([1.25, 2.25])  # no start, no wait (the next prompt runs in training)
+    assert (u.cost_sandbox_usd == 0).all() and u.sandbox_wait_s.isna().all()
+    assert r.summary.cost_sandbox_per_update_usd == 0.0 and math.isnan(r.summary.sandbox_wait_share)
+
+
+def test_the_sandbox_table_and_its_price() -> None:
+    cat = sandbox_price()
+    assert cat is not None and cat.usd_per_hour == pytest.approx((2 * 0.000014 + 4 * 0.0000045) * 3600)
+    assert cat.source and cat.date
+    own = resolve_sandbox(SandboxPlan(max_live=8, start_s=3.0, price_per_hour_usd=0.5, source="quote", date="2026-12"))
+    assert (own.max_live, own.start_s, own.usd_per_hour) == (8, 3.0, 0.5) and "quote" in own.price_source
+    by_cat = resolve_sandbox(SandboxPlan(max_live=8))
+    assert by_cat.usd_per_hour == pytest.approx(cat.usd_per_hour) and "e2b" in by_cat.price_source
+    assert resolve_sandbox(None) is None
+    for bad in ({"max_live": 0}, {"max_live": 4, "start_s": -1.0}, {"max_live": 4, "price_per_hour_usd": -2.0}):
+        with pytest.raises(SpecError):
+            SandboxPlan(**bad)
+    p = plan(sandbox={"max_live": 16, "start_s": 4.0})
+    assert p.sandbox == SandboxPlan(max_live=16, start_s=4.0)
+    assert plan_from_dict(p.to_dict()).sandbox == p.sandbox              # the table round-trips
+    with pytest.raises(SpecError):
+        plan(sandbox={"max_live": 16, "start": 4.0})                    # unknown key
+    assert plan().sandbox is None
