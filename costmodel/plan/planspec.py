@@ -271,8 +271,8 @@ def resolve_sandbox(sb: SandboxPlan | None, catalog_sandbox: Any = None) -> Reso
     if price is None:
         raise SpecError("plan sandbox", "price_per_hour_usd", None, "a price (the catalog has no [sandbox] price)")
     return ResolvedSandbox(max_live=sb.max_live, start_s=float(sb.start_s), usd_per_hour=price.usd_per_hour,
-                           price_source=f"{price.provider} {price.vcpus:g} vCPU + {price.memory_gib:g} GiB "
-                                        f"({price.source}, {price.date})")
+                           price_source=f"{price.provider}, {price.vcpus:g} vCPU + {price.memory_gib:g} GiB; "
+                                        f"{price.source}; {price.date}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -403,6 +403,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(r.to_dict(), indent=2))
             return
         _print_summaries([(Path(plan).stem, r)])
+        if (line := _sandbox_line(plan)) is not None:
+            typer.echo(line)
         if calibration is not None:
             typer.echo(f"calibrated twin: fitted values from {calibration} in place of the cost model's priors")
         if truth is not None:
@@ -432,6 +434,26 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps({Path(a).stem: ra.to_dict(), Path(b).stem: rb.to_dict()}, indent=2))
             return
         _print_summaries([(Path(a).stem, ra), (Path(b).stem, rb)])
+        for p in (a, b):
+            if (line := _sandbox_line(p)) is not None:
+                typer.echo(line)
+
+
+def _has_sandboxes(summary: Any) -> bool:
+    """Whether a run held sandboxes (a plan's [sandbox] table): its pool-wait share is measured."""
+    return math.isfinite(summary.sandbox_wait_share) or summary.cost_sandbox_per_update_usd > 0
+
+
+def _sandbox_line(plan: str) -> str | None:
+    """The plan's sandboxes in one line (cap, start latency, price and its source); None without a [sandbox]."""
+    from mixfleet.costmodel.plan.planspec import resolve_sandbox
+    from mixfleet.policies.plan import load_plan
+
+    sb = resolve_sandbox(load_plan(plan).sandbox)
+    if sb is None:
+        return None
+    return (f"sandboxes of {Path(plan).stem}: one per episode, at most {sb.max_live:,} live, {sb.start_s:g} s to "
+            f"start, ${sb.usd_per_hour:.4g} per sandbox-hour ({sb.price_source})")
 
 
 def _print_summaries(runs: list[tuple[str, Any]]) -> None:
@@ -443,8 +465,12 @@ def _print_summaries(runs: list[tuple[str, Any]]) -> None:
     t.add_column("metric")
     for name, _ in runs:
         t.add_column(name, justify="right")
+    sandboxes = any(_has_sandboxes(r.summary) for _, r in runs)   # a run without them: the table as before
     for label, field, ci, spec in STEADY_ROWS:
         t.add_row(label, *(_pm(getattr(r.summary, field), getattr(r.summary, ci), spec) for _, r in runs))
+        if sandboxes and field == "steady_cost_sampler_per_update_usd":
+            t.add_row("  sandboxes", *(_pm(r.summary.steady_cost_sandbox_per_update_usd,
+                                           r.summary.steady_cost_sandbox_per_update_ci_usd, spec) for _, r in runs))
     t.add_row("steady tokens/s", *(_num(r.summary.steady_tokens_per_s, ",.0f") for _, r in runs))
     t.add_row("pipeline fill s (start to update 1)", *(_num(r.summary.first_update_s, ",.0f") for _, r in runs))
     t.add_row("warm-up / steady updates", *(f"{r.summary.warmup_updates} / {r.summary.steady_updates}"
@@ -456,6 +482,10 @@ def _print_summaries(runs: list[tuple[str, Any]]) -> None:
             ("staleness p95", "staleness_p95", ".2f"), ("trainer idle", "trainer_idle_share", ".1%"),
             ("utilization", "utilization", ".1%"), ("tokens/s", "tokens_per_s", ",.0f"),
             ("KL k3 (prior)", "kl_k3", ".2e"), ("extreme share (prior)", "extreme_share", ".3%")]
+    if sandboxes:
+        at = [r[1] for r in rows].index("cost_trainer_per_update_usd") + 1
+        rows[at:at] = [("  sandboxes", "cost_sandbox_per_update_usd", ",.2f"),
+                       ("sandbox pool wait share", "sandbox_wait_share", ".1%")]
     for label, field, spec in rows:
         t.add_row(label, *(_num(getattr(r.summary, field, None), spec) if field else "" for _, r in runs))
     groups = sorted({g for _, r in runs for g in r.summary.group_share_of_samples})
