@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import numpy as np
 import pytest
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.plan.planspec import ResolvedSandbox, SandboxPlan, resolve_sandbox
@@ -177,3 +178,80 @@ def test_the_sandbox_table_and_its_price() -> None:
     with pytest.raises(SpecError):
         plan(sandbox={"max_live": 16, "start": 4.0})                    # unknown key
     assert plan().sandbox is None
+
+
+# ---- the planner ---------------------------------------------------------------------------------------------
+TINY = {"model": "tiny", "workload": "tiny-cpu", "accelerators": ("H100", "A100-80GB"),
+        "max_gpus": {"H100": 4, "A100-80GB": 2}, "trainer_accelerator": "H100", "trainer_gpus": 1, "verify": 0}
+
+
+def _screen(**kw):
+    from mixfleet.planner.config import PlannerConfig
+    from mixfleet.planner.fleet import group_types
+    from mixfleet.planner.search import screen
+
+    cfg = PlannerConfig(**TINY, **kw)
+    return cfg, screen(group_types(cfg), cfg)
+
+
+def test_planner_sandboxes_that_cost_nothing_and_start_at_once_change_nothing() -> None:
+    _, (n0, k0, m0) = _screen()
+    _, (n1, k1, m1) = _screen(sandboxes=True, sandbox_start_s=0.0, sandbox_usd_per_hour=0.0)
+    assert (n0 == n1).all() and (k0 == k1).all()
+    for key in ("time_per_update_s", "cost_per_update", "staleness", "throughput"):
+        assert m1[key] == pytest.approx(m0[key], rel=1e-12)
+    assert (m0["cost_sandbox_per_update"] == 0).all() and np.isnan(m0["sandbox_wait_share"]).all()
+    assert (m1["sandbox_wait_share"] == 0).all()
+
+
+def test_planner_charges_every_episode_its_sandbox_time_and_splits_the_cost() -> None:
+    cfg, (n, k, m) = _screen(sandbox_start_s=1.0, sandbox_usd_per_hour=0.36)
+    assert cfg.sandboxes and cfg.sandbox_cap is None
+    assert (m["sandbox_wait_share"] == 0).all()                         # sized with the fleet: no one waits
+    split = m["cost_sampling_per_update"] + m["cost_training_per_update"] + m["cost_sandbox_per_update"]
+    assert m["cost_per_update"] == pytest.approx(split, rel=1e-9)
+    # each of the update's 16 x 8 episodes holds its sandbox at least its 1 s start: >= 128 sandbox-seconds
+    assert (m["cost_sandbox_per_update"] >= 128 * 1.0 * 0.36 / 3600 * (1 - 1e-9)).all()
+    # Little's law: mean live sandboxes = sandbox-seconds per update / time per update
+    assert m["sandboxes_live"] == pytest.approx(m["cost_sandbox_per_update"] * 3600 / 0.36 / m["time_per_update_s"])
+
+
+def test_planner_cap_that_binds_queues_episodes_and_keeps_the_cap_live() -> None:
+    cfg, (n, k, m) = _screen(sandbox_cap=32, sandbox_start_s=1.0, sandbox_usd_per_hour=0.36)
+    binds = m["sandbox_wait_share"] > 0
+    assert binds.all()                                  # 16..128 prompts x 8 samples in flight: all above 32
+    sampler_bound = ~m["trainer_bound"]
+    assert sampler_bound.any()
+    # at the cap every sandbox is held all the time: Little's law gives exactly the cap live on average
+    assert m["sandboxes_live"][sampler_bound] == pytest.approx(32.0, rel=1e-3)
+
+
+def test_plan_says_when_the_sandbox_cap_binds_and_what_relaxing_it_buys() -> None:
+    from mixfleet.planner.config import PlannerConfig
+    from mixfleet.planner.search import plan_mix
+
+    sb = {"sandbox_start_s": 1.0, "sandbox_usd_per_hour": 0.36}
+    free = plan_mix(PlannerConfig(**TINY, **sb))
+    capped = plan_mix(PlannerConfig(**TINY, **sb, sandbox_cap=32))
+    b = next(b for b in capped.binds if b.flag == "--sandbox-cap")
+    assert b.relaxed_objective == pytest.approx(free.best.cost_per_update_usd)    # relaxed: the uncapped best
+    assert b.gain > 0 and b.relaxed_value == pytest.approx(free.best.sandboxes_live)
+    assert "--sandbox-cap 32 binds" in b.text() and "sandboxes live on average" in b.text()
+    assert capped.best.sandbox_wait_share > 0 and free.best.sandbox_wait_share == 0
+    assert capped.plan.sandbox == SandboxPlan(max_live=32, start_s=1.0, price_per_hour_usd=0.36,
+                                              source=capped.plan.sandbox.source)
+    assert free.plan.sandbox.max_live == free.best.inflight_prompts * 8          # sized: every episode in flight
+    loose = plan_mix(PlannerConfig(**TINY, **sb, sandbox_cap=1_000_000))
+    assert not [x for x in loose.binds if x.flag == "--sandbox-cap"] and loose.best.sandbox_wait_share == 0
+    assert plan_mix(PlannerConfig(**TINY)).plan.sandbox is None                   # no sandboxes: no table
+
+
+def test_planner_sandbox_settings_are_checked() -> None:
+    from mixfleet.planner.config import PlannerConfig
+
+    for bad in ({"sandbox_cap": 0}, {"sandbox_start_s": -1.0}, {"sandbox_usd_per_hour": -0.1},
+                {"sandbox_cap": True}):
+        with pytest.raises(SpecError):
+            PlannerConfig(**TINY, **bad)
+    assert PlannerConfig(**TINY, sandbox_usd_per_hour=0.2).sandboxes
+    assert PlannerConfig(**TINY, sandboxes=True).sandbox_price() == pytest.approx(sandbox_price().usd_per_hour)
