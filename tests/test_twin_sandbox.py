@@ -255,3 +255,15 @@ def test_planner_sandbox_settings_are_checked() -> None:
             PlannerConfig(**TINY, **bad)
     assert PlannerConfig(**TINY, sandbox_usd_per_hour=0.2).sandboxes
     assert PlannerConfig(**TINY, sandboxes=True).sandbox_price() == pytest.approx(sandbox_price().usd_per_hour)
+
+
+def test_the_planners_figures_for_a_plan_carry_its_sandboxes() -> None:
+    from mixfleet.planner.search import evaluate_plan
+    from mixfleet.policies.plan import load_plan, with_overrides
+
+    p = load_plan("tiny-cpu")
+    with_sb = plan_from_dict({**p.to_dict(), "sandbox": {"max_live": 4, "start_s": 1.0, "price_per_hour_usd": 0.36}})
+    a, b = evaluate_plan(p), evaluate_plan(with_sb)
+    assert a.cost_sandbox_per_update_usd == 0 and b.cost_sandbox_per_update_usd > 0
+    assert b.sandbox_wait_share > 0 and b.sandboxes_live == pytest.approx(4.0, rel=1e-3)   # the cap binds
+    assert with_overrides(with_sb, {}).sandbox == with_sb.sandbox
