@@ -267,3 +267,13 @@ def test_the_planners_figures_for_a_plan_carry_its_sandboxes() -> None:
     assert a.cost_sandbox_per_update_usd == 0 and b.cost_sandbox_per_update_usd > 0
     assert b.sandbox_wait_share > 0 and b.sandboxes_live == pytest.approx(4.0, rel=1e-3)   # the cap binds
     assert with_overrides(with_sb, {}).sandbox == with_sb.sandbox
+
+
+def test_the_dry_run_page_splits_the_cost_only_for_a_run_with_sandboxes() -> None:
+    from mixfleet.ui.app_dryrun import cost_split_note
+
+    assert cost_split_note({"cost_sandbox_per_update_usd": 0.0, "sandbox_wait_share": float("nan")}) is None
+    line = cost_split_note({"cost_sampler_per_update_usd": 58.26, "cost_trainer_per_update_usd": 16.07,
+                            "cost_sandbox_per_update_usd": 27.25, "sandbox_wait_share": 0.631})
+    assert "sampling $58.26" in line and "training $16.07" in line and "sandboxes $27.25" in line
+    assert "63.1 %" in line
