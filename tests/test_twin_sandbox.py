@@ -277,3 +277,25 @@ def test_the_dry_run_page_splits_the_cost_only_for_a_run_with_sandboxes() -> Non
                             "cost_sandbox_per_update_usd": 27.25, "sandbox_wait_share": 0.631})
     assert "sampling $58.26" in line and "training $16.07" in line and "sandboxes $27.25" in line
     assert "63.1 %" in line
+
+
+def test_the_re_planner_prices_the_plans_sandboxes() -> None:
+    from mixfleet.planner.solver import planner_config, planner_solver
+    from mixfleet.policies.plan import load_plan, with_overrides
+    from mixfleet.policies.registry import make_config
+
+    over: dict[str, object] = {"policies.autoscaler.name": "replan"}
+    for g in load_plan("tiny-cpu").groups:
+        over.update({f"groups.{g.name}.min_replicas": 1, f"groups.{g.name}.max_replicas": 4,
+                     f"groups.{g.name}.replicas": 2})
+    plain = with_overrides(load_plan("tiny-cpu"), over)
+    boxed = plan_from_dict({**plain.to_dict(), "sandbox": {"max_live": 8, "start_s": 1.0, "price_per_hour_usd": 36}})
+    cfg = make_config("autoscaler", "replan", {})
+    assert not planner_config(plain, cfg).sandboxes
+    c = planner_config(boxed, cfg)
+    assert (c.sandboxes, c.sandbox_cap, c.sandbox_start_s, c.sandbox_usd_per_hour) == (True, 8, 1.0, 36.0)
+    counts = {g.name: 2 for g in plain.groups}
+    names = tuple(counts)
+    a = planner_solver(plain, cfg)(None, counts, names, {})
+    b = planner_solver(boxed, cfg)(None, counts, names, {})
+    assert b.objective_now > a.objective_now and b.feasible      # the same counts now pay their sandboxes
