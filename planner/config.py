@@ -10,12 +10,13 @@ from typing import Any
 
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.limits import MAX_GPUS, check_count
-from mixfleet.costmodel.plan.planspec import ON_LOSS
+from mixfleet.costmodel.plan.planspec import MAX_SANDBOX_START_S, MAX_SANDBOXES, ON_LOSS
 from mixfleet.costmodel.specs.catalog import load_catalog
 from mixfleet.costmodel.specs.formats import formats
 from mixfleet.planner.defaults import DEFAULTS
 
 OBJECTIVES = ("cost_per_update", "cost_per_effective_update")
+DEFAULT_SANDBOX_START_S = 10.0   # est-2026-12, as data/plans/seed-mixed.toml: a container with the repository
 MAX_VERIFY_SEEDS = 64
 
 
@@ -52,6 +53,13 @@ class PlannerConfig:
     spot_preemptions_per_hour: float | None = None  # spot replicas' preemption rate (None: the catalog's)
     on_loss: str = DEFAULTS.on_loss  # work in flight on a lost replica: "resume" | "restart" (the plan's)
     verify_seeds: int = DEFAULTS.verify_seeds  # seeds per verified candidate (cfg.seed, cfg.seed + 1, ...)
+    # sandboxes (issue 42): each episode holds one from its start (start latency) to its last turn, billed per
+    # sandbox-hour; `sandbox_cap` the most live at once (a user's constraint, e.g. a provider's concurrency
+    # limit; None: sized with the fleet, every episode in flight gets one). Setting any of them turns them on.
+    sandboxes: bool = False
+    sandbox_cap: int | None = None
+    sandbox_start_s: float = DEFAULT_SANDBOX_START_S
+    sandbox_usd_per_hour: float | None = None   # None: the catalog's [sandbox] price (data/accelerators.toml)
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -74,6 +82,7 @@ class PlannerConfig:
             raise SpecError("plan", "spot_preemptions_per_hour", v, "a number in [0, 3600] per replica-hour (or none)")
         self._check_pool()
         self._check_spot()
+        self._check_sandboxes()
         if self.prices or self.precisions:
             self._check_overrides()
 
@@ -102,6 +111,33 @@ class PlannerConfig:
                             ", ".join(formats().kv_dtypes))
         for kv in self.kv_dtypes:
             formats().check_kv_dtype("plan", kv, "kv_dtypes")
+
+    def _check_sandboxes(self) -> None:
+        """The cap within 1..MAX_SANDBOXES (or none), the start latency in [0, MAX_SANDBOX_START_S], the price a
+        number >= 0 (or none: the catalog's, which must then exist); a cap or a price turns sandboxes on."""
+        if self.sandbox_cap is not None:
+            check_count("plan", "sandbox_cap", self.sandbox_cap, 1, MAX_SANDBOXES)
+        v = self.sandbox_start_s
+        if isinstance(v, bool) or not isinstance(v, int | float) or not 0 <= v <= MAX_SANDBOX_START_S:
+            raise SpecError("plan", "sandbox_start_s", v, f"seconds in [0, {MAX_SANDBOX_START_S:g}]")
+        p = self.sandbox_usd_per_hour
+        if p is not None and (isinstance(p, bool) or not isinstance(p, int | float) or not 0 <= p < 1e6):
+            raise SpecError("plan", "sandbox_usd_per_hour", p, "USD per sandbox-hour, a number >= 0 (or none)")
+        if self.sandbox_cap is not None or p is not None:
+            object.__setattr__(self, "sandboxes", True)
+        if self.sandboxes:
+            self.sandbox_price()
+
+    def sandbox_price(self) -> float:
+        """USD per sandbox-hour: the config's, else the catalog's [sandbox] price."""
+        if self.sandbox_usd_per_hour is not None:
+            return float(self.sandbox_usd_per_hour)
+        from mixfleet.costmodel.specs.catalog import sandbox_price
+
+        cat = sandbox_price()
+        if cat is None:
+            raise SpecError("plan", "sandbox_usd_per_hour", None, "a price (the catalog has no [sandbox] price)")
+        return cat.usd_per_hour
 
     def _check_spot(self) -> None:
         """`spot`: accelerators of the catalog with a spot price in this price table (names as the catalog spells

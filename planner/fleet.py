@@ -228,7 +228,11 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
     sync = np.array([t.sync_s for t in types])
     cap_tps = n @ tps
     reply, tool = shape.generated_per_episode / max(shape.turns_per_episode, 1.0), wl.tool_latency_s.mean
-    thr = session_limited_throughput(types, n, k * spp / shape.group_span, reply, tool)  # siblings wait
+    unfinished = k * spp / shape.group_span        # episodes in flight not waiting for their siblings
+    if cfg.sandboxes:
+        thr, held, episode_s = sandbox_limited(types, n, unfinished, reply, tool, shape.generated_per_episode, cfg)
+    else:
+        thr = session_limited_throughput(types, n, unfinished, reply, tool)  # siblings wait
     t_sampler = gen_tokens / thr
     t_trainer = train_s + np.max(np.where(n > 0, sync[None, :], 0.0), axis=1)
     trainer_bound = t_trainer > t_sampler
@@ -239,10 +243,43 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
     staleness = np.where(trainer_bound, np.inf, k / ppu * shape.stale_fraction + t_trainer / t_update)
     usd_h = n @ price + trainer_usd_h
     cost = usd_h * t_update / 3600.0
+    with np.errstate(invalid="ignore"):   # an empty fleet (the re-planner's rows) never finishes: 0 x inf
+        sampling = (n @ price) * t_update / 3600.0
+    out = {"cost_sampling_per_update": sampling, "cost_training_per_update": trainer_usd_h * t_update / 3600.0,
+           "cost_sandbox_per_update": np.zeros(len(cost)), "sandbox_wait_share": np.full(len(cost), np.nan),
+           "sandboxes_live": np.zeros(len(cost))}
+    if cfg.sandboxes:   # every episode of an update holds a sandbox for its start + its run (Little's law)
+        sandbox_s = ppu * spp * (cfg.sandbox_start_s + episode_s)
+        out["cost_sandbox_per_update"] = sandbox_s * cfg.sandbox_price() / 3600.0
+        out["sandboxes_live"] = sandbox_s / t_update
+        out["sandbox_wait_share"] = 1.0 - held / np.maximum(unfinished, 1e-12)
+        cost = cost + out["cost_sandbox_per_update"]
     kept = 1.0 - (n * tps) @ masked / np.maximum(cap_tps, 1e-12)
     return {"throughput": thr, "time_per_update_s": t_update, "staleness": staleness, "usd_per_hour": usd_h,
             "cost_per_update": cost, "cost_per_effective_update": cost / kept, "kept_share": kept,
-            "trainer_bound": trainer_bound}
+            "trainer_bound": trainer_bound, **out}
+
+
+SANDBOX_ITERATIONS = 30
+
+
+def sandbox_limited(types: list[GroupType], n: np.ndarray, unfinished: np.ndarray, reply: float, tool_s: float,
+                    tokens_per_episode: float, cfg: PlannerConfig) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Fleet tokens/s when every episode holds a sandbox (issue 42): of the `unfinished` episodes in flight,
+    min(unfinished, cap) hold one (the others wait for one: the pool's queue), and of those a share
+    start / (start + D) are still starting it, where D is an episode's run once started; the rest generate
+    (`session_limited_throughput`). D = tokens per episode x generating sessions / fleet tokens/s (Little's
+    law on the sessions), a fixed point (damped). Returns (tokens/s, sandboxes held, D in seconds)."""
+    cap = math.inf if cfg.sandbox_cap is None else float(cfg.sandbox_cap)
+    held = np.minimum(np.asarray(unfinished, dtype=np.float64), cap)
+    start = float(cfg.sandbox_start_s)
+    active = held.copy()
+    for _ in range(SANDBOX_ITERATIONS if start > 0 else 1):
+        thr = session_limited_throughput(types, n, active, reply, tool_s)
+        run_s = tokens_per_episode * active / np.maximum(thr, 1e-12)
+        active = 0.5 * active + 0.5 * held * run_s / np.maximum(run_s + start, 1e-12)
+    thr = session_limited_throughput(types, n, active, reply, tool_s)
+    return thr, held, tokens_per_episode * active / np.maximum(thr, 1e-12)
 
 
 SESSION_FIXED_POINT_ITERATIONS = 40

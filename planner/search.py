@@ -33,10 +33,10 @@ from typing import Any
 
 import numpy as np
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.plan.planspec import FaultsPlan
+from mixfleet.costmodel.plan.planspec import FaultsPlan, SandboxPlan, resolve_sandbox
 from mixfleet.costmodel.specs.catalog import load_catalog
 from mixfleet.costmodel.specs.workload import load_workload
-from mixfleet.planner.config import PlannerConfig, pool_catalog
+from mixfleet.planner.config import DEFAULT_SANDBOX_START_S, PlannerConfig, pool_catalog
 from mixfleet.planner.fleet import GroupType, feasible, group_types, metrics
 from mixfleet.planner.spot import expected_lost_work
 from mixfleet.policies.plan import Plan, PoliciesPlan, PolicyRef, TrainerPlan
@@ -60,6 +60,12 @@ class Candidate:
     kept_share: float                # 1 - masked share of the mix's tokens
     trainer_bound: bool
     verified: dict[str, Any] = field(default_factory=dict)  # the twin's steady state (`verify_candidates`)
+    # cost per update split (sampling fleet, trainer, sandboxes); sandboxes: the pool-wait share and the mean live
+    cost_sampling_per_update_usd: float = math.nan
+    cost_training_per_update_usd: float = math.nan
+    cost_sandbox_per_update_usd: float = 0.0
+    sandbox_wait_share: float = math.nan
+    sandboxes_live: float = 0.0
     lost_work: dict[str, Any] = field(default_factory=dict)  # expected preemption losses (`expected_lost_work`)
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,6 +104,8 @@ class Binding:
                     "more may buy a cheaper mix")
         value = (f"{self.what} {self.relaxed_value:,.3g} {self.unit}" if math.isfinite(self.relaxed_value or 0.0)
                  else f"{self.what} unbounded (a trainer-bound mix)")
+        if self.flag == "--sandbox-cap":   # a count of sandboxes, in full
+            value = f"{self.relaxed_value:,.0f} {self.what}"
         return (f"{flag or self.flag} {self.limit:g} binds: without it the cheapest mix screened costs "
                 f"${self.relaxed_objective:,.2f} per {self.per} ({self.gain:.0%} less than ${self.objective:,.2f}) at "
                 + value)
@@ -190,9 +198,12 @@ def screen(types: list[GroupType], cfg: PlannerConfig) -> tuple[np.ndarray, np.n
 def evaluate_plan(plan: Plan, cfg: PlannerConfig | None = None) -> Candidate:
     """The analytic model's numbers for an existing plan (e.g. a seed fleet), for comparison with the DES."""
     wl = load_workload(plan.workload)
+    sb = resolve_sandbox(plan.sandbox)   # the plan's sandboxes, as the twin runs them
     cfg = cfg or PlannerConfig(model=plan.model, workload=plan.workload, price_table=plan.price_table or "modal",
                                prices=dict(plan.prices), backend=plan.cost_backend,
-                               trainer_accelerator=plan.trainer.accelerator, trainer_gpus=plan.trainer.gpus)
+                               trainer_accelerator=plan.trainer.accelerator, trainer_gpus=plan.trainer.gpus,
+                               **({} if sb is None else {"sandbox_cap": sb.max_live, "sandbox_start_s": sb.start_s,
+                                                         "sandbox_usd_per_hour": sb.usd_per_hour}))
     types = group_types(cfg, only=list(plan.groups))
     n = np.array([g.replicas for g in plan.groups])
     b = plan.build_policies(wl)["batcher"].config
@@ -233,11 +244,13 @@ def binding_constraints(m: dict[str, np.ndarray], cfg: PlannerConfig) -> str:
 
 
 def what_binds(m: dict[str, np.ndarray], cfg: PlannerConfig, chosen: int, gpus: dict[str, int] | None = None,
-               *, min_gain: float = 1e-3) -> list[Binding]:
+               *, min_gain: float = 1e-3, uncapped: dict[str, np.ndarray] | None = None) -> list[Binding]:
     """The constraints that bind on a feasible plan, in order of what relaxing each alone would save: a limit
     binds when the screen's best objective without it (the other limits kept) is lower than the chosen one's by
     more than `min_gain`; a GPU cap binds (may bind) when the chosen mix uses all of it (`gpus`: per accelerator).
-    `chosen`: the screen row of the best feasible candidate. None binding: the mix is the cheapest screened."""
+    `chosen`: the screen row of the best feasible candidate. None binding: the mix is the cheapest screened.
+    `uncapped`: the same rows' metrics without the sandbox cap (`cfg.sandbox_cap`): the cap binds when the best
+    of them within the limits is cheaper; its value is then the sandboxes that mix keeps live on average."""
     best = float(m[cfg.objective][chosen])
     per = "effective update" if cfg.objective == "cost_per_effective_update" else "update"
     out: list[Binding] = []
@@ -253,6 +266,15 @@ def what_binds(m: dict[str, np.ndarray], cfg: PlannerConfig, chosen: int, gpus: 
         if relaxed < best * (1.0 - min_gain):
             out.append(Binding(flag=flag, what=what, limit=float(limit), unit=unit, objective=best,
                                relaxed_objective=relaxed, relaxed_value=float(m[metric][i]), per=per))
+    if uncapped is not None and cfg.sandbox_cap is not None:
+        idx = np.flatnonzero(feasible(uncapped, cfg))
+        if len(idx):
+            i = int(idx[np.argmin(uncapped[cfg.objective][idx])])
+            relaxed = float(uncapped[cfg.objective][i])
+            if relaxed < best * (1.0 - min_gain):
+                out.append(Binding(flag="--sandbox-cap", what="sandboxes live on average", limit=float(cfg.sandbox_cap),
+                                   unit="", objective=best, relaxed_objective=relaxed,
+                                   relaxed_value=float(uncapped["sandboxes_live"][i]), per=per))
     out.sort(key=lambda b: -(b.gain or 0.0))
     for acc, used in sorted((gpus or {}).items()):
         cap = cfg.max_gpus.get(acc, cfg.default_max_gpus)
@@ -285,7 +307,12 @@ def _candidate(types: list[GroupType], n: np.ndarray, k: int, m: dict[str, np.nd
                      time_per_update_s=float(m["time_per_update_s"][i]), staleness=float(m["staleness"][i]),
                      usd_per_hour=float(m["usd_per_hour"][i]), cost_per_update_usd=float(m["cost_per_update"][i]),
                      cost_per_effective_update_usd=float(m["cost_per_effective_update"][i]),
-                     kept_share=float(m["kept_share"][i]), trainer_bound=bool(m["trainer_bound"][i]))
+                     kept_share=float(m["kept_share"][i]), trainer_bound=bool(m["trainer_bound"][i]),
+                     cost_sampling_per_update_usd=float(m["cost_sampling_per_update"][i]),
+                     cost_training_per_update_usd=float(m["cost_training_per_update"][i]),
+                     cost_sandbox_per_update_usd=float(m["cost_sandbox_per_update"][i]),
+                     sandbox_wait_share=float(m["sandbox_wait_share"][i]),
+                     sandboxes_live=float(m["sandboxes_live"][i]))
 
 
 def candidate_plan(c: Candidate, types: list[GroupType], cfg: PlannerConfig, name: str = "planned") -> Plan:
@@ -297,7 +324,8 @@ def candidate_plan(c: Candidate, types: list[GroupType], cfg: PlannerConfig, nam
     wl = load_workload(cfg.workload)
     cat = load_catalog(cfg.price_table)
     used = {cat.accelerator(a).name for a in [cfg.trainer_accelerator, *(g.accelerator for g in groups)]}
-    return Plan(name=name, groups=groups, seed=cfg.seed, model=cfg.model, workload=cfg.workload,
+    return Plan(sandbox=candidate_sandbox(c, cfg, wl.samples_per_prompt),
+                name=name, groups=groups, seed=cfg.seed, model=cfg.model, workload=cfg.workload,
                 cost_backend=cfg.backend,
                 price_table=cfg.price_table, description=f"mixfleet plan ({cfg.objective})",
                 prices={a: usd for a, usd in cfg.prices.items() if a in used},
@@ -306,6 +334,22 @@ def candidate_plan(c: Candidate, types: list[GroupType], cfg: PlannerConfig, nam
                 policies=PoliciesPlan(batcher=PolicyRef(name="fifo", settings={
                     "prompts_per_update": wl.prompts_per_update, "samples_per_prompt": wl.samples_per_prompt,
                     "inflight_prompts": c.inflight_prompts})))
+
+
+def candidate_sandbox(c: Candidate, cfg: PlannerConfig, samples_per_prompt: int) -> SandboxPlan | None:
+    """The plan's [sandbox] for a candidate: the user's cap, or (sized with the fleet) one per episode of the
+    prompts in flight, so no episode waits; None without sandboxes."""
+    if not cfg.sandboxes:
+        return None
+    cap = cfg.sandbox_cap if cfg.sandbox_cap is not None else c.inflight_prompts * samples_per_prompt
+    how = ("the cap: the user's (--sandbox-cap)" if cfg.sandbox_cap is not None else
+           "the cap sized with the fleet (every episode in flight; "
+           f"Little's law puts {c.sandboxes_live:,.0f} live on average)")
+    return SandboxPlan(max_live=int(cap), start_s=float(cfg.sandbox_start_s),
+                       price_per_hour_usd=cfg.sandbox_usd_per_hour,
+                       source=f"mixfleet plan: {how}; start latency {cfg.sandbox_start_s:g} s"
+                              + (" (default, an estimate est-2026-12)" if cfg.sandbox_start_s ==
+                                 DEFAULT_SANDBOX_START_S else " (given)"))
 
 
 def sequential_map(fn: Callable[..., dict[str, Any]], jobs: list[tuple[Any, ...]]
@@ -371,9 +415,13 @@ def plan_mix(cfg: PlannerConfig, progress: Callable[[str], None] | None = None, 
     by_name, gpus = {t.name: t for t in types}, {}
     for g, c in best.replicas.items():   # the chosen mix's GPUs per accelerator (its caps may bind)
         gpus[by_name[g].accelerator] = gpus.get(by_name[g].accelerator, 0) + c * by_name[g].tp
+    uncapped = None
+    if cfg.sandboxes and cfg.sandbox_cap is not None:   # what relaxing the sandbox cap buys
+        say("screening without the sandbox cap")
+        uncapped = metrics(types, n, k, replace(cfg, sandbox_cap=None))
     return PlanResult(best=best, plan=candidate_plan(best, types, cfg), pareto=pareto, screened=len(n),
                       feasible=int(ok.sum()), types=types, verified=verified, on_demand=on_demand, checks=checks,
-                      binds=what_binds(m, cfg, int(order[0]), gpus))
+                      binds=what_binds(m, cfg, int(order[0]), gpus, uncapped=uncapped))
 
 
 def verify_updates(c: Candidate, cfg: PlannerConfig, prompts_per_update: int) -> int:
@@ -386,9 +434,10 @@ def verify_updates(c: Candidate, cfg: PlannerConfig, prompts_per_update: int) ->
 
 
 _MEANS = ("time_per_update_s", "cost_per_update_usd", "cost_sampler_per_update_usd", "staleness", "tokens_per_s",
-          "fill_s", "turns_lost", "sessions_restarted")
+          "fill_s", "turns_lost", "sessions_restarted", "cost_sandbox_per_update_usd", "sandbox_wait_share")
 _HALF_WIDTHS = {"time_per_update_ci_s": "time_per_update_s", "cost_per_update_ci_usd": "cost_per_update_usd",
-                "cost_sampler_per_update_ci_usd": "cost_sampler_per_update_usd", "staleness_ci": "staleness"}
+                "cost_sampler_per_update_ci_usd": "cost_sampler_per_update_usd", "staleness_ci": "staleness",
+                "cost_sandbox_per_update_ci_usd": "cost_sandbox_per_update_usd"}
 
 
 def _verified(c: Candidate, runs: list[dict[str, Any]], cfg: PlannerConfig) -> Candidate:

@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 from mixfleet.costmodel.calibration.record import Calibration
-from mixfleet.costmodel.plan.planspec import plan_catalog, resolve_trainer
+from mixfleet.costmodel.plan.planspec import plan_catalog, resolve_sandbox, resolve_trainer
 from mixfleet.costmodel.specs.model import load_model_spec
 from mixfleet.costmodel.specs.workload import load_workload
 from mixfleet.planner.config import PlannerConfig
@@ -36,13 +36,17 @@ ANCHOR_ITERATIONS = 8               # halvings of the log range: the factor to w
 
 
 def planner_config(plan: Plan, config: Replan.Config, calibration: Calibration | None = None) -> PlannerConfig:
-    """The planner's settings for the plan's own pool, with the policy's objective and limits."""
+    """The planner's settings for the plan's own pool, with the policy's objective and limits (and the plan's
+    sandboxes: its [sandbox] cap, start and price, as the twin runs them)."""
+    sb = resolve_sandbox(plan.sandbox)
     return PlannerConfig(model=plan.model, workload=plan.workload, price_table=plan.price_table or "modal",
                          prices=dict(plan.prices), backend=plan.cost_backend,
                          trainer_accelerator=plan.trainer.accelerator, trainer_gpus=plan.trainer.gpus,
                          objective=config.objective, max_staleness=config.max_staleness,
                          max_time_per_update_s=config.max_time_per_update_s,
-                         max_usd_per_hour=config.max_usd_per_hour, verify=0, calibration=calibration)
+                         max_usd_per_hour=config.max_usd_per_hour, verify=0, calibration=calibration,
+                         **({} if sb is None else {"sandbox_cap": sb.max_live, "sandbox_start_s": sb.start_s,
+                                                   "sandbox_usd_per_hour": sb.usd_per_hour}))
 
 
 def planner_solver(plan: Plan, config: Replan.Config, calibration: Calibration | None = None) -> Solver:

@@ -148,7 +148,7 @@ def test_steady_state_of_the_small_log_by_hand(tmp_path: Path) -> None:
     assert s.steady_cost_sampler_per_update_usd == pytest.approx(3.0)
     assert s.steady_staleness_mean == pytest.approx(1.5)
     assert s.steady_tokens_per_s == pytest.approx(300 / 35)
-    assert compare(s, s)["metric"].str.startswith("steady_").sum() == 10
+    assert compare(s, s)["metric"].str.startswith("steady_").sum() == 12  # + the sandbox part and its interval
 
 
 def test_mser_cuts_the_transient_and_keeps_a_stationary_series() -> None:

@@ -14,7 +14,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-from mixfleet.costmodel.plan.planspec import ResolvedGroup, plan_catalog, resolve_groups, resolve_trainer
+from mixfleet.costmodel.plan.planspec import (
+    ResolvedGroup,
+    ResolvedSandbox,
+    plan_catalog,
+    resolve_groups,
+    resolve_sandbox,
+    resolve_trainer,
+)
 from mixfleet.costmodel.specs.catalog import Catalog
 from mixfleet.costmodel.specs.model import load_model_spec
 from mixfleet.costmodel.specs.workload import WorkloadSpec, load_workload
@@ -72,6 +79,7 @@ class Setup:
     models: dict[str, ReplicaModel]                      # per group: the replica model the world runs
     resolved: tuple[ResolvedGroup, ...] = ()             # per group: costmodel's record (planspec.resolve_groups)
     notes: tuple[str, ...] = ()                          # with a calibration: what it left at the priors, and why
+    sandbox: ResolvedSandbox | None = None               # the plan's [sandbox] priced (None: no sandboxes)
 
 
 def group_setup(r: ResolvedGroup, max_context: int, spot_preemptions_per_hour: float | None = None) -> GroupSetup:
@@ -118,4 +126,4 @@ def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog 
                  trainer=TrainerSetup(train_step_s=lambda tokens: float(trainer.step_s(tokens)),
                                       usd_per_hour=trainer.usd_per_hour),
                  workload=workload, models={r.name: r.replica for r in resolved}, resolved=resolved,
-                 notes=tuple(notes))
+                 notes=tuple(notes), sandbox=resolve_sandbox(plan.sandbox))

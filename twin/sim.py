@@ -111,7 +111,7 @@ def simulate(plan: Plan | str | Path, *, updates: int = 20, seed: int | None = N
             world = World(groups=setup.groups, trainer=setup.trainer, workload=setup.workload,
                           policies=policies, seed=seed, writer=writer,
                           run_id=writer.run_id, preemptions_per_replica_hour=plan.faults.preemptions_per_replica_hour,
-                          on_loss=plan.faults.on_loss, progress=progress)
+                          on_loss=plan.faults.on_loss, progress=progress, sandbox=setup.sandbox)
             done = world.env.process(run_loop(world, updates, warm_start=warm_start))
             world.env.run(until=done)
             if world.stalled is not None:

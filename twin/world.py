@@ -11,6 +11,7 @@ the trainer, autoscaler and fault injection are SimPy processes. Policies
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,13 +73,42 @@ class Group:
             self.last_s = now_s
 
 
+@dataclass(eq=False)
+class SandboxPool:
+    """The plan's sandboxes (costmodel's `ResolvedSandbox`): an episode takes one when it begins, or waits in
+    FIFO order while `max_live` are live; it starts for `start_s`, then the episode's turns and commands run in
+    it; it is given back when the episode's last turn ends. Every live sandbox (starting included) is billed
+    at `usd_per_hour`. Per session (by sid): when it asked, when it got its sandbox; per finished one, its
+    (wait, held) seconds until its trajectory is written."""
+    max_live: int
+    start_s: float
+    usd_per_hour: float
+    live: int = 0
+    live_s: float = 0.0              # sandbox-seconds so far
+    last_s: float = 0.0
+    waiting: deque = field(default_factory=deque)
+    asked_s: dict[int, float] = field(default_factory=dict)
+    got_s: dict[int, float] = field(default_factory=dict)
+    done: dict[int, tuple[float, float]] = field(default_factory=dict)
+
+    def accrue(self, now_s: float) -> None:
+        dt = now_s - self.last_s
+        if dt > 0:
+            self.live_s += self.live * dt
+            self.last_s = now_s
+
+    @property
+    def cost_usd(self) -> float:
+        return self.live_s * self.usd_per_hour / 3600.0
+
+
 class World:
     """State + handlers. Build with `World(...)`, then `env.process(run_loop(world, updates))`."""
 
     def __init__(self, *, groups: list[GroupSetup], trainer: TrainerSetup, workload: WorkloadSpec,
                  policies: dict[str, Any], seed: int, writer: Any, run_id: str,
                  preemptions_per_replica_hour: float = 0.0, on_loss: str = "resume",
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None, sandbox: Any = None) -> None:
         self.env = TwinEnvironment()
         self.groups = {g.name: Group(setup=g) for g in groups}
         self.trainer = trainer
@@ -101,6 +131,9 @@ class World:
         self.ledger = Ledger(list(self.groups), trainer.usd_per_hour)
         self.trainer_busy_s = 0.0
         self.stalled: SpecError | None = None
+        # the plan's sandboxes (costmodel.plan.planspec.ResolvedSandbox), or None: no pool, no start, no cost
+        self.sandbox = (SandboxPool(max_live=sandbox.max_live, start_s=sandbox.start_s,
+                                    usd_per_hour=sandbox.usd_per_hour) if sandbox is not None else None)
         self.turns = Turns(self.env, self, restart=on_loss == "restart")
         self._turn, self.poke = self.turns.turn, self.turns.poke
         for g in self.groups.values():
@@ -244,16 +277,54 @@ class World:
                     self.router.release(smp.sid)
                     self.prompts.finish(p, smp, 0.0)
                     continue
+                if self.sandbox is not None:  # mid-episode: its sandbox started before the run did
+                    self._take_sandbox(smp, start=False)
                 smp.context = ep.prompt_tokens + sum(ep.reply_tokens[:done]) + sum(ep.tool_tokens[:done - 1])
                 smp.pending_new, smp.remaining_reply = ep.tool_tokens[done - 1], ep.reply_tokens[done]
                 smp.callbacks = self.turns.tool_cbs
                 self.env.push(float(self.rng.random()) * ep.tool_s[done - 1], smp)
 
     def _begin(self, s: Session) -> None:
+        pool = self.sandbox
+        if pool is None or s.sid in pool.got_s:  # no sandboxes, or a restart in the sandbox it holds
+            self._first_turn(s, self.env.now)
+            return
+        pool.asked_s[s.sid] = self.env.now
+        if pool.live < pool.max_live:
+            self._take_sandbox(s)
+        else:
+            pool.waiting.append(s)  # the cap binds: it waits for a sandbox given back (`_give_back_sandbox`)
+
+    def _first_turn(self, s: Session, start_s: float) -> None:
         s.turn, s.context, s.pending_new = 0, 0, s.ep.prompt_tokens
         s.remaining_reply, s.prompt_total = s.ep.reply_tokens[0], s.ep.prompt_tokens
-        s.tokens_by_version, s.start_s, s.cached_on, s.replica = {}, self.env.now, None, None
+        s.tokens_by_version, s.start_s, s.cached_on, s.replica = {}, start_s, None, None
         self._turn(s)
+
+    def _take_sandbox(self, s: Session, start: bool = True) -> None:
+        """`s` gets a sandbox now; with `start`, its first turn follows the sandbox's start latency."""
+        pool, now = self.sandbox, self.env.now
+        pool.accrue(now)
+        pool.live += 1
+        pool.got_s[s.sid] = now
+        if not start:
+            pool.asked_s[s.sid] = now
+            return
+        asked = pool.asked_s[s.sid]
+        if pool.start_s > 0:
+            self.env.timeout(pool.start_s).callbacks.append(lambda _e, s=s, t=asked: self._first_turn(s, t))
+        else:
+            self._first_turn(s, asked)
+
+    def _give_back_sandbox(self, s: Session) -> None:
+        """`s` finished: its sandbox goes back to the pool (the next waiting episode takes it)."""
+        pool, now = self.sandbox, self.env.now
+        pool.accrue(now)
+        pool.live -= 1
+        got = pool.got_s.pop(s.sid)
+        pool.done[s.sid] = (got - pool.asked_s.pop(s.sid), now - got)
+        while pool.waiting and pool.live < pool.max_live:
+            self._take_sandbox(pool.waiting.popleft())
 
     @property
     def sessions_lost(self) -> int:
@@ -282,6 +353,8 @@ class World:
         """Its last turn is done: into its prompt-group; a complete group may form an update."""
         s.end_s = self.env.now
         self.router.release(s.sid)
+        if self.sandbox is not None:
+            self._give_back_sandbox(s)
         if self.prompts.finish(self.prompts.inflight[s.prompt_id], s, self.env.now):
             if self._batch_waiter is not None and self.prompts.can_decide:
                 self._batch_waiter.succeed()
@@ -340,13 +413,16 @@ class World:
 
     def write_trajectory(self, s: Session, trained_version: int) -> None:
         tbv = {v: n for v, n in s.tokens_by_version.items() if n}
+        waited = math.nan
+        if self.sandbox is not None:
+            waited = self.sandbox.done.pop(s.sid, (math.nan, math.nan))[0]
         self.writer.append(TrajectoryRecord(
             run_id=self.run_id, prompt_id=str(s.prompt_id), sample_index=s.sample,
             group=s.replica.group if s.replica else "", replica=s.replica.index if s.replica else -1,
             version_start=min(tbv, default=0), version_end=max(tbv, default=0), turns=s.ep.turns,
             prompt_tokens=s.prompt_total, generated_tokens=sum(tbv.values()), start_s=s.start_s, end_s=s.end_s,
             reward=s.ep.reward, finish_reason=s.ep.finish_reason, restarts=s.restarts, tokens_by_version=tbv,
-            trained_version=trained_version))
+            trained_version=trained_version, sandbox_wait_s=waited))
         self.trajectories_written += 1
 
     def record_update(self, batch: list[PromptGroup[Session]], version: int, start_s: float, train_s: float,
@@ -355,6 +431,13 @@ class World:
         now = self.env.now
         sessions = [s for p in batch for s in p.samples]
         versions, counts, by_group = [], [], {}
+        sandbox: dict[str, Any] = {}
+        if self.sandbox is not None:  # the batch's pool waits and sandbox time (before write_trajectory pops them)
+            pool = self.sandbox
+            pool.accrue(now)
+            spans = [pool.done.get(s.sid, (0.0, 0.0)) for s in sessions]
+            sandbox = {"cost_sandbox_usd": pool.cost_usd, "sandbox_wait_s": float(sum(w for w, _ in spans)),
+                       "sandbox_s": float(sum(h for _, h in spans))}
         for s in sessions:
             g = s.replica.group
             for v, n in s.tokens_by_version.items():
@@ -401,7 +484,7 @@ class World:
             staleness={"staleness_mean": float((stal * w).sum() / max(w.sum(), 1.0)), "staleness_p50": q(0.5),
                        "staleness_p95": q(0.95), "staleness_max": float(stal.max()) if len(stal) else 0.0},
             kl_k3=kl_sum / tokens if tokens else math.nan, extreme_share=ext_sum / tokens if tokens else math.nan,
-            reward_mean=float(np.mean([s.ep.reward for s in sessions])))
+            reward_mean=float(np.mean([s.ep.reward for s in sessions])), **sandbox)
         self.writer.extend(rows)
         self.writer.append(update)
 

@@ -115,6 +115,20 @@ def _metrics(run: RunData) -> None:
     c[4].metric("tokens/s", fmt_compact(s.get("tokens_per_s")))
     c[5].metric("share outside [0.2, 5]", fmt_pct(s.get("extreme_share"), 3))
     st.caption(fill_note(s))
+    if (line := cost_split_note(s)) is not None:
+        st.caption(line)
+
+
+def cost_split_note(s: dict) -> str | None:
+    """Cost per update split into sampling, training and sandboxes, for a run whose plan has sandboxes (issue 42);
+    None for one without (the page as before)."""
+    sandbox = s.get("cost_sandbox_per_update_usd") or 0.0
+    wait = s.get("sandbox_wait_share")
+    if not sandbox > 0 and not (wait is not None and wait == wait):
+        return None
+    return (f"Cost per update: sampling {fmt_usd(s.get('cost_sampler_per_update_usd'))}, training "
+            f"{fmt_usd(s.get('cost_trainer_per_update_usd'))}, sandboxes {fmt_usd(sandbox)}; pool-wait share "
+            f"{fmt_pct(wait, 1)} (episodes' waits for a sandbox / (waits + sandbox time)).")
 
 
 def fill_note(s: dict) -> str:

@@ -21,6 +21,9 @@ Schema (every field optional unless marked; `model` and `workload` may come from
                expert parallel; spot: the price table's spot price, preempted at the catalog's rate)
     [policies.router|autoscaler|batcher|weight_sync]  name + that policy's settings (policies/plan.py)
     [faults]   preemptions_per_replica_hour on_loss spot_preemptions_per_replica_hour
+    [sandbox]  max_live* start_s price_per_hour_usd source date   (one sandbox per live episode, from a pool of
+               max_live; start_s its start latency; the price per sandbox-hour, default the catalog's [sandbox]
+               price; a plan without the table has no sandboxes: no start, no wait, no sandbox cost)
     [embedded] settings for rehearsing the plan on this machine (see EmbeddedPlan)
 Formats (`precision`, `kv_dtype`, `kernel`) are checked against data/precisions.toml (costmodel/specs/formats.py),
 accelerators against data/accelerators.toml (a name in another case is taken as the catalog spells it),
@@ -215,6 +218,63 @@ class FaultsPlan:
         _need("plan faults", "on_loss", self.on_loss in ON_LOSS, self.on_loss, "one of " + ", ".join(ON_LOSS))
 
 
+MAX_SANDBOXES = 10_000_000          # a plan's sandbox pool (the published run used thousands)
+MAX_SANDBOX_START_S = 3600.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxPlan:
+    """Sandboxes as a resource: each episode takes one from a pool of `max_live` (waits while all are live),
+    pays `start_s` before its first turn and holds it until its last turn ends; a live sandbox (starting
+    included) costs `price_per_hour_usd` (None: the catalog's [sandbox] price, `resolve_sandbox`). `source` /
+    `date`: where the figures come from (an estimate says so)."""
+    max_live: int
+    start_s: float = 0.0
+    price_per_hour_usd: float | None = None
+    source: str = ""
+    date: str = ""
+
+    def __post_init__(self) -> None:
+        w = "plan sandbox"
+        check_count(w, "max_live", self.max_live, 1, MAX_SANDBOXES)
+        _need(w, "start_s", _number(self.start_s) and 0 <= self.start_s <= MAX_SANDBOX_START_S, self.start_s,
+              f"a number of seconds in [0, {MAX_SANDBOX_START_S:g}]")
+        p = self.price_per_hour_usd
+        _need(w, "price_per_hour_usd", p is None or (_number(p) and 0 <= p < 1e6), p,
+              "USD per sandbox-hour, a number >= 0 (or absent: the catalog's [sandbox] price)")
+        for f in ("source", "date"):
+            _need(w, f, isinstance(getattr(self, f), str), getattr(self, f), "a string")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ResolvedSandbox:
+    """A plan's sandboxes as a world runs them: the pool's cap, the start latency and the price per hour, with
+    where the price comes from."""
+    max_live: int
+    start_s: float
+    usd_per_hour: float
+    price_source: str
+
+
+def resolve_sandbox(sb: SandboxPlan | None, catalog_sandbox: Any = None) -> ResolvedSandbox | None:
+    """The plan's [sandbox] with its price: its own `price_per_hour_usd`, else the catalog's [sandbox] price
+    (`catalog.sandbox_price()`, or `catalog_sandbox` when given); None for a plan without sandboxes."""
+    if sb is None:
+        return None
+    if sb.price_per_hour_usd is not None:
+        src = f"the plan's [sandbox] ({sb.source or 'no source given'}" + (f", {sb.date})" if sb.date else ")")
+        return ResolvedSandbox(max_live=sb.max_live, start_s=float(sb.start_s),
+                               usd_per_hour=float(sb.price_per_hour_usd), price_source=src)
+    from mixfleet.costmodel.specs.catalog import sandbox_price
+
+    price = catalog_sandbox or sandbox_price()
+    if price is None:
+        raise SpecError("plan sandbox", "price_per_hour_usd", None, "a price (the catalog has no [sandbox] price)")
+    return ResolvedSandbox(max_live=sb.max_live, start_s=float(sb.start_s), usd_per_hour=price.usd_per_hour,
+                           price_source=f"{price.provider}, {price.vcpus:g} vCPU + {price.memory_gib:g} GiB; "
+                                        f"{price.source}; {price.date}")
+
+
 @dataclass(frozen=True, kw_only=True)
 class EmbeddedPlan:
     """The plan's run settings (read by the runner): rehearsing it on this machine with embedded samplers (each
@@ -304,6 +364,7 @@ class PlanData:
     trainer: TrainerPlan = field(default_factory=TrainerPlan)
     faults: FaultsPlan = field(default_factory=FaultsPlan)
     embedded: EmbeddedPlan | None = None
+    sandbox: SandboxPlan | None = None   # None: no sandboxes (no start latency, no pool, no sandbox cost)
 
     def __post_init__(self) -> None:
         w = f"plan '{self.name}'"
@@ -359,6 +420,8 @@ class PlanData:
         out["faults"] = _plain(self.faults)
         if self.embedded is not None:
             out["embedded"] = _plain(self.embedded)
+        if self.sandbox is not None:
+            out["sandbox"] = _plain(self.sandbox)
         return _drop_none(out)
 
     def to_dict(self) -> dict[str, Any]:
@@ -408,7 +471,7 @@ def plan_data_fields(raw: dict[str, Any], known: list[str]) -> tuple[dict[str, A
     pol_raw = raw.pop("policies", {})
     if not isinstance(pol_raw, dict):
         raise SpecError(where, "policies", pol_raw, "a table of [policies.<kind>] tables")
-    sub = {"trainer": TrainerPlan, "faults": FaultsPlan, "embedded": EmbeddedPlan}
+    sub = {"trainer": TrainerPlan, "faults": FaultsPlan, "embedded": EmbeddedPlan, "sandbox": SandboxPlan}
     if "embedded" in raw:
         raw["embedded"] = embedded_table(raw["embedded"], f"{where} [embedded]")
     kwargs = {k: build_table(cls, raw.pop(k), f"{where} [{k}]") for k, cls in sub.items() if k in raw}

@@ -10,6 +10,8 @@ each column with one meaning in both worlds (docs/runlog.md):
 - `groups.cost_usd`: the group's cost in the window: its replicas, up or starting, at the plan's price.
 - `updates.cost_sampler_usd` / `cost_trainer_usd`: cumulative at the update's end; the trainer is billed
   for the whole run clock at `trainer_usd_per_hour` (the plan's trainer GPUs x its price per GPU-hour).
+- `updates.cost_sandbox_usd`: cumulative at the update's end, what the world's sandboxes cost so far (a world
+  without sandboxes: 0); `sandbox_wait_s` / `sandbox_s`: the batch's pool waits and sandbox time, summed.
 - `updates.extreme_share`: share of trained tokens with ratio outside [0.2, 5]; `extreme_low_share` /
   `extreme_high_share` split it where a world measures the split (the runner), NaN where it does not.
 - `groups.kl_k3_on_policy` / `kl_k1_on_policy` / `tokens_on_policy`: over the group's staleness-0 tokens.
@@ -101,8 +103,8 @@ class Ledger:
 
     def record(self, *, version: int, now_s: float, start_s: float, totals: Mapping[str, GroupTotals],
                batches: Mapping[str, GroupBatch], train_step_s: float, weight_sync_s: float, tokens: int,
-               trajectories: int, staleness: Mapping[str, float], **metrics: Any) -> tuple[UpdateRecord,
-                                                                                            list[GroupRecord]]:
+               trajectories: int, staleness: Mapping[str, float], cost_sandbox_usd: float = 0.0,
+               **metrics: Any) -> tuple[UpdateRecord, list[GroupRecord]]:
         """The update `version` that ended at `now_s`: its `UpdateRecord` and one `GroupRecord` per group.
         `staleness`: staleness_mean/p50/p95/max; `metrics`: UpdateRecord's metric fields (kl_k1, kl_k3, ...)."""
         window = max(now_s - self.last_update_s, 1e-12)
@@ -125,7 +127,7 @@ class Ledger:
             version=version, start_s=start_s, end_s=now_s, train_step_s=train_step_s, weight_sync_s=weight_sync_s,
             tokens=tokens, trajectories=trajectories, **staleness,
             cost_sampler_usd=sum(self.cost_before_usd[g] + totals[g].cost_usd for g in self.groups),
-            cost_trainer_usd=self.trainer_usd_per_hour * now_s / 3600.0, **metrics)
+            cost_trainer_usd=self.trainer_usd_per_hour * now_s / 3600.0, cost_sandbox_usd=cost_sandbox_usd, **metrics)
         return update, rows
 
     # ---- resume -----------------------------------------------------------------------------------------

@@ -144,13 +144,15 @@ class TrajectoryRecord:
 
     LISTS: ClassVar[tuple[str, ...]] = ("turn_tool_s", "turn_output_tokens", "command_s", "sandbox_start_s",
                                         "pool_wait_s")
+    sandbox_wait_s: float = _NAN     # seconds it waited for a sandbox from the pool (from start_s, before its
+                                     # sandbox started); NaN = no sandboxes / not recorded
 
     def __post_init__(self) -> None:
         where = "TrajectoryRecord"
         if isinstance(self.prompt_id, int):
             object.__setattr__(self, "prompt_id", str(self.prompt_id))
         _check_enum(where, "finish_reason", self.finish_reason, FINISH_REASONS)
-        _nan_if_none(self, ("reward", "tool_s"))
+        _nan_if_none(self, ("reward", "tool_s", "sandbox_wait_s"))
         for name in self.LISTS:
             v = getattr(self, name)
             if v is None:
@@ -210,12 +212,19 @@ class UpdateRecord:
     pass_at_k: float = _NAN          # held-out evaluation (only on eval updates)
     tool_s: float = _NAN             # seconds the batch's episodes spent in their tools (sandbox start, commands,
                                      # submission tests), summed; NaN where not recorded (older logs, the twin)
+    cost_sandbox_usd: float = 0.0    # cumulative sandbox cost at end_s, USD (live sandboxes, starting included)
+    sandbox_wait_s: float = _NAN     # seconds the batch's episodes waited for a sandbox from the pool, summed
+    sandbox_s: float = _NAN          # sandbox-seconds the batch's episodes held (start + turns + commands), summed;
+                                     # both NaN without sandboxes. Pool wait share: wait / (wait + held)
 
     def __post_init__(self) -> None:
         where = "UpdateRecord"
-        _nan_if_none(self, ("staleness_mean", "staleness_p50", "staleness_p95", "staleness_max") + self.METRICS)
+        _nan_if_none(self, ("staleness_mean", "staleness_p50", "staleness_p95", "staleness_max", "sandbox_wait_s",
+                            "sandbox_s") + self.METRICS)
+        if self.cost_sandbox_usd is None:
+            object.__setattr__(self, "cost_sandbox_usd", 0.0)
         _check_nonneg(where, self, ("version", "start_s", "train_step_s", "weight_sync_s", "tokens", "trajectories",
-                                    "cost_sampler_usd", "cost_trainer_usd"))
+                                    "cost_sampler_usd", "cost_trainer_usd", "cost_sandbox_usd"))
         if not self.end_s >= self.start_s:
             raise SpecError(where, "end_s", self.end_s, f">= start_s ({self.start_s})")
 

@@ -13,7 +13,10 @@ Definitions (the run clock starts at 0; seconds are simulated for the twin, wall
   samplers), and a stopped-and-resumed run counts each segment's loop only: the stop, the wait and the restart
   are in elapsed_s and outside_loop_s, never in a time per update (issue 26: the card and `fidelity` say one
   figure).
-- cost per update: the last update's cumulative cost / updates (sampler, trainer, total).
+- cost per update: the last update's cumulative cost / updates (sampler, trainer, sandbox, total; a run without
+  sandboxes has 0 sandbox cost).
+- sandbox_wait_share: the trained episodes' pool waits over their waits + sandbox time (updates' sandbox_wait_s /
+  (sandbox_wait_s + sandbox_s), summed over updates); NaN without sandboxes.
 - staleness_mean: token-weighted mean of the updates' per-token mean staleness (versions);
   staleness_p95: mean over updates of each update's p95; staleness_max: max over updates.
 - trainer_idle_share: 1 - sum(train_step_s + weight_sync_s) / the loop's seconds (loop_s: elapsed_s less
@@ -31,7 +34,7 @@ Definitions (the run clock starts at 0; seconds are simulated for the twin, wall
 Steady state (`steady_state`, the standard output analysis of a simulation, applied to real logs alike):
 - pipeline fill: first_update_s, start to the first update's end (the first interval, always excluded).
 - warm-up: the remaining per-update series (interval between update ends, cost per update = the increment
-  of the cumulative sampler + trainer cost, per-update staleness_mean) are each truncated by MSER-5 (White
+  of the cumulative sampler + trainer + sandbox cost, per-update staleness_mean) are each truncated by MSER-5 (White
   1997: the truncation point d minimizing the variance of the mean of what remains, sum((z - mean)^2) /
   (k - d)^2 over batch means z of 5 updates, d <= k / 2; batches of 1 when fewer than 20 updates remain);
   the run's warm-up is the largest of the three (warmup_updates counts the first update too).
@@ -115,6 +118,11 @@ class RunSummary:
     steady_staleness_mean: float = _NAN
     steady_staleness_ci: float = _NAN
     steady_tokens_per_s: float = _NAN
+    # sandboxes (0 / NaN for a run without them)
+    cost_sandbox_per_update_usd: float = 0.0
+    sandbox_wait_share: float = _NAN          # the trained episodes' pool waits / (waits + sandbox time)
+    steady_cost_sandbox_per_update_usd: float = _NAN
+    steady_cost_sandbox_per_update_ci_usd: float = _NAN
 
     def to_dict(self) -> dict[str, Any]:
         """Plain dict (per-group and finish-reason values as nested dicts); NaN stays NaN."""
@@ -234,6 +242,7 @@ class SteadyState:
     cost_per_update_usd: SteadyEstimate
     cost_sampler_per_update_usd: SteadyEstimate
     staleness: SteadyEstimate
+    cost_sandbox_per_update_usd: SteadyEstimate   # the sandbox part of cost_per_update_usd (0 without sandboxes)
     tokens_per_s: float                      # trained tokens / time over the steady updates
 
 
@@ -245,13 +254,16 @@ def steady_state(updates: pd.DataFrame, start_s: float = 0.0) -> SteadyState:
     nan = SteadyEstimate(mean=_NAN, half_width=_NAN, n=0, batches=0)
     if n == 0:
         return SteadyState(fill_s=_NAN, warmup_updates=0, time_per_update_s=nan, cost_per_update_usd=nan,
+                           cost_sandbox_per_update_usd=nan,
                            cost_sampler_per_update_usd=nan, staleness=nan, tokens_per_s=_NAN)
     ends = up["end_s"].to_numpy(dtype=float)
     iv = np.diff(ends, prepend=start_s)
     cs = np.nan_to_num(up["cost_sampler_usd"].to_numpy(dtype=float))
     ct = np.nan_to_num(up["cost_trainer_usd"].to_numpy(dtype=float))
+    cb = np.nan_to_num(up["cost_sandbox_usd"].to_numpy(dtype=float)) if "cost_sandbox_usd" in up else np.zeros(n)
     cost_s = np.diff(cs, prepend=0.0)
-    cost = cost_s + np.diff(ct, prepend=0.0)
+    cost_b = np.diff(cb, prepend=0.0)
+    cost = cost_s + np.diff(ct, prepend=0.0) + cost_b
     stale = up["staleness_mean"].to_numpy(dtype=float)
     tokens = up["tokens"].to_numpy(dtype=float)
     d = 1 + max(mser_truncation(x[1:]) for x in (iv, cost, stale))  # the first update is the pipeline fill
@@ -260,7 +272,7 @@ def steady_state(updates: pd.DataFrame, start_s: float = 0.0) -> SteadyState:
     return SteadyState(
         fill_s=float(iv[0]), warmup_updates=min(d, n), time_per_update_s=batch_means(iv[keep]),
         cost_per_update_usd=batch_means(cost[keep]), cost_sampler_per_update_usd=batch_means(cost_s[keep]),
-        staleness=batch_means(stale[keep]),
+        staleness=batch_means(stale[keep]), cost_sandbox_per_update_usd=batch_means(cost_b[keep]),
         tokens_per_s=float(tokens[keep].sum()) / time_kept if time_kept > 0 else _NAN)
 
 
@@ -286,6 +298,9 @@ def summarize(runlog: RunLog | str | os.PathLike[str]) -> RunSummary:
 
     cost_s = float(up["cost_sampler_usd"].iloc[-1]) if n_up else 0.0
     cost_t = float(up["cost_trainer_usd"].iloc[-1]) if n_up else 0.0
+    cost_b = float(up["cost_sandbox_usd"].iloc[-1]) if n_up else 0.0
+    waits, held = float(np.nansum(up["sandbox_wait_s"])), float(np.nansum(up["sandbox_s"]))
+    wait_share = waits / (waits + held) if n_up and up["sandbox_s"].notna().any() and waits + held > 0 else _NAN
     per = (lambda x: x / n_up) if n_up else (lambda x: _NAN)
 
     tokens_w = up["tokens"].to_numpy(dtype=float)
@@ -358,7 +373,10 @@ def summarize(runlog: RunLog | str | os.PathLike[str]) -> RunSummary:
         time_per_update_p50_s=_pct(intervals, 50), time_per_update_p95_s=_pct(intervals, 95),
         first_update_s=float(intervals[0]) if n_up else _NAN,
         cost_sampler_per_update_usd=per(cost_s), cost_trainer_per_update_usd=per(cost_t),
-        cost_per_update_usd=per(cost_s + cost_t), cost_total_usd=cost_s + cost_t,
+        cost_per_update_usd=per(cost_s + cost_t + cost_b), cost_total_usd=cost_s + cost_t + cost_b,
+        cost_sandbox_per_update_usd=per(cost_b), sandbox_wait_share=wait_share,
+        steady_cost_sandbox_per_update_usd=ss.cost_sandbox_per_update_usd.mean,
+        steady_cost_sandbox_per_update_ci_usd=ss.cost_sandbox_per_update_usd.half_width,
         staleness_mean=_wmean(up["staleness_mean"], tokens_w),
         staleness_p95=_wmean(up["staleness_p95"], np.ones(n_up)),
         staleness_max=float(np.nanmax(up["staleness_max"])) if n_up and up["staleness_max"].notna().any() else _NAN,

@@ -306,7 +306,7 @@ def _parse_accelerators(path: Path, price_table: str | None
                         ) -> tuple[dict[str, Accelerator], tuple[str, ...], str, str, str, str, str]:
     raw = read_toml(path)
     where = str(path)
-    check_keys(where, raw, ("schema", "default_price_table", "defaults", "accelerators", "prices", "spot"))
+    check_keys(where, raw, ("schema", "default_price_table", "defaults", "accelerators", "prices", "spot", "sandbox"))
     get_int(where, raw, "schema", lo=1, hi=1)
     defaults = get_table(where, raw, "defaults")
     check_keys(f"{where} [defaults]", defaults, _DEFAULTABLE)
@@ -365,6 +365,44 @@ def _parse_accelerators(path: Path, price_table: str | None
         if out[name].max_tp > 1 and out[name].link_gb_s <= 0:
             raise SpecError(w, "link_gb_s", out[name].link_gb_s, "> 0 when max_tp > 1")
     return out, tables, chosen, tsrc, tdate, ssrc, sdate
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxPrice:
+    """What one sandbox (an episode's tool environment) costs per hour it is live, from the catalog's [sandbox]
+    table: a provider's per-second rates per vCPU and per GiB of memory, for a stated size, with their source."""
+    provider: str
+    vcpus: float
+    memory_gib: float
+    usd_per_vcpu_s: float
+    usd_per_gib_s: float
+    source: str
+    date: str
+
+    @property
+    def usd_per_hour(self) -> float:
+        """Per sandbox-hour at the stated size: (vCPUs x vCPU rate + GiB x memory rate) x 3600."""
+        return (self.vcpus * self.usd_per_vcpu_s + self.memory_gib * self.usd_per_gib_s) * 3600.0
+
+
+def sandbox_price(accelerators_path: str | Path | None = None) -> SandboxPrice | None:
+    """The catalog's sandbox price ([sandbox] of data/accelerators.toml, or the given file); None without one."""
+    return _sandbox_price(str(accelerators_path or data_path("accelerators.toml")))
+
+
+@lru_cache(maxsize=4)
+def _sandbox_price(path: str) -> SandboxPrice | None:
+    raw = read_toml(Path(path))
+    if "sandbox" not in raw:
+        return None
+    w = f"{path} [sandbox]"
+    t = get_table(path, raw, "sandbox")
+    check_keys(w, t, ("provider", "vcpus", "memory_gib", "usd_per_vcpu_s", "usd_per_gib_s", "source", "date"))
+    return SandboxPrice(provider=get_str(w, t, "provider"), vcpus=get_float(w, t, "vcpus", lo=0.0, lo_open=True),
+                        memory_gib=get_float(w, t, "memory_gib", lo=0.0),
+                        usd_per_vcpu_s=get_float(w, t, "usd_per_vcpu_s", lo=0.0),
+                        usd_per_gib_s=get_float(w, t, "usd_per_gib_s", lo=0.0),
+                        source=get_str(w, t, "source"), date=get_str(w, t, "date"))
 
 
 def _sglang_flag(where: str, table: dict[str, Any], key: str, servers: tuple[str, ...]) -> str:

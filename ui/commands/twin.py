@@ -126,6 +126,28 @@ def _spot_source(cfg: Any) -> dict[str, Any]:
                                  "estimate": cat.spot(a).price_estimate} for a in cfg.spot}}
 
 
+def _plan_sandboxes(cfg: Any, plan: Any) -> dict[str, Any]:
+    """The chosen plan's sandboxes: cap (and whether the user set it), start latency, price and its source."""
+    from mixfleet.costmodel.plan.planspec import resolve_sandbox
+
+    sb = resolve_sandbox(plan.sandbox)
+    return {"cap": sb.max_live, "cap_given": cfg.sandbox_cap is not None, "start_s": sb.start_s,
+            "usd_per_sandbox_hour": sb.usd_per_hour, "price_source": sb.price_source}
+
+
+def _split_line(b: Any, plan: Any) -> str:
+    """Cost per update split into sampling, training and sandboxes (the analytic screen), and the pool."""
+    from mixfleet.costmodel.plan.planspec import resolve_sandbox
+
+    sb = resolve_sandbox(plan.sandbox)
+    wait = b.sandbox_wait_share
+    return (f"cost/update split (analytic): sampling {_num(b.cost_sampling_per_update_usd)} + training "
+            f"{_num(b.cost_training_per_update_usd)} + sandboxes {_num(b.cost_sandbox_per_update_usd)} USD; "
+            f"sandboxes: cap {sb.max_live:,}, {_num(b.sandboxes_live, ',.0f')} live on average, pool wait share "
+            f"{_num(wait, '.1%')}" + (" (the cap binds)" if wait > 1e-9 else "")
+            + f", {sb.start_s:g} s to start, ${sb.usd_per_hour:.4g} per sandbox-hour ({sb.price_source})")
+
+
 def _print_spot(result: Any, cfg: Any) -> None:
     """The spot mix beside the best on-demand one: mix, cost and time per update (twin where verified, else the
     screen), expected lost work per update; then the source and date of every spot figure."""
@@ -215,6 +237,15 @@ def register(app: typer.Typer) -> None:
         calibration: Path = typer.Option(None, "--calibration", "-c",
                                          help="Calibration file (mixfleet calibrate): fitted values in place of "
                                               "the cost model's priors for the groups and trainer it covers."),
+        sandboxes: bool = typer.Option(False, "--sandboxes", help="Each episode holds a sandbox (its start latency, "
+                                       "priced per sandbox-hour, the pool sized with the fleet unless "
+                                       "--sandbox-cap); any --sandbox-* option turns this on."),
+        sandbox_cap: int = typer.Option(None, "--sandbox-cap", help="Most sandboxes live at once (e.g. a "
+                                        "provider's concurrency limit): episodes queue for one beyond it."),
+        sandbox_start_s: float = typer.Option(None, "--sandbox-start-s", help="Seconds a sandbox takes to start "
+                                              "(default 10, an estimate)."),
+        sandbox_price: float = typer.Option(None, "--sandbox-price", help="USD per sandbox-hour (default: the "
+                                            "catalog's [sandbox] price, data/accelerators.toml)."),
     ) -> None:
         """Find the fleet mix with the lowest cost per (effective) update under the constraints."""
         from mixfleet.costmodel.errors import SpecError
@@ -243,7 +274,10 @@ def register(app: typer.Typer) -> None:
                                 backend=backend, seed=seed, verify_seeds=verify_seeds, on_loss=on_loss,
                                 spot=("all",) if spot else tuple(a.strip() for a in spot_accelerators.split(",")
                                                                  if a.strip()),
-                                spot_preemptions_per_hour=spot_rate)
+                                spot_preemptions_per_hour=spot_rate,
+                                sandboxes=sandboxes or sandbox_start_s is not None, sandbox_cap=sandbox_cap,
+                                sandbox_usd_per_hour=sandbox_price,
+                                **({"sandbox_start_s": sandbox_start_s} if sandbox_start_s is not None else {}))
             from mixfleet.twin.checks import default_map, twin_check
 
             check_map = default_map   # this machine's cores, each check read back when it was checked before
@@ -282,6 +316,7 @@ def register(app: typer.Typer) -> None:
                 "binds": [{"flag": x.flag, "what": x.what, "limit": x.limit, "relaxed_objective": x.relaxed_objective,
                            "relaxed_value": x.relaxed_value, "gain": x.gain, "text": x.text()} for x in result.binds],
                 "spot_source": _spot_source(cfg) if cfg.spot else None,
+                "sandboxes": _plan_sandboxes(cfg, result.plan) if cfg.sandboxes else None,
                 "groups": {x.name: {"tp": x.tp, "dp_attention": x.dp_attention, "ep": x.ep, "backend": x.backend}
                            for x in result.types if x.name in result.best.replicas}}), indent=2))
             return
@@ -310,7 +345,11 @@ def register(app: typer.Typer) -> None:
                          f"time/update {_pm(v['time_per_update_s'], v['time_per_update_ci_s'], ',.0f')} s; "
                          f"cost/update {_pm(v['cost_per_update_usd'], v['cost_per_update_ci_usd'], ',.2f')} USD "
                          "(samplers "
-                         f"{_pm(v['cost_sampler_per_update_usd'], v['cost_sampler_per_update_ci_usd'], ',.2f')})"
+                         f"{_pm(v['cost_sampler_per_update_usd'], v['cost_sampler_per_update_ci_usd'], ',.2f')}"
+                         + ("; sandboxes " + _pm(v["cost_sandbox_per_update_usd"], v["cost_sandbox_per_update_ci_usd"],
+                                                 ",.2f")
+                            + f", pool wait share {_num(v['sandbox_wait_share'], '.1%')}" if cfg.sandboxes else "")
+                         + ")"
                          f"; staleness {_pm(v['staleness'], v['staleness_ci'], '.2f')}; "
                          f"throughput {_num(v['tokens_per_s'], ',.0f')} tok/s"
                          + ("" if v["feasible"] else "; MISSES a constraint in the twin"))
@@ -320,6 +359,8 @@ def register(app: typer.Typer) -> None:
                      f"staleness {_num(b.staleness, '.2f')}; USD/h {_num(b.usd_per_hour)}; cost/update "
                      f"{_num(b.cost_per_update_usd)}; cost/effective update {_num(b.cost_per_effective_update_usd)}"
                      + ("; trainer-bound" if b.trainer_bound else ""))
+        if cfg.sandboxes:
+            lines.append(_split_line(b, result.plan))
         lines.append(f"what binds: {binds_text(result.binds)}")
         if cfg.prices:
             lines.append("prices over the table (USD per GPU-hour): "
@@ -403,6 +444,8 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps(r.to_dict(), indent=2))
             return
         _print_summaries([(Path(plan).stem, r)])
+        if (line := _sandbox_line(plan)) is not None:
+            typer.echo(line)
         if calibration is not None:
             typer.echo(f"calibrated twin: fitted values from {calibration} in place of the cost model's priors")
         if truth is not None:
@@ -432,6 +475,26 @@ def register(app: typer.Typer) -> None:
             typer.echo(json.dumps({Path(a).stem: ra.to_dict(), Path(b).stem: rb.to_dict()}, indent=2))
             return
         _print_summaries([(Path(a).stem, ra), (Path(b).stem, rb)])
+        for p in (a, b):
+            if (line := _sandbox_line(p)) is not None:
+                typer.echo(line)
+
+
+def _has_sandboxes(summary: Any) -> bool:
+    """Whether a run held sandboxes (a plan's [sandbox] table): its pool-wait share is measured."""
+    return math.isfinite(summary.sandbox_wait_share) or summary.cost_sandbox_per_update_usd > 0
+
+
+def _sandbox_line(plan: str) -> str | None:
+    """The plan's sandboxes in one line (cap, start latency, price and its source); None without a [sandbox]."""
+    from mixfleet.costmodel.plan.planspec import resolve_sandbox
+    from mixfleet.policies.plan import load_plan
+
+    sb = resolve_sandbox(load_plan(plan).sandbox)
+    if sb is None:
+        return None
+    return (f"sandboxes of {Path(plan).stem}: one per episode, at most {sb.max_live:,} live, {sb.start_s:g} s to "
+            f"start, ${sb.usd_per_hour:.4g} per sandbox-hour ({sb.price_source})")
 
 
 def _print_summaries(runs: list[tuple[str, Any]]) -> None:
@@ -443,8 +506,12 @@ def _print_summaries(runs: list[tuple[str, Any]]) -> None:
     t.add_column("metric")
     for name, _ in runs:
         t.add_column(name, justify="right")
+    sandboxes = any(_has_sandboxes(r.summary) for _, r in runs)   # a run without them: the table as before
     for label, field, ci, spec in STEADY_ROWS:
         t.add_row(label, *(_pm(getattr(r.summary, field), getattr(r.summary, ci), spec) for _, r in runs))
+        if sandboxes and field == "steady_cost_sampler_per_update_usd":
+            t.add_row("  sandboxes", *(_pm(r.summary.steady_cost_sandbox_per_update_usd,
+                                           r.summary.steady_cost_sandbox_per_update_ci_usd, spec) for _, r in runs))
     t.add_row("steady tokens/s", *(_num(r.summary.steady_tokens_per_s, ",.0f") for _, r in runs))
     t.add_row("pipeline fill s (start to update 1)", *(_num(r.summary.first_update_s, ",.0f") for _, r in runs))
     t.add_row("warm-up / steady updates", *(f"{r.summary.warmup_updates} / {r.summary.steady_updates}"
@@ -456,6 +523,10 @@ def _print_summaries(runs: list[tuple[str, Any]]) -> None:
             ("staleness p95", "staleness_p95", ".2f"), ("trainer idle", "trainer_idle_share", ".1%"),
             ("utilization", "utilization", ".1%"), ("tokens/s", "tokens_per_s", ",.0f"),
             ("KL k3 (prior)", "kl_k3", ".2e"), ("extreme share (prior)", "extreme_share", ".3%")]
+    if sandboxes:
+        at = [r[1] for r in rows].index("cost_trainer_per_update_usd") + 1
+        rows[at:at] = [("  sandboxes", "cost_sandbox_per_update_usd", ",.2f"),
+                       ("sandbox pool wait share", "sandbox_wait_share", ".1%")]
     for label, field, spec in rows:
         t.add_row(label, *(_num(getattr(r.summary, field, None), spec) if field else "" for _, r in runs))
     groups = sorted({g for _, r in runs for g in r.summary.group_share_of_samples})
