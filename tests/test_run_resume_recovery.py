@@ -191,7 +191,8 @@ def test_resume_with_another_plan_is_refused(first_run: dict[str, Path], tmp_pat
     log_before = _log_bytes(out)
     code, so, se = _cli(_resume(first_run, out, 3, plan=other))
     assert code == 2, (code, so[-1500:], se[-3000:])
-    _error_line(se, "PLAN", "'test-resume'", "differs in 1 field(s): policies.batcher.inflight_prompts: 8 -> 6")
+    _error_line(se, "policies.batcher.inflight_prompts", "'test-resume'",
+                "differs in 1 field(s): policies.batcher.inflight_prompts: saved 8, now 6")
     assert _log_bytes(out) == log_before
     # the same plan in another file passes the check: the resolved plans are compared, not the file names
     from mixfleet.runner.orchestration.orchestrator import prepare_resume

@@ -63,7 +63,7 @@ STATUSES = ("running", "finished", "stopped", "failed")   # stopped: ended on re
 FINISH_REASONS = ("done", "max_turns", "no_tool_call_3x", "aborted", "error", "restarted")
 EVENT_KINDS = ("scale_up", "scale_down", "cold_start", "ready", "preempt", "crash", "restart",
                "weight_push", "weight_push_failed", "resume", "note", "placed", "node_lost", "shrink",
-               "group_lost", "replan")
+               "group_lost", "replan", "new_settings")
 EXTREME_RATIO_LOW = 0.2     # a token's sampler/trainer probability ratio below this is "extreme low"
 EXTREME_RATIO_HIGH = 5.0    # ... above this is "extreme high"
 
@@ -364,16 +364,22 @@ def _flat(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def plan_differences(recorded: Any, given: Any, *, ignore: Iterable[str] = ("description",)) -> list[str]:
-    """The dotted fields where two plan tables (as a header holds them) differ, each "field: old -> new"
-    (groups keyed by name; fields in `ignore` are not compared). Empty when they are the same plan."""
+def plan_changes(recorded: Any, given: Any, *, ignore: Iterable[str] = ("description",)) -> dict[str, list[Any]]:
+    """The dotted fields where two plan tables (as a header holds them) differ: {field: [old, new]}, "<absent>"
+    for a field one of them lacks (groups keyed by name; fields in `ignore` are not compared). Empty when they
+    are the same plan."""
     def plain(x: Any) -> dict[str, Any]:
         d = json.loads(json.dumps(x if isinstance(x, Mapping) else {}, default=str))
         return _flat({k: v for k, v in d.items() if k not in set(ignore)}, "", {})
 
     a, b = plain(recorded), plain(given)
-    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
-            for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
+    return {k: [a.get(k, "<absent>"), b.get(k, "<absent>")]
+            for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")}
+
+
+def plan_differences(recorded: Any, given: Any, *, ignore: Iterable[str] = ("description",)) -> list[str]:
+    """`plan_changes` as lines "field: old -> new"."""
+    return [f"{k}: {old!r} -> {new!r}" for k, (old, new) in plan_changes(recorded, given, ignore=ignore).items()]
 
 
 # ---- writer -----------------------------------------------------------------------------------
