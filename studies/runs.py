@@ -2,9 +2,10 @@
 resumes them, each in its own child process with its own local Ray.
 
 A study is a list of `StudyRun`s: a name, an output folder, a plan (a shipped name or a TOML path) with dotted-key
-overrides (`policies.plan.with_overrides`), and the runner's settings (`RunConfig` fields). Everything a run is
-goes to `RUN_FILE` in its folder (what it is, before it starts) and the study's manifest (its state, status, wall
-time, attempts), both written atomically.
+overrides (the plan's run settings too: `embedded.lr`, ...), and what the run needs beyond its plan (`RUN_FIELDS`:
+updates, seed, mode, ...); each child prepares its run with the runner's one recipe (recipe.py `prepare_run`).
+Everything a run is goes to `RUN_FILE` in its folder (what it is, before it starts) and the study's manifest (its
+state, status, wall time, attempts), both written atomically.
 
 Each run is a child process of the runner's launcher (runner/orchestration/launcher.py `start_child`, `kill_child`,
 and `launch` in the child: the Ray start with its retries, SIGTERM stopping after the current update).
