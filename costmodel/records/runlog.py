@@ -377,18 +377,15 @@ def plan_changes(recorded: Any, given: Any, *, ignore: Iterable[str] = ("descrip
             for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")}
 
 
-def plan_differences(recorded: Any, given: Any, *, ignore: Iterable[str] = ("description",)) -> list[str]:
-    """`plan_changes` as lines "field: old -> new"."""
-    return [f"{k}: {old!r} -> {new!r}" for k, (old, new) in plan_changes(recorded, given, ignore=ignore).items()]
-
-
 # ---- writer -----------------------------------------------------------------------------------
 class RunLogWriter:
     """Appends records to a run-log folder; one Parquet part file per table per flush.
 
     `RunLogWriter(directory, header)` creates the folder and `run.json`, or reopens an existing run log
     (resume): the header is updated with the given keys, `resumes` is incremented, part numbering
-    continues after the highest existing part, old parts are kept and leftover temp files are removed.
+    continues after the highest existing part, old parts are kept and leftover temp files are removed. A resume
+    with another plan is refused, but for the dotted fields in `taken` (run settings a resume took, checked by
+    the caller: runner/orchestration/orchestrator.py `prepare_resume`).
     Rows are buffered and flushed every `flush_every_rows` rows (in any one table) or `flush_every_s`
     wall seconds (checked on append; None disables either), on `flush()` and on `close()`.
     Use as a context manager: a clean exit sets status "finished", an exception sets "failed".
@@ -396,7 +393,8 @@ class RunLogWriter:
     """
 
     def __init__(self, directory: str | os.PathLike[str], header: Mapping[str, Any] | None = None, *,
-                 flush_every_rows: int | None = 10_000, flush_every_s: float | None = 10.0) -> None:
+                 flush_every_rows: int | None = 10_000, flush_every_s: float | None = 10.0,
+                 taken: Iterable[str] = ()) -> None:
         if flush_every_rows is not None and flush_every_rows < 1:
             raise SpecError("RunLogWriter", "flush_every_rows", flush_every_rows, "an integer >= 1 or None")
         if flush_every_s is not None and not flush_every_s > 0:
@@ -417,7 +415,9 @@ class RunLogWriter:
             if "run_id" in given and given["run_id"] != old.get("run_id"):
                 raise SpecError("RunLogWriter header", "run_id", given["run_id"],
                                 f"the existing log's run_id ({old.get('run_id')!r}) when resuming")
-            if "plan" in given and (diff := plan_differences(old.get("plan"), given["plan"])):
+            changed = plan_changes(old.get("plan"), given.get("plan"))
+            diff = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in set(taken)]
+            if "plan" in given and diff:
                 more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
                 raise SpecError("RunLogWriter header", "plan", (given["plan"] or {}).get("name"),
                                 f"the plan the log in {self.directory} was started with, to resume it (it differs: "

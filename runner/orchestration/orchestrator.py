@@ -185,7 +185,7 @@ class Orchestrator:
         header = self._header()
         if point is not None and not point.new_settings:
             header["plan"] = point.plan             # the same plan (checked): keep it as the log recorded it
-        writer = self.recorder.open(header)
+        writer = self.recorder.open(header, taken=point.new_settings if point is not None else ())
         if replan is not None:   # it re-solves with the planner's solver, as in the twin (planner.solver)
             from mixfleet.planner.solver import solver_for
 
