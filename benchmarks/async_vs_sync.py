@@ -39,23 +39,26 @@ def main() -> None:
 
     import torch
     from mixfleet.policies.plan import load_plan
-    from mixfleet.runner.orchestration.orchestrator import RunConfig, run_plan
+    from mixfleet.runner.orchestration.launcher import launch
+    from mixfleet.runner.orchestration.recipe import base_policy, prepare_run
 
     torch.set_num_threads(1)
-    if args.init is None:
-        from mixfleet.runner.orchestration.pretrain import pretrain
-
-        args.init = str(pretrain().path)
     plan = load_plan(args.plan)
+    if args.init is None:
+        args.init = base_policy(plan, say=None)        # the plan's cached `mixfleet pretrain` base
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="mixfleet-async-vs-sync-"))
     results: dict[str, dict] = {}
     for mode in ("sync", "async"):
         out = root / mode
         shutil.rmtree(out, ignore_errors=True)
-        cfg = RunConfig(out_dir=out, updates=args.updates, init_checkpoint=args.init, mode=mode, eval_every=0)
+        run = prepare_run(plan, {"embedded.eval_every": 0}, out, updates=args.updates, init=args.init, mode=mode,
+                          say=None, where="async_vs_sync")       # the recipe every run of a plan goes through
         t0 = time.perf_counter()
         load_before = os.getloadavg()[0]
-        res = run_plan(plan, cfg)
+        try:
+            res = launch(run.plan, run.config, say=None).result
+        finally:
+            run.release()
         from mixfleet.costmodel.records.runlog import RunLog
 
         log = RunLog.open(out)

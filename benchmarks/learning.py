@@ -88,7 +88,7 @@ class Rung:
     model: str = "tiny"
     mode: str = "async"
     overrides: dict[str, Any] = field(default_factory=dict)      # dotted plan keys
-    settings: dict[str, Any] = field(default_factory=dict)       # RunConfig fields (e.g. lr) over the plan's
+    settings: dict[str, Any] = field(default_factory=dict)       # run settings (e.g. lr): embedded.* overrides
                                                                  # (in process: OnPolicyConfig fields)
     pretrain_steps: int = 150                        # the base policy's pretraining (`mixfleet pretrain --steps`)
 
@@ -218,10 +218,11 @@ def study_runs(rungs: list[str], seeds: list[int], args: argparse.Namespace, out
         for seed in seeds:
             runs.append(StudyRun(
                 name=f"{key}/seed{seed}", out_dir=out / key / f"seed{seed}", plan=r.plan,
-                overrides={**r.overrides, "seed": seed}, run_file="learning_run.json",
-                run={"updates": args.updates, "seed": seed, "mode": r.mode, "eval_every": args.eval_every,
-                     "eval_at_start": True, "eval_problems": args.eval_problems, "pass_k": args.eval_samples,
-                     **r.settings},
+                overrides={**r.overrides, "seed": seed, "embedded.eval_every": args.eval_every,
+                           "embedded.eval_at_start": True, "embedded.eval_problems": args.eval_problems,
+                           "embedded.pass_k": args.eval_samples,
+                           **{f"embedded.{k}": v for k, v in r.settings.items()}},   # the plan's run settings
+                run_file="learning_run.json", run={"updates": args.updates, "seed": seed, "mode": r.mode},
                 meta={"rung": key, "label": r.label, "model": r.model, "seed": seed}))
     return runs
 

@@ -195,10 +195,11 @@ def run_ablation(config: AblationConfig, *, log: Callable[[str], Any] = print) -
     plans = {f: load_plan(config.plan_ref(f)) for f in config.fleets}   # bad plans fail before anything starts
     specs = run_specs(config)
     runs = [StudyRun(name=s.name, out_dir=s.out_dir, plan=config.plan_ref(s.fleet),
-                     overrides=variant_overrides(plans[s.fleet].name, s.variant, s.seed, top_p=config.top_p),
-                     run={"updates": config.updates, "seed": int(s.seed), "eval_every": config.eval_every,
-                          "eval_at_start": bool(config.eval_every),
-                          **({"lr": config.lr} if config.lr is not None else {})},
+                     overrides={**variant_overrides(plans[s.fleet].name, s.variant, s.seed, top_p=config.top_p),
+                                "embedded.eval_every": config.eval_every,
+                                "embedded.eval_at_start": bool(config.eval_every),
+                                **({"embedded.lr": config.lr} if config.lr is not None else {})},
+                     run={"updates": config.updates, "seed": int(s.seed)},
                      meta={"fleet": s.fleet, "variant": s.variant, "label": LABELS[s.variant], "seed": s.seed,
                            "updates": config.updates, "lr": config.lr},
                      run_file=RUN_FILE)

@@ -2,9 +2,10 @@
 resumes them, each in its own child process with its own local Ray.
 
 A study is a list of `StudyRun`s: a name, an output folder, a plan (a shipped name or a TOML path) with dotted-key
-overrides (`policies.plan.with_overrides`), and the runner's settings (`RunConfig` fields). Everything a run is
-goes to `RUN_FILE` in its folder (what it is, before it starts) and the study's manifest (its state, status, wall
-time, attempts), both written atomically.
+overrides (the plan's run settings too: `embedded.lr`, ...), and what the run needs beyond its plan (`RUN_FIELDS`:
+updates, seed, mode, ...); each child prepares its run with the runner's one recipe (recipe.py `prepare_run`).
+Everything a run is goes to `RUN_FILE` in its folder (what it is, before it starts) and the study's manifest (its
+state, status, wall time, attempts), both written atomically.
 
 Each run is a child process of the runner's launcher (runner/orchestration/launcher.py `start_child`, `kill_child`,
 and `launch` in the child: the Ray start with its retries, SIGTERM stopping after the current update).
@@ -42,6 +43,10 @@ from typing import Any
 from mixfleet.runner.orchestration import launcher
 
 RUN_FILE = "study_run.json"
+# what a study run sets beyond its plan (RunConfig fields; the plan's run settings are dotted overrides)
+RUN_FIELDS = ("updates", "seed", "mode", "ray_num_cpus", "allow_group_loss", "batcher_overrides")
+# a child's defaults on a 2-core machine: one torch thread per part (a study run's overrides go over them)
+CHILD_OVERRIDES = {"embedded.trainer_threads": 1, "embedded.threads_per_replica": 1}
 LOG_PARTS = ("run.json", "trajectories", "updates", "groups", "events", "trainer_state", "weights")
 
 
@@ -53,10 +58,19 @@ class StudyRun:
     out_dir: Path
     plan: str                                        # shipped plan name or TOML path
     overrides: Mapping[str, Any] = field(default_factory=dict)   # dotted plan keys -> values
-    run: Mapping[str, Any] = field(default_factory=dict)         # RunConfig fields (updates, seed, lr, mode, ...)
+    run: Mapping[str, Any] = field(default_factory=dict)         # RUN_FIELDS (updates, seed, mode, ...)
     meta: Mapping[str, Any] = field(default_factory=dict)        # written to RUN_FILE with the rest (labels, ...)
     run_file: str = RUN_FILE
     base_policy: str = ""                            # this run's base checkpoint ("": the study's)
+
+    def __post_init__(self) -> None:
+        from mixfleet.costmodel.errors import SpecError
+
+        for key, value in self.run.items():
+            if key not in RUN_FIELDS:
+                raise SpecError(f"study run '{self.name}'", f"run.{key}", value,
+                                f"one of {', '.join(RUN_FIELDS)} (a plan setting is a dotted override of the plan, "
+                                f"e.g. embedded.{key})")
 
     @property
     def updates(self) -> int:
@@ -279,11 +293,12 @@ def _drive(todo: list[StudyRun], running: list[tuple[StudyRun, subprocess.Popen,
 
 
 def run_child(job: Mapping[str, Any]) -> dict[str, Any]:
-    """One run, in this process (the driver's child): the plan with its overrides through the runner's launcher
-    (runner/orchestration/launcher.py: the Ray start and its retries, SIGTERM stops after the current update)."""
+    """One run, in this process (the driver's child): the plan with its overrides prepared by the runner's one
+    recipe (runner/orchestration/recipe.py `prepare_run`, the folder managed by the driver: claim=False) and run
+    through the launcher (the Ray start and its retries, SIGTERM stops after the current update)."""
     import torch
-    from mixfleet.policies.plan import load_plan, with_overrides
-    from mixfleet.runner.orchestration.orchestrator import RunConfig
+    from mixfleet.policies.plan import load_plan
+    from mixfleet.runner.orchestration.recipe import prepare_run
 
     torch.set_num_threads(1)
     out = Path(job["out_dir"])
@@ -291,12 +306,14 @@ def run_child(job: Mapping[str, Any]) -> dict[str, Any]:
         for name in LOG_PARTS:
             p = out / name
             shutil.rmtree(p, ignore_errors=True) if p.is_dir() else p.unlink(missing_ok=True)
-    plan = with_overrides(load_plan(job["plan"]), dict(job["overrides"]))
     write_json(out / job["run_file"], {**job["meta"], "name": job["name"], "plan_ref": job["plan"],
                                        "overrides": job["overrides"], "run": job["run"],
                                        "base_policy": job["base_policy"]})
-    settings = {"trainer_threads": 1, "threads_per_replica": 1, "ray_num_cpus": 2, **dict(job["run"])}
-    cfg = RunConfig(out_dir=out, init_checkpoint=job["base_policy"], resume=bool(job["resume"]), **settings)
+    settings = {"ray_num_cpus": 2, **dict(job["run"])}
+    prepared = prepare_run(load_plan(job["plan"]), {**CHILD_OVERRIDES, **dict(job["overrides"])}, out,
+                           init=job["base_policy"], resume=bool(job["resume"]), claim=False, where="study run",
+                           **settings)
+    plan, cfg = prepared.plan, prepared.config
 
     def on_update(view: Any, _orch: Any) -> None:
         print(f"update {view.version}/{view.target} reward {view.reward_mean:.3f} k3 {view.kl_k3:.2e} "

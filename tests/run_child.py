@@ -43,8 +43,7 @@ def main() -> None:
     plain, resume = "--plain" in sys.argv[5:], "--resume" in sys.argv[5:]
     plan = load_plan(plan_path)
     first = plan.groups[0].name
-    cfg = RunConfig(out_dir=out, updates=updates, init_checkpoint=init, eval_every=0, trainer_threads=1,
-                    ray_num_cpus=2, resume=resume)
+    cfg = RunConfig(out_dir=out, updates=updates, init_checkpoint=init, ray_num_cpus=2, resume=resume)
 
     def setup(orch) -> None:  # noqa: ANN001
         if not plain:              # the test's hook: the second group loads version 1 from a truncated copy

@@ -2,8 +2,9 @@
 
 A top-p run's loss replays the sampler's kept set, so the tokens outside it get no gradient: the policy it trains is
 the nucleus one, and an evaluation over the full vocabulary (the seed's, top_p = 1, still the default) measures a
-different policy (docs/learning.md). The setting goes plan [embedded] `eval_top_p` -> RunConfig -> EvalConfig ->
-the engine's SamplingParams, and the run log's evaluation event records it.
+different policy (docs/learning.md). The setting goes plan embedded.eval_top_p (a run's override:
+`--set embedded.eval_top_p=0.95`) -> EvalConfig -> the engine's SamplingParams, and the run log's evaluation event
+records it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ from pathlib import Path
 import pytest
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.plan.planspec import EmbeddedPlan
-from mixfleet.runner.orchestration.config import RunConfig
+from mixfleet.runner.orchestration.config import run_settings
 from mixfleet.runner.orchestration.onpolicy import OnPolicyConfig
+from mixfleet.runner.orchestration.recipe import apply_overrides
 from mixfleet.runner.rollout.evaluation import EvalConfig, pass_at_k_eval
 
 
@@ -23,8 +25,6 @@ from mixfleet.runner.rollout.evaluation import EvalConfig, pass_at_k_eval
 def test_a_bad_eval_top_p_is_refused_with_its_field(bad: object, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"EvalConfig.top_p = .*allowed: a number in \(0, 1\]"):
         EvalConfig(top_p=bad)
-    with pytest.raises(ValueError, match=r"RunConfig.eval_top_p = .*allowed: a number in \(0, 1\]"):
-        RunConfig(out_dir=tmp_path, init_checkpoint="x", eval_top_p=bad)
     with pytest.raises(ValueError, match=r"OnPolicyConfig.eval_top_p = .*allowed: a number in \(0, 1\]"):
         OnPolicyConfig(eval_top_p=bad)
     with pytest.raises(SpecError, match="eval_top_p"):
@@ -36,9 +36,8 @@ def test_the_plan_owns_eval_top_p_and_a_run_may_override_it(tmp_path: Path) -> N
 
     plan = load_plan("learning-onpolicy")
     assert EmbeddedPlan().eval_top_p == 1.0                          # the seed's: the full vocabulary
-    cfg = RunConfig(out_dir=tmp_path, init_checkpoint="x").resolved(plan)
-    assert cfg.eval_top_p == plan.embedded.eval_top_p
-    assert RunConfig(out_dir=tmp_path, init_checkpoint="x", eval_top_p=0.95).resolved(plan).eval_top_p == 0.95
+    assert run_settings(plan).eval_top_p == plan.embedded.eval_top_p
+    assert run_settings(apply_overrides(plan, {"embedded.eval_top_p": 0.95})).eval_top_p == 0.95
 
 
 @pytest.mark.slow

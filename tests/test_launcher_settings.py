@@ -1,11 +1,11 @@
-"""One owner per run setting (issue 25 item 2): the plan's [embedded] table owns the settings a plan carries,
-`RunConfig`'s fields of the same names are this run's overrides (None: the plan's; 0 and false are values),
-merged once by `RunConfig.resolved(plan)`; no free-form `[embedded.extra]` (a legacy one is lifted into the
-table at load, each key checked).
+"""Each run setting declared once (issue 25 item 2, issue 43 item 3): the plan's [embedded] table
+(`EmbeddedPlan`) owns the settings and their one check (SpecError); a run reads them through
+`run_settings(plan)`, and changes one with a dotted override of its plan (runner/orchestration/recipe.py:
+`mixfleet run --set embedded.lr=1.5e-4`), which the run log's plan records. `RunConfig` holds nothing that is a
+plan setting. No free-form `[embedded.extra]` (a legacy one is lifted into the table at load, each key checked).
 
-Before: `config.x or emb.x` (a 0 taken for "unset"), the recipe in a free-form `extra` dict checked against a
-hand-written `settable` set, and `RunConfig.task = "guess"` by default, so a run built without the CLI never
-took the plan's own task.
+Before: the 18 settings also in `RunConfig` as overrides with other bounds and error types, merged by
+`RunConfig.resolved(plan)`; the studies' override never in the run log's plan.
 """
 
 from __future__ import annotations
@@ -18,29 +18,62 @@ import pytest
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.paths import data_path
 from mixfleet.policies.plan import EmbeddedPlan, load_plan, plan_from_dict
-from mixfleet.runner.orchestration.config import PLAN_SETTINGS, RunConfig
+from mixfleet.runner.orchestration.config import RunConfig, run_settings, task_of
+from mixfleet.runner.orchestration.recipe import apply_overrides, parse_settings
 
 BASE = {"out_dir": "/nonexistent", "init_checkpoint": "/nonexistent"}
 
 
-def test_none_is_the_plans_and_zero_or_false_is_the_runs() -> None:
+def test_the_run_settings_are_the_plans_and_an_override_goes_into_the_plan() -> None:
     plan = load_plan("tiny-cpu")
-    cfg = RunConfig(**BASE).resolved(plan)
-    assert (cfg.lr, cfg.lr_warmup_steps, cfg.loss_agg, cfg.advantage_std, cfg.eval_problems, cfg.eval_every,
-            cfg.max_new_tokens, cfg.task) == (1.5e-4, 3, "seq_mean_token_mean", True, 32, 10, 24, "guess")
-    own = RunConfig(**BASE, eval_every=0, lr_warmup_steps=0, top_k_record=0, advantage_std=False,
-                    eval_at_start=False, trainer_threads=2).resolved(plan)
-    assert (own.eval_every, own.lr_warmup_steps, own.top_k_record, own.advantage_std, own.eval_at_start,
-            own.trainer_threads) == (0, 0, 0, False, False, 2)
-    assert own.resolved(plan) is own                                     # resolved once: nothing left to take
-    assert all(getattr(cfg, name) is not None for name in PLAN_SETTINGS)
+    st = run_settings(plan)
+    assert (st.lr, st.lr_warmup_steps, st.loss_agg, st.advantage_std, st.eval_problems, st.eval_every,
+            st.max_new_tokens, task_of(plan)) == (1.5e-4, 3, "seq_mean_token_mean", True, 32, 10, 24, "guess")
+    own = apply_overrides(plan, parse_settings(["embedded.eval_every=0", "embedded.lr_warmup_steps=0",
+                                                "embedded.top_k_record=0", "embedded.advantage_std=false",
+                                                "embedded.eval_at_start=false", "embedded.trainer_threads=2"]))
+    st = run_settings(own)
+    assert (st.eval_every, st.lr_warmup_steps, st.top_k_record, st.advantage_std, st.eval_at_start,
+            st.trainer_threads) == (0, 0, 0, False, False, 2)                   # 0 and false are values
+    assert plan_from_dict(own.to_dict()) == own                                 # as the run log records it
+    assert own.groups == plan.groups and own.policies == plan.policies
+    assert run_settings(dataclasses.replace(plan, embedded=None)) == EmbeddedPlan()   # no table: the defaults
 
 
-def test_the_overridable_settings_are_the_plans_own() -> None:
-    # derived, not a hand-written list: every [embedded] setting but the fleet's scale-down and the base policy's
-    # pretraining (a run is given its base: --init) is a run setting
-    assert set(PLAN_SETTINGS) == ({f.name for f in dataclasses.fields(EmbeddedPlan)}
-                                  - {"max_replicas_per_group", "base_steps"})
+def test_run_config_holds_no_plan_setting() -> None:
+    plan_fields = {f.name for f in dataclasses.fields(EmbeddedPlan)}
+    assert not plan_fields & {f.name for f in dataclasses.fields(RunConfig)}
+    with pytest.raises(TypeError):
+        RunConfig(**BASE, lr=1e-4)   # type: ignore[call-arg]
+
+
+def test_set_items_are_toml_values_and_bad_ones_name_the_flag() -> None:
+    assert parse_settings(["embedded.lr=1.5e-4", "embedded.task=repo", "embedded.eval_at_start=true",
+                           'embedded.task_options={task_set = "d"}']) == {
+        "embedded.lr": 1.5e-4, "embedded.task": "repo", "embedded.eval_at_start": True,
+        "embedded.task_options": {"task_set": "d"}}
+    for bad in ("embedded.lr", "=1", "embedded..lr=1", "embedded.lr=1 embedded.lr=2"):
+        with pytest.raises(SpecError, match="--set"):
+            parse_settings([bad] if " " not in bad else bad.split(" "))
+
+
+@pytest.mark.parametrize("key, value, field", [("embedded.lr", 0, "lr"), ("embedded.learning_rate", 1e-3,
+                                                                           "learning_rate"),
+                                               ("embedded.loss_agg", "sum", "loss_agg"),
+                                               ("embedded.eval_top_p", 1.5, "eval_top_p")])
+def test_a_bad_override_is_the_plans_one_error_naming_the_field(key: str, value: object, field: str) -> None:
+    with pytest.raises(SpecError, match=field):
+        apply_overrides(load_plan("tiny-cpu"), {key: value})
+
+
+def test_another_task_starts_its_options_afresh_and_a_task_set_needs_the_repo_task() -> None:
+    repo = load_plan("repo-cpu")
+    assert run_settings(repo).task_options                                     # the plan's repo options
+    assert run_settings(apply_overrides(repo, {"embedded.task": "guess"})).task_options == {}
+    same = apply_overrides(repo, {"embedded.task": "repo"})
+    assert run_settings(same).task_options == run_settings(repo).task_options
+    with pytest.raises(SpecError, match="task_set.*needs the repo task"):
+        apply_overrides(load_plan("tiny-cpu"), {"embedded.task_options.task_set": "/x"})
 
 
 def test_a_legacy_extra_table_is_lifted_into_embedded() -> None:
@@ -70,15 +103,6 @@ def test_a_bad_setting_in_the_plan_is_refused_at_load(field: str, bad: object, m
         plan_from_dict(raw)
 
 
-def test_a_plans_loss_aggregation_is_checked_against_the_runners() -> None:
-    plan = dataclasses.replace(load_plan("tiny-cpu"), embedded=dataclasses.replace(
-        load_plan("tiny-cpu").embedded, loss_agg="sum"))
-    with pytest.raises(ValueError, match="plan 'tiny-cpu' \\[embedded\\].*loss_agg = 'sum'; allowed: token_mean"):
-        RunConfig(**BASE).resolved(plan)
-    with pytest.raises(ValueError, match="RunConfig.eval_every = -1"):
-        RunConfig(**BASE, eval_every=-1)
-
-
 def test_no_shipped_plan_has_a_free_form_table() -> None:
     for path in sorted(Path(data_path("plans")).glob("*.toml")):
         raw = tomllib.loads(path.read_text())
@@ -95,7 +119,8 @@ def test_a_plan_names_the_base_it_starts_from() -> None:
     dense, moe = plan_base_config(load_plan("tiny-cpu")), plan_base_config(load_plan("tiny-moe-cpu"))
     assert cache_key(dense) == cache_key(PretrainConfig())                        # the existing cache entry
     assert (moe.model, moe.steps, moe.demos.task) == ("tiny-qwen3-moe", 300, "guess")
-    assert plan_base_config(load_plan("tiny-cpu"), task="calc").demos.task == "calc"   # --task: that task's demos
+    calc = apply_overrides(load_plan("tiny-cpu"), {"embedded.task": "calc"})       # --task calc: that task's demos
+    assert plan_base_config(calc).demos.task == "calc"
 
 
 def test_a_bad_base_steps_names_the_field() -> None:

@@ -33,14 +33,14 @@ def test_tiny_cpu_plan_has_three_cpu_precisions() -> None:
     b = p.policies.batcher.settings
     assert (b["prompts_per_update"], b["samples_per_prompt"]) == (8, 8) and p.embedded is not None
     # the learning recipe (docs/learning.md) reaches the runner from the plan's [embedded] settings
-    from mixfleet.runner.orchestration.config import RunConfig
+    from mixfleet.runner.orchestration.config import run_settings
 
-    cfg = RunConfig(out_dir="/nonexistent", init_checkpoint="/nonexistent").resolved(p)
+    cfg = run_settings(p)
     assert (cfg.lr, cfg.lr_warmup_steps, cfg.loss_agg, cfg.advantage_std) == (1.5e-4, 3, "seq_mean_token_mean",
                                                                                True)
     for field, bad in (("lr_warmup_steps", -1), ("loss_agg", "sum"), ("advantage_std", "yes")):
-        with pytest.raises(ValueError, match=field):
-            RunConfig(out_dir="/nonexistent", init_checkpoint="/nonexistent", **{field: bad})
+        with pytest.raises(SpecError, match=field):
+            with_overrides(p, {f"embedded.{field}": bad})
 
 
 def test_tiny_moe_cpu_plans_are_the_tiny_cpu_fleet_on_the_moe() -> None:

@@ -327,9 +327,13 @@ def test_every_demonstration_reply_fits_the_reply_cap() -> None:
 def test_run_task_set_flag_goes_into_the_plan_and_bad_sets_are_refused(tmp_path: Path) -> None:
     from mixfleet.policies.plan import load_plan
     from mixfleet.runner.orchestration.pretrain import plan_base_config
+    from mixfleet.runner.orchestration.recipe import apply_overrides
     from mixfleet.ui.cli import app
-    from mixfleet.ui.commands.run_live import with_task_set
+    from mixfleet.ui.commands.run_live import flag_overrides
     from typer.testing import CliRunner
+
+    def with_task_set(plan, task_set, task):  # noqa: ANN001, ANN202 - what --task-set (and --task) do to the plan
+        return apply_overrides(plan, flag_overrides([], task_set=task_set, task=task))
 
     plan = with_task_set(load_plan("repo-cpu"), str(EXAMPLE), None)
     assert plan.embedded.task == "repo" and plan.embedded.task_options["task_set"] == str(EXAMPLE)
@@ -345,5 +349,5 @@ def test_run_task_set_flag_goes_into_the_plan_and_bad_sets_are_refused(tmp_path:
     assert res.exit_code == 2 and "task 'median': test_command = 1" in res.output
     res = runner.invoke(app, ["run", "data/plans/tiny-cpu.toml", "--out", str(tmp_path / "r2"), "--task-set",
                               str(EXAMPLE)])
-    assert res.exit_code == 2 and "--task-set" in res.output and "needs the repo task" in res.output
+    assert res.exit_code == 2 and "task_set" in res.output and "needs the repo task" in res.output
     assert not (tmp_path / "r1").exists() and not (tmp_path / "r2").exists()

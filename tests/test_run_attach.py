@@ -57,8 +57,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory):
 
 def _run(setup: dict, name: str, **cfg: object) -> tuple[Path, dict | BaseException]:
     out = setup["root"] / name
-    config = RunConfig(out_dir=out, updates=1, init_checkpoint=setup["init"], eval_every=0, trainer_threads=1,
-                       ray_num_cpus=2, fleet_mode="attach", attach=setup["attach"], **cfg)
+    config = RunConfig(out_dir=out, updates=1, init_checkpoint=setup["init"], ray_num_cpus=2,
+                       fleet_mode="attach", attach=setup["attach"], **cfg)
     try:
         return out, run_plan(setup["plan"], config)
     except RunFailed as e:

@@ -102,8 +102,8 @@ def cluster_run(tmp_path_factory: pytest.TempPathFactory) -> dict:
                                       for name in NODES if scratch[name].exists()}
             seen["trainer_exports"] = sorted(p.name for p in (out / "weights").glob("v*"))
 
-    cfg = RunConfig(out_dir=out, updates=UPDATES, init_checkpoint=str(init), eval_every=0, trainer_threads=1,
-                    address=cluster.address, fleet_mode="embedded")
+    cfg = RunConfig(out_dir=out, updates=UPDATES, init_checkpoint=str(init), address=cluster.address,
+                    fleet_mode="embedded")
     try:
         res = run_plan(load_plan(plan_path), cfg, on_update=on_update, on_event=events.append)
         for t in killer:

@@ -82,8 +82,7 @@ def killed_then_resumed(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tail = (root / "child.err").read_text()[-2000:]
     assert last >= 3, f"the child did not reach update 3: {seen[-5:]}; its stderr ends with:\n{tail}"
     assert json.loads((out / "run.json").read_text())["status"] == "running"   # killed, not closed
-    cfg = RunConfig(out_dir=out, updates=last + 1, init_checkpoint=str(init), eval_every=0, resume=True,
-                    ray_num_cpus=2)
+    cfg = RunConfig(out_dir=out, updates=last + 1, init_checkpoint=str(init), resume=True, ray_num_cpus=2)
     res = run_plan(load_plan(plan_path), cfg)
     assert res["version"] == last + 1
     return out

@@ -46,8 +46,7 @@ def setup_files(tmp_path_factory: pytest.TempPathFactory) -> dict:
 
 def _run(files: dict, name: str, **cfg: object) -> tuple[Path, dict | BaseException]:
     out = files["root"] / name
-    config = RunConfig(out_dir=out, updates=1, init_checkpoint=files["init"], eval_every=0, trainer_threads=1,
-                       ray_num_cpus=2, **cfg)
+    config = RunConfig(out_dir=out, updates=1, init_checkpoint=files["init"], ray_num_cpus=2, **cfg)
 
     def setup(orch) -> None:  # noqa: ANN001
         def broken_start(launch: ReplicaLaunch) -> ReplicaLaunch:

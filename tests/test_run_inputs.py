@@ -203,7 +203,7 @@ def test_an_unknown_task_is_refused_before_anything_starts(tmp_path: Path) -> No
     took = time.monotonic() - t0
     assert child.returncode == 2, (child.returncode, child.stdout[-2000:], child.stderr[-2000:])
     err = [ln for ln in child.stderr.splitlines() if ln.strip()]
-    assert len(err) == 1 and "[embedded] task = 'chess'" in err[0] and "calc, guess" in err[0], child.stderr
+    assert len(err) == 1 and "embedded: field 'task' = 'chess'" in err[0] and "'calc', 'guess'" in err[0], child.stderr
     assert not out.exists() and took < 120, took                    # no run folder, no Ray, no sampler
     res = runner.invoke(app, ["run", str(plan), "--out", str(out), "--init", str(init), "--task", "chess2"])
-    _one_line_error(res, "--task = 'chess2'")
+    _one_line_error(res, "embedded: field 'task' = 'chess2'")          # --task chess2: embedded.task = chess2

@@ -26,7 +26,7 @@ PLAN = run_plan_toml(
 def test_moe_run_with_routing_replay_logs_routing_disagreement(tmp_path: Path) -> None:
     init, plan_path = run_files(tmp_path, PLAN, model="tiny-qwen3-moe")
     out = tmp_path / "out"
-    res = run_plan(load_plan(plan_path), RunConfig(out_dir=out, updates=2, init_checkpoint=str(init), eval_every=0,
+    res = run_plan(load_plan(plan_path), RunConfig(out_dir=out, updates=2, init_checkpoint=str(init),
                                                    ray_num_cpus=2))
     assert res["version"] == 2
     log = RunLog.open(out)

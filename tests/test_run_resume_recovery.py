@@ -8,7 +8,9 @@ and altered per test to what a kill or a user leaves, then `mixfleet run ... --r
   state at all it refuses and keeps the log; a log with no update yet continues from the base in that log.
 - A kill during `Trainer.save_state` leaves `.trainer_state.<random>`: --resume refused ("holds files mixfleet
   did not write"); now it is recognized and removed.
-- BAD 2: --resume with another plan replaced the log's plan; now refused (the resolved plans are compared).
+- BAD 2: --resume with another plan replaced the log's plan; now refused (the resolved plans are compared),
+  naming each differing field with the saved and the new value; a differing run setting (embedded.*) is taken
+  only with --take-new-settings, which the run log records (issue 43).
 - A corrupt orchestrator.json is named with what is wrong; a trainer state the trainer refuses is one line,
   not a 90-line ActorDiedError; a second writer on one new --out is refused naming the first one's pid.
 """
@@ -191,7 +193,8 @@ def test_resume_with_another_plan_is_refused(first_run: dict[str, Path], tmp_pat
     log_before = _log_bytes(out)
     code, so, se = _cli(_resume(first_run, out, 3, plan=other))
     assert code == 2, (code, so[-1500:], se[-3000:])
-    _error_line(se, "PLAN", "'test-resume'", "differs in 1 field(s): policies.batcher.inflight_prompts: 8 -> 6")
+    _error_line(se, "policies.batcher.inflight_prompts", "'test-resume'",
+                "differs in 1 field(s): policies.batcher.inflight_prompts: saved 8, now 6")
     assert _log_bytes(out) == log_before
     # the same plan in another file passes the check: the resolved plans are compared, not the file names
     from mixfleet.runner.orchestration.orchestrator import prepare_resume
@@ -200,6 +203,38 @@ def test_resume_with_another_plan_is_refused(first_run: dict[str, Path], tmp_pat
     same.write_text(first_run["plan"].read_text())
     point = prepare_resume(out, load_plan(same), apply=False)
     assert point is not None and point.version == 2 and point.from_state
+
+
+def test_a_resume_with_another_setting_is_refused_naming_both_or_takes_it_when_asked(
+        first_run: dict[str, Path], tmp_path: Path) -> None:
+    """Issue 43: on resume the trainer's saved learning rate silently won over the plan's. Now a run setting that
+    differs from the saved run's is refused naming the field, the saved and the new value; `--take-new-settings`
+    takes it (the trainer trains with it, run.json's plan says it, a `new_settings` event records both values);
+    a setting that would make another run (the base policy's pretraining) is refused even then."""
+    out = _copy(first_run, tmp_path)
+    log_before = _log_bytes(out)
+    lower = ["--set", "embedded.lr=5e-5"]
+    code, so, se = _cli([*_resume(first_run, out, 3), *lower])
+    assert code == 2, (code, so[-1500:], se[-3000:])
+    _error_line(se, "embedded.lr", "saved 0.0001, now 5e-05", "--take-new-settings")
+    assert _log_bytes(out) == log_before
+    code, so, se = _cli([*_resume(first_run, out, 3), "--set", "embedded.base_steps=10", "--take-new-settings"])
+    assert code == 2, (code, so[-1500:], se[-3000:])
+    line = _error_line(se, "embedded.base_steps", "saved 0, now 10")
+    assert "--take-new-settings (" not in line                          # not offered: it cannot be taken
+    assert _log_bytes(out) == log_before
+    code, so, se = _cli([*_resume(first_run, out, 3), *lower, "--take-new-settings"])
+    assert code == 0, (code, so[-1500:], se[-3000:])
+    _check_log(out, 3, resumes=1)
+    log = RunLog.open(out)
+    taken = log.events[log.events["kind"] == "new_settings"]
+    assert taken["version"].tolist() == [2], taken                        # from the checkpoint of update 2
+    assert json.loads(taken["detail"].iloc[0]) == {"embedded.lr": [1e-4, 5e-5]}
+    assert log.header["plan"]["embedded"]["lr"] == 5e-5                  # the plan that runs now
+    meta = json.loads((out / "trainer_state" / "trainer_meta.json").read_text())
+    assert meta["version"] == 3 and meta["config"]["optimizer"]["lr"] == 5e-5   # the trainer took it
+    code, so, se = _cli([*_resume(first_run, out, 4)])                  # and the saved run's lr is now 5e-5
+    assert code == 2 and "embedded.lr" in se and "saved 5e-05, now 0.0001" in se, (code, se[-3000:])
 
 
 def test_a_corrupt_orchestrator_json_is_named_with_what_is_wrong(first_run: dict[str, Path], tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ PLAN = run_plan_toml(
 def test_a_study_run_of_a_replan_plan_starts_and_logs_its_decisions(tmp_path: Path) -> None:
     init, plan_path = run_files(tmp_path, PLAN)
     run = StudyRun(name="replan", out_dir=tmp_path / "replan", plan=str(plan_path),
-                   run={"updates": UPDATES, "eval_every": 0})
+                   run={"updates": UPDATES})
     lines: list[str] = []
     manifest = run_study([run], manifest_path=tmp_path / "study.json", manifest_extra={}, base_policy=str(init),
                          settings=StudySettings(start_gap_s=0.0, retries=0, run_timeout_s=600.0), log=lines.append)

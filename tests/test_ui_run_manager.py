@@ -197,8 +197,8 @@ def test_the_starting_banner_shows_the_pretraining_progress_a_run_prints() -> No
     """Issue 44: the first run pretrains the base for minutes and the "starting" banner showed no progress.
     `mixfleet run` prints plain pretraining lines (one per tenth of each phase) into the driver log; the banner
     shows the last one, and nothing once the last step is done."""
+    from mixfleet.runner.orchestration.recipe import pretrain_lines
     from mixfleet.ui.app_launch import pretrain_step
-    from mixfleet.ui.commands.run_live import pretrain_lines
 
     out: list[str] = []
     demos, steps = pretrain_lines(out.append)

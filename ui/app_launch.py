@@ -58,16 +58,15 @@ def rehearsal_text(plan_toml: str) -> tuple[list[str], str]:
 
 
 def rehearsal_task(pt: PlanText) -> str:
-    """The task a run of this plan trains on: the plan's [embedded] task, else the runner's default (what
-    `mixfleet run` without --task runs, ui/commands/run_live.py)."""
-    from mixfleet.runner.orchestration.config import DEFAULT_TASK
+    """The task a run of this plan trains on: the plan's embedded.task, else the runner's default
+    (runner/orchestration/config.py `task_of`)."""
+    from mixfleet.runner.orchestration.config import DEFAULT_TASK, task_of
     from mixfleet.ui.app_common import plan_object
 
     try:
-        emb = plan_object(pt).embedded
+        return task_of(plan_object(pt))
     except ValueError:
         return DEFAULT_TASK
-    return (emb.task if emb is not None and emb.task else DEFAULT_TASK)
 
 
 def _rehearsal_note(pt: PlanText) -> str:
@@ -212,7 +211,7 @@ def pretrain_step(log_tail: str) -> str | None:
     """The last "pretraining the base policy: ..." progress line of a starting run's driver log (e.g.
     "pretraining the base policy: demonstrations 400/2000"), or None when it is not pretraining or has finished
     (its last line is the last step)."""
-    from mixfleet.ui.commands.run_live import PRETRAIN_LINE
+    from mixfleet.runner.orchestration.recipe import PRETRAIN_LINE
 
     lines = [ln.strip() for ln in log_tail.splitlines() if ln.startswith(PRETRAIN_LINE)]
     if not lines:

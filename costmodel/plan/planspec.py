@@ -71,6 +71,7 @@ if TYPE_CHECKING:   # costmodel.calibration imports this module (it reads run lo
     from mixfleet.costmodel.calibration.record import Calibration, GroupCalibration
 
 LOSSES = ("grpo", "mis", "sc", "sc_mis")
+LOSS_AGGS = ("token_mean", "seq_mean_token_mean")   # how per-token losses become one (runner/corrections/loss.py)
 ROUTING_MODES = ("free", "replay")   # MoE trainer: its own router | rollout routing replay (the samplers' experts)
 ON_LOSS = ("resume", "restart")
 COST_BACKENDS = ("roofline", "auto", "aiconfigurator")
@@ -280,7 +281,8 @@ class EmbeddedPlan:
     """The plan's run settings (read by the runner): rehearsing it on this machine with embedded samplers (each
     group becomes min(replicas, max_replicas_per_group) embedded samplers in its precision, KV dtype and kernel;
     the policies are the plan's), the episodes, the held-out evaluation and the trainer's recipe. The one owner
-    of these settings: a run may override one (runner/orchestration/config.py `RunConfig`: None = the plan's)."""
+    of these settings and their one check: a run changes one with a dotted override of its plan (`mixfleet run
+    --set embedded.lr=1.5e-4`, runner/orchestration/recipe.py), which goes into the run's own plan and run log."""
     max_replicas_per_group: int = 1  # scale each group down to at most this many local samplers
     threads_per_replica: int = 1     # torch threads per embedded sampler
     max_turns: int = 8               # episode turn cap
@@ -297,7 +299,7 @@ class EmbeddedPlan:
     lr: float = 1e-4                 # the trainer's learning rate (AdamW)
     lr_warmup_steps: int = 0         # linear warm-up of the learning rate over the first updates
     grad_clip_norm: float = 1.0
-    loss_agg: str = "token_mean"     # token_mean | seq_mean_token_mean (runner/corrections/loss.py LOSS_AGGS)
+    loss_agg: str = "token_mean"     # LOSS_AGGS: token_mean | seq_mean_token_mean (runner/corrections/loss.py)
     advantage_std: bool = False      # GRPO advantages divided by their prompt-group's std
     top_k_record: int = 16           # top-K log-probs recorded per sampled token (the corrections' head)
     trainer_threads: int = 1         # torch threads of the trainer
@@ -323,7 +325,7 @@ class EmbeddedPlan:
         _need(w, "grad_clip_norm", _number(self.grad_clip_norm) and self.grad_clip_norm > 0, self.grad_clip_norm,
               "a number > 0")
         _need(w, "task", isinstance(self.task, str), self.task, "a task name (\"\" = the runner's default)")
-        _need(w, "loss_agg", isinstance(self.loss_agg, str), self.loss_agg, "a loss aggregation name")
+        _need(w, "loss_agg", self.loss_agg in LOSS_AGGS, self.loss_agg, "one of " + ", ".join(LOSS_AGGS))
         for f in ("advantage_std", "eval_at_start"):
             _need(w, f, isinstance(getattr(self, f), bool), getattr(self, f), "true or false")
         _need(w, "task_options", isinstance(self.task_options, dict), self.task_options,

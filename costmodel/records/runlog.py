@@ -63,7 +63,7 @@ STATUSES = ("running", "finished", "stopped", "failed")   # stopped: ended on re
 FINISH_REASONS = ("done", "max_turns", "no_tool_call_3x", "aborted", "error", "restarted")
 EVENT_KINDS = ("scale_up", "scale_down", "cold_start", "ready", "preempt", "crash", "restart",
                "weight_push", "weight_push_failed", "resume", "note", "placed", "node_lost", "shrink",
-               "group_lost", "replan")
+               "group_lost", "replan", "new_settings")
 EXTREME_RATIO_LOW = 0.2     # a token's sampler/trainer probability ratio below this is "extreme low"
 EXTREME_RATIO_HIGH = 5.0    # ... above this is "extreme high"
 
@@ -408,16 +408,17 @@ def _flat(value: Any, prefix: str, out: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def plan_differences(recorded: Any, given: Any, *, ignore: Iterable[str] = ("description",)) -> list[str]:
-    """The dotted fields where two plan tables (as a header holds them) differ, each "field: old -> new"
-    (groups keyed by name; fields in `ignore` are not compared). Empty when they are the same plan."""
+def plan_changes(recorded: Any, given: Any, *, ignore: Iterable[str] = ("description",)) -> dict[str, list[Any]]:
+    """The dotted fields where two plan tables (as a header holds them) differ: {field: [old, new]}, "<absent>"
+    for a field one of them lacks (groups keyed by name; fields in `ignore` are not compared). Empty when they
+    are the same plan."""
     def plain(x: Any) -> dict[str, Any]:
         d = json.loads(json.dumps(x if isinstance(x, Mapping) else {}, default=str))
         return _flat({k: v for k, v in d.items() if k not in set(ignore)}, "", {})
 
     a, b = plain(recorded), plain(given)
-    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}"
-            for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")]
+    return {k: [a.get(k, "<absent>"), b.get(k, "<absent>")]
+            for k in sorted(set(a) | set(b)) if a.get(k, "<absent>") != b.get(k, "<absent>")}
 
 
 # ---- writer -----------------------------------------------------------------------------------
@@ -426,7 +427,9 @@ class RunLogWriter:
 
     `RunLogWriter(directory, header)` creates the folder and `run.json`, or reopens an existing run log
     (resume): the header is updated with the given keys, `resumes` is incremented, part numbering
-    continues after the highest existing part, old parts are kept and leftover temp files are removed.
+    continues after the highest existing part, old parts are kept and leftover temp files are removed. A resume
+    with another plan is refused, but for the dotted fields in `taken` (run settings a resume took, checked by
+    the caller: runner/orchestration/orchestrator.py `prepare_resume`).
     Rows are buffered and flushed every `flush_every_rows` rows (in any one table) or `flush_every_s`
     wall seconds (checked on append; None disables either), on `flush()` and on `close()`.
     Use as a context manager: a clean exit sets status "finished", an exception sets "failed".
@@ -434,7 +437,8 @@ class RunLogWriter:
     """
 
     def __init__(self, directory: str | os.PathLike[str], header: Mapping[str, Any] | None = None, *,
-                 flush_every_rows: int | None = 10_000, flush_every_s: float | None = 10.0) -> None:
+                 flush_every_rows: int | None = 10_000, flush_every_s: float | None = 10.0,
+                 taken: Iterable[str] = ()) -> None:
         if flush_every_rows is not None and flush_every_rows < 1:
             raise SpecError("RunLogWriter", "flush_every_rows", flush_every_rows, "an integer >= 1 or None")
         if flush_every_s is not None and not flush_every_s > 0:
@@ -455,7 +459,9 @@ class RunLogWriter:
             if "run_id" in given and given["run_id"] != old.get("run_id"):
                 raise SpecError("RunLogWriter header", "run_id", given["run_id"],
                                 f"the existing log's run_id ({old.get('run_id')!r}) when resuming")
-            if "plan" in given and (diff := plan_differences(old.get("plan"), given["plan"])):
+            changed = plan_changes(old.get("plan"), given.get("plan"))
+            diff = [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changed.items() if k not in set(taken)]
+            if "plan" in given and diff:
                 more = f" and {len(diff) - 4} more" if len(diff) > 4 else ""
                 raise SpecError("RunLogWriter header", "plan", (given["plan"] or {}).get("name"),
                                 f"the plan the log in {self.directory} was started with, to resume it (it differs: "

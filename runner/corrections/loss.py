@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 from mixfleet.costmodel.errors import SpecError
+from mixfleet.costmodel.plan.planspec import LOSS_AGGS
 from mixfleet.runner.corrections.chunked import (
     DEFAULT_CHUNK_ROWS,
     compute_dtype,
@@ -77,7 +78,6 @@ from mixfleet.runner.corrections.chunked import (
 METHODS = ("grpo", "mis", "tis", "sc", "sc_mis", "sc_tis")
 IMPLEMENTATIONS = ("chunked", "naive")
 WEIGHT_LEVELS = ("token", "sequence")
-LOSS_AGGS = ("token_mean", "seq_mean_token_mean")
 LOG_RATIO_CLAMP = 20.0          # |log r| is clamped to this before exp
 TAIL_MASS_FLOOR = 1e-6          # floor on 1 - Q_H and 1 - P_H
 DIAGNOSTIC_BAND = (0.2, 5.0)    # the seed's extreme-ratio band, reported per sampler group

@@ -147,7 +147,7 @@ class TrainerWorker:
         self.state_dir = Path(state_dir) if state_dir else None
         t0 = time.perf_counter()
         if resume and self.state_dir is not None and (self.state_dir / "trainer_meta.json").exists():
-            self.trainer = Trainer.resume(self.state_dir)
+            self.trainer = Trainer.resume(self.state_dir, optimizer=optimizer)   # the run's settings, not the saved
         else:
             opt = dict(optimizer or {})
             if "betas" in opt:

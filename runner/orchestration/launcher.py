@@ -4,9 +4,9 @@ in ui/run_manager.py, the studies in studies/runs.py) starts, stops and resumes 
 In the run's own process:
 - `fleet_mode(plan, ...)`: which samplers a run starts (embedded on a machine of CPUs or with `--embedded`,
   attached servers, or SGLang servers on a Ray cluster), refused when none fits;
-- `prepare(out, plan, ...)`: the run folder locked for the whole run, checked (a new or empty folder, or the
-  run a resume continues), and a resume checked against the log (`orchestrator.prepare_resume`, nothing
-  changed) before the base policy or Ray start;
+- `prepare(out, plan, ...)` (called by recipe.py `prepare_run`, the one recipe of a run): the run folder locked
+  for the whole run, checked (a new or empty folder, or the run a resume continues), and a resume checked
+  against the log (`orchestrator.prepare_resume`, nothing changed) before the base policy or Ray start;
 - `launch(plan, config, ...)`: the run itself (`orchestrator.run_plan`). SIGTERM (the app's Stop, a
   scheduler's) stops it after the update under way: checkpointed, its log closed "stopped", resumable with
   `resume=True` / `--resume`. The Ray start and its retries are `actors.init_ray`'s (one loop); it hands SIGTERM
@@ -66,10 +66,12 @@ def fleet_mode(plan: Any, *, embedded: bool = False, address: str | None = None,
     return "sglang"
 
 
-def prepare(out: Path, plan: Any, *, resume: bool, force: bool = False, where: str = "mixfleet run") -> Any:
+def prepare(out: Path, plan: Any, *, resume: bool, force: bool = False, where: str = "mixfleet run",
+            take_new_settings: bool = False) -> Any:
     """Lock the run folder `out` (one writer; the run takes the lock again, re-entrantly) and check it under the
     lock: a new or empty folder, `force` to replace what an earlier run wrote, or with `resume` the run it
-    continues (its plan the log's, its checkpoint readable; nothing is changed yet). Returns the lock (release
+    continues (its plan the log's, or differing only in run settings it takes with `take_new_settings`; its
+    checkpoint readable; nothing is changed yet). Returns the lock (release
     it when the run ends); raises SpecError / ValueError naming the problem, the lock released."""
     from mixfleet.costmodel.records.outdir import claim_output_dir
     from mixfleet.runner.orchestration.orchestrator import prepare_resume
@@ -77,7 +79,7 @@ def prepare(out: Path, plan: Any, *, resume: bool, force: bool = False, where: s
     lock = claim_output_dir(out, "run", where=where, resume=resume, force=force)
     try:
         if resume:
-            prepare_resume(out, plan, apply=False)
+            prepare_resume(out, plan, where=where, apply=False, take_new_settings=take_new_settings)
     except BaseException:
         lock.release()
         raise

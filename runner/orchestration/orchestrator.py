@@ -32,7 +32,7 @@ import re
 import shutil
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +41,7 @@ from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.records import writepoints
 from mixfleet.costmodel.records.ledger import GroupTotals, trainer_usd_per_hour
 from mixfleet.costmodel.records.outdir import STAGING_SUFFIX, is_our_temp, lock_output_dir
-from mixfleet.costmodel.records.runlog import EventRecord, RunLog, plan_differences
+from mixfleet.costmodel.records.runlog import EventRecord, RunLog, plan_changes
 from mixfleet.costmodel.specs.catalog import load_catalog
 from mixfleet.policies.plan import Plan, plan_from_dict
 from mixfleet.policies.prompt_buffer import PromptBuffer, PromptGroup
@@ -53,7 +53,9 @@ from mixfleet.runner.orchestration.config import (
     RunConfig,
     RunContext,
     RunFailed,
-    check_task,
+    check_plan_task,
+    run_settings,
+    task_of,
 )
 from mixfleet.runner.orchestration.fleet import fleet_from_plan
 from mixfleet.runner.orchestration.placement import trainer_placement
@@ -79,14 +81,13 @@ class Orchestrator:
     def __init__(self, plan: Plan, config: RunConfig, *,
                  on_update: Callable[[UpdateView, Orchestrator], Any] | None = None,
                  on_event: Callable[[EventRecord], Any] | None = None) -> None:
-        # the plan's [embedded] settings under this run's overrides, merged once (config.py RunConfig.resolved)
-        self._task_where = "RunConfig.task" if config.task else f"plan '{plan.name}' [embedded] task"
-        config = config.resolved(plan)
+        # the run settings are the plan's own (its [embedded] table, overrides already in it: recipe.py)
         self.plan, self.config = plan, config
+        self.settings = settings = run_settings(plan)
         # MoE: (layers, top_k) of the served checkpoint; samplers then record and return each token's experts
         self.routed_shape = routed_shape(config.init_checkpoint)
         self.on_update = on_update
-        self.ctx = ctx = RunContext(config, on_event)
+        self.ctx = ctx = RunContext(config, settings, on_event)
         self.out, self.target = config.out_dir, config.updates
         self.spec = fleet_from_plan(plan, mode=config.fleet_mode, attach=config.attach)
         policies = plan.build_policies()
@@ -95,14 +96,14 @@ class Orchestrator:
         self.stop_requested = False   # set (e.g. on SIGTERM): end after the current update, status 'stopped'
         trainer_top_p = plan.trainer.top_p
         self.top_p_replay = bool(plan.trainer.top_p_replay and trainer_top_p < 1.0)
-        self.sampling = SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
+        self.sampling = SamplingParams(max_new_tokens=settings.max_new_tokens, temperature=settings.temperature,
                                        top_p=trainer_top_p)
-        self.agent_config = AgentConfig(sampling=self.sampling, max_turns=config.max_turns,
+        self.agent_config = AgentConfig(sampling=self.sampling, max_turns=settings.max_turns,
                                         context_length=1024)
-        self.task = config.task
+        self.task = task_of(plan)
         self.correction = {"method": plan.trainer.loss, "temperature": float(self.sampling.temperature),
-                           "top_p_replay": self.top_p_replay, "loss_agg": config.loss_agg}
-        self.eval_every, self.pass_k = config.eval_every, config.pass_k
+                           "top_p_replay": self.top_p_replay, "loss_agg": settings.loss_agg}
+        self.eval_every, self.pass_k = settings.eval_every, settings.pass_k
         # the parts
         self.weights = WeightPublisher(ctx, policies["weight_sync"], config.init_checkpoint,
                                        distributed=self.spec.mode != "attach")
@@ -170,21 +171,21 @@ class Orchestrator:
     async def _start(self) -> None:
         from mixfleet.runner.orchestration.actors import init_ray, remote_trainer
 
-        ctx, cfg = self.ctx, self.config
-        check_task(self.task, cfg.task_options, where=self._task_where)
+        ctx, cfg, st = self.ctx, self.config, self.settings
+        check_plan_task(self.plan)
         # one writer per run folder, for the whole run (released by _stop); then what a kill left is put right
         self._out_lock = lock_output_dir(self.out, where="mixfleet run")
         state_dir = self.out / STATE_DIR
-        point = prepare_resume(self.out, self.plan) if cfg.resume else None
+        point = prepare_resume(self.out, self.plan, take_new_settings=cfg.take_new_settings) if cfg.resume else None
         if point is None and (state_dir.exists() or (self.out / "run.json").exists()):
             raise SpecError("mixfleet run", "--out", str(self.out), "a new or empty folder (it holds a run: "
                             "pass resume=True / --resume to continue it)")
         resuming = point is not None and point.from_state
         replan = getattr(self.fleet.autoscaler, "attach", None)   # the re-planner (policies.replan) reads the log
         header = self._header()
-        if point is not None:
+        if point is not None and not point.new_settings:
             header["plan"] = point.plan             # the same plan (checked): keep it as the log recorded it
-        writer = self.recorder.open(header)
+        writer = self.recorder.open(header, taken=point.new_settings if point is not None else ())
         if replan is not None:   # it re-solves with the planner's solver, as in the twin (planner.solver)
             from mixfleet.planner.solver import solver_for
 
@@ -199,8 +200,8 @@ class Orchestrator:
         reserved = {placement["accelerator"]: float(placement["amount"])} if placement else {}
         self.trainer = remote_trainer(**placement).remote(
             init_from=cfg.init_checkpoint, state_dir=str(state_dir), correction=self.correction,
-            optimizer={"lr": cfg.lr, "grad_clip_norm": cfg.grad_clip_norm, "warmup_steps": cfg.lr_warmup_steps},
-            threads=cfg.trainer_threads, resume=resuming, routing=self.plan.trainer.routing)
+            optimizer={"lr": st.lr, "grad_clip_norm": st.grad_clip_norm, "warmup_steps": st.lr_warmup_steps},
+            threads=st.trainer_threads, resume=resuming, routing=self.plan.trainer.routing)
         if writepoints.wants("trainer"):                # a test kills the trainer at a named write
             writepoints.victim("trainer", await self.trainer.pid.remote())
         if point is None:                 # samplers load the base policy: start them while the trainer builds
@@ -224,6 +225,8 @@ class Orchestrator:
         ctx.event("resume", version=ctx.version, detail=json.dumps(   # the ids this segment admits start there
             {"dropped_rows": dropped, "first_prompt_id": self.prompts.started,
              **({"recovered": list(point.notes)} if point.notes else {})}))
+        if point.new_settings:      # --take-new-settings: the settings this segment runs with, saved -> new
+            ctx.event("new_settings", version=ctx.version, detail=json.dumps(point.new_settings))
         await self.weights.begin(publish_base=ctx.version == 0)
         if ctx.version > 0:
             await self.weights.export(self.trainer, ctx.version)
@@ -247,8 +250,8 @@ class Orchestrator:
         items = [BatchItem(episode=ep, prompt_id=p.prompt_id, sample_index=s.sample_index)
                  for p in prompts for s, ep in p.samples]
         batch = build_batch(items, trained_version=self.version + 1, group_names=self.spec.group_names,
-                            options=BatchOptions(top_k=self.config.top_k_record, top_p_replay=self.top_p_replay,
-                                                 normalize_std=self.config.advantage_std))
+                            options=BatchOptions(top_k=self.settings.top_k_record, top_p_replay=self.top_p_replay,
+                                                 normalize_std=self.settings.advantage_std))
         t0 = self.now()
         metrics = await self.trainer.train.remote(batch.tensors)
         dt = self.now() - t0
@@ -258,10 +261,10 @@ class Orchestrator:
     async def evaluate(self, version: int) -> float:
         from mixfleet.runner.rollout.evaluation import EvalConfig, pass_at_k_eval
 
-        cfg = EvalConfig(task=self.task, task_options=self.config.task_options, problems=self.config.eval_problems,
+        cfg = EvalConfig(task=self.task, task_options=self.settings.task_options, problems=self.settings.eval_problems,
                          k=self.pass_k, max_turns=self.agent_config.max_turns,
                          max_new_tokens=self.sampling.max_new_tokens, temperature=self.sampling.temperature,
-                         top_p=self.config.eval_top_p, seed=self.config.seed)
+                         top_p=self.settings.eval_top_p, seed=self.config.seed)
         res = await pass_at_k_eval(await self.weights.local_copy(), cfg)
         self.ctx.event("note", version=version, detail=json.dumps({
             "eval": "pass_at_k", "k": cfg.k, "version": version, "pass_at_k": res.pass_at_k,
@@ -312,7 +315,7 @@ class Orchestrator:
             if ctx.fatal is not None:                                  # e.g. a planned group cannot start
                 raise ctx.fatal
             ctx.spawn(self.fleet.monitor())
-            if self.eval_every and self.config.eval_at_start and self.version == 0:
+            if self.eval_every and self.settings.eval_at_start and self.version == 0:
                 self.last_pass_at_k = await self.evaluate(0)
             self._loop_start_s, self._busy_at_loop_start_s = self.now(), self.trainer_busy_s
             ctx.spawn(self.rollouts.feeder())
@@ -434,6 +437,7 @@ class ResumePoint:
     state: dict[str, Any]                 # the orchestrator's checkpoint (orchestrator.json), or rebuilt from the log
     plan: dict[str, Any]                  # the plan as the run log recorded it
     notes: tuple[str, ...] = ()           # what was recovered or cleaned up
+    new_settings: dict[str, list[Any]] = field(default_factory=dict)   # taken: {"embedded.lr": [saved, new]}
 
 
 def staging_dir(state_dir: Path) -> Path:
@@ -539,12 +543,24 @@ def _state_from_log(log: RunLog, version: int) -> dict[str, Any]:
             "trained_restarted": int((trained["restarts"] > 0).sum()) if len(trained) else 0}
 
 
+# the run settings a resumed run may take from a changed plan (`take_new_settings`): the plan's [embedded] table
+# but the base policy's pretraining and the fleet's scale-down (they would make another run)
+NOT_TAKEN = ("embedded.base_steps", "embedded.max_replicas_per_group")
+
+
+def takeable(key: str) -> bool:
+    """A plan field a resume may take with `take_new_settings` (a run setting, `NOT_TAKEN` aside)."""
+    return key.startswith("embedded.") and not key.startswith(NOT_TAKEN)
+
+
 def prepare_resume(out: Path, plan: Plan, *, where: str = "mixfleet run --resume",
-                   apply: bool = True) -> ResumePoint | None:
+                   apply: bool = True, take_new_settings: bool = False) -> ResumePoint | None:
     """Check that the run in `out` can continue with `plan`, and put right what a kill left (under the run
     folder's lock): None when there is no run log yet (a new run). Refused (SpecError, nothing changed):
 
-    - a different plan than the log's (the resolved plans are compared, not the file names);
+    - a different plan than the log's (the resolved plans are compared, not the file names), naming each
+      differing field with the saved and the given value; with `take_new_settings` differing run settings
+      (embedded.*, `takeable`) are taken instead and returned in `new_settings` (the resume event logs them);
     - a trainer state that is gone while the log holds updates after update 1 (their rows came from it: they
       cannot be continued); a state set aside by a killed replace (`.trainer_state.old.<pid>`) is put back;
     - a trainer_meta.json or orchestrator.json that is unreadable, not JSON or of the wrong types (named).
@@ -567,13 +583,20 @@ def prepare_resume(out: Path, plan: Plan, *, where: str = "mixfleet run --resume
         normal = plan_from_dict(dict(recorded)).to_dict() if isinstance(recorded, dict) else recorded
     except (SpecError, TypeError, ValueError):
         normal = recorded                          # a plan of an older schema: compared as recorded
-    diff = plan_differences(normal, plan.to_dict())
-    if diff:
+    changes = plan_changes(normal, plan.to_dict())
+    refused = {k: v for k, v in changes.items() if not (take_new_settings and takeable(k))}
+    if refused:
         name = recorded.get("name") if isinstance(recorded, dict) else None
+        diff = [f"{k}: saved {old!r}, now {new!r}" for k, (old, new) in refused.items()]
         more = f" and {len(diff) - 6} more" if len(diff) > 6 else ""
-        raise SpecError(where, "PLAN", plan.name, f"the plan the run in {out} was started with ({name!r}, as its "
-                        f"run.json records it); this one differs in {len(diff)} field(s): {'; '.join(diff[:6])}{more}. "
-                        "Resume with that plan, or start a new run (another --out, or --force to replace this one)")
+        take = "" if take_new_settings or not all(takeable(k) for k in refused) else \
+            ", or take the new settings with --take-new-settings (take_new_settings=True; the run log records them)"
+        first = next(iter(refused))
+        raise SpecError(where, first, refused[first][1], f"the saved run's value (the run in {out} was started "
+                        f"with plan {name!r}, as its run.json records it; this plan differs in {len(diff)} field(s): "
+                        f"{'; '.join(diff[:6])}{more}). Resume with the same plan and settings{take}, or start a new "
+                        "run (another --out, or --force to replace this one)")
+    new_settings = {k: v for k, v in changes.items() if k not in refused}
     found, notes = _recover_state_dir(state_dir, apply=apply)
     up = log.updates
     if not _state_complete(found):
@@ -588,7 +611,8 @@ def prepare_resume(out: Path, plan: Plan, *, where: str = "mixfleet run --resume
         if len(up):           # update 1 logged, its checkpoint never completed (a kill, a full disk): rolled back
             notes.append("update 1's checkpoint was never completed: its rows are rolled back")
         return ResumePoint(version=0, from_state=False, state=_state_from_log(log, 0), plan=dict(recorded or {}),
-                           notes=(*notes, "no checkpoint yet: continues from the base policy"))
+                           notes=(*notes, "no checkpoint yet: continues from the base policy"),
+                           new_settings=new_settings)
     meta = _read_json_file(found / "trainer_meta.json", "the trainer's checkpoint metadata")
     version = meta.get("version")
     if isinstance(version, bool) or not isinstance(version, int) or version < 0:
@@ -603,7 +627,8 @@ def prepare_resume(out: Path, plan: Plan, *, where: str = "mixfleet run --resume
     else:
         st = _state_from_log(log, version)
         notes.append(f"no {ORCH_STATE_FILE}: prompt ids, clock and costs rebuilt from the run log")
-    return ResumePoint(version=version, from_state=True, state=st, plan=dict(recorded or {}), notes=tuple(notes))
+    return ResumePoint(version=version, from_state=True, state=st, plan=dict(recorded or {}), notes=tuple(notes),
+                       new_settings=new_settings)
 
 
 _ERROR_LINE = re.compile(r"^\s*(?:[A-Za-z_][\w.]*\.)?([A-Za-z_]\w*(?:Error|Exception|Exit|Interrupt)):\s?(.*)$")

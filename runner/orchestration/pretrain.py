@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from mixfleet.costmodel.specs.model import ModelSpec, load_model_spec
+from mixfleet.runner.orchestration.config import run_settings, task_of
 from mixfleet.runner.rollout.agent import AgentConfig, Episode, engine_generate, run_episode
 from mixfleet.runner.rollout.demos import DEMO_REPLY_TOKENS, DemoConfig, demo_stats, generate_demos
 from mixfleet.runner.rollout.tasks import make_task, split_seeds
@@ -247,18 +248,18 @@ def demo_options(task: str, options: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in options.items() if k not in skip and getattr(default, k) != v}
 
 
-def plan_base_config(plan: Any, *, task: str | None = None) -> PretrainConfig:
+def plan_base_config(plan: Any) -> PretrainConfig:
     """The base policy a run of `plan` starts from when it is given none: `mixfleet pretrain` on the plan's model,
-    on demonstrations of the plan's task (its options included, but a repo `task_set`: the demonstrations use
-    generated repositories) or `task`, for the plan's [embedded] base_steps (0: pretrain's default). A plan
-    without [embedded] settings gets pretrain's defaults on its model."""
-    emb = getattr(plan, "embedded", None)
+    on demonstrations of the plan's task (embedded.task and its options, but a repo `task_set`: the demonstrations
+    use generated repositories), for the plan's embedded.base_steps (0: pretrain's default). A plan without
+    [embedded] settings gets pretrain's defaults on its model."""
+    emb = run_settings(plan)
     kw: dict[str, Any] = {"model": plan.model}
-    name = task or (emb.task if emb is not None and emb.task else "guess")
-    options = dict(emb.task_options) if emb is not None and not task else {}
+    name = task_of(plan)
+    options = dict(emb.task_options)
     options.pop("task_set", None)      # a task set has no ground truth to demonstrate: generated repos instead
     kw["demos"] = DemoConfig(task=name, task_options=tuple(sorted(demo_options(name, options).items())))
-    if emb is not None and emb.base_steps:
+    if emb.base_steps:
         kw["steps"] = emb.base_steps
     return PretrainConfig(**kw)
 

@@ -10,7 +10,7 @@ so a kill leaves every recorded update readable.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,8 +53,9 @@ class RunRecorder:
         self.fresh_kl: dict[str, list[float]] = {}    # group -> [k3 * tokens, k1 * tokens, tokens], staleness 0
         self.trained_restarted = 0                    # trained trajectories that were re-routed at least once
 
-    def open(self, header: Mapping[str, Any]) -> RunLogWriter:
-        self.ctx.writer = RunLogWriter(self.ctx.out, header, flush_every_s=5.0, flush_every_rows=None)
+    def open(self, header: Mapping[str, Any], taken: Iterable[str] = ()) -> RunLogWriter:
+        """The run log, new or reopened (`taken`: plan fields a resume took, RunLogWriter)."""
+        self.ctx.writer = RunLogWriter(self.ctx.out, header, flush_every_s=5.0, flush_every_rows=None, taken=taken)
         return self.ctx.writer
 
     @property

@@ -140,7 +140,7 @@ class Rollouts:
         if cfg.sampling.sampling_seed is None:
             cfg = replace(cfg, sampling=replace(cfg.sampling, sampling_seed=(seed * 131 + sample_index) % (2**31)))
         try:
-            ep = await run_episode(make_task(self.task, **ctx.config.task_options), seed, self._generate,
+            ep = await run_episode(make_task(self.task, **ctx.settings.task_options), seed, self._generate,
                                    config=cfg, session_id=s.session_id, clock=ctx.now)
         finally:
             self.router.release(sid)
@@ -176,7 +176,7 @@ class Rollouts:
             rep.begin(ctx.now(), params.max_new_tokens)
             try:
                 resp = await rep.client.generate_ids(
-                    input_ids, body, top_logprobs_num=ctx.config.top_k_record, return_logprob=True,
+                    input_ids, body, top_logprobs_num=ctx.settings.top_k_record, return_logprob=True,
                     return_sampling_mask=self.top_p_replay,
                     sampling_logprobs_mode="support" if self.top_p_replay else None, routing_key=session_id,
                     return_routed_experts=self.routed_shape is not None)

@@ -193,7 +193,7 @@ class SamplerFleet:
                     self.weights.caches.ensure()         # a cache on every live node, before Ray places it
                 cls = remote_sampler(accelerator=g.accelerator, amount=g.tp)
                 launch = g.launch(index=index, model_path=path,
-                                  threads=cfg.threads_per_replica,
+                                  threads=ctx.settings.threads_per_replica,
                                   seed=cfg.seed * 1009 + zlib.crc32(f"{g.name}/{index}".encode()) % 1000,
                                   weight_version=str(version), top_p_replay=self.top_p_replay,
                                   routed_experts=self.routed_experts, api_key=self.api_key,

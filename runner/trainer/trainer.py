@@ -37,7 +37,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -254,11 +254,19 @@ class Trainer:
         return cls(spec, config, init_from=directory, tokenizer=tok)
 
     @classmethod
-    def resume(cls, state_dir: str | Path) -> Trainer:
-        """A trainer rebuilt from a `save_state` folder (spec + config + weights + optimizer + RNG)."""
+    def resume(cls, state_dir: str | Path, optimizer: Mapping[str, Any] | None = None) -> Trainer:
+        """A trainer rebuilt from a `save_state` folder (spec + config + weights + optimizer state + RNG).
+        `optimizer`: the run's optimizer settings (lr, grad_clip_norm, warmup_steps), over the saved ones: a resumed
+        run trains with its plan's settings (the same as the saved run's unless it took new ones), not silently
+        with the values the state was saved with."""
         meta = _read_meta(Path(state_dir))
         spec = model_spec_from_dict(meta["spec"], where=f"{state_dir}/{META_FILE}")
-        trainer = cls(spec, TrainerConfig.from_dict(meta["config"]))
+        config = TrainerConfig.from_dict(meta["config"])
+        if optimizer:
+            opt = {**asdict(config.optimizer), **dict(optimizer)}
+            opt["betas"] = tuple(opt["betas"])
+            config = replace(config, optimizer=OptimizerConfig(**opt))
+        trainer = cls(spec, config)
         trainer.load_state(state_dir)
         return trainer
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -124,130 +123,65 @@ def _parse_kill_at(items: list[str], plan: Any, updates: int) -> dict[int, list[
     return kills
 
 
-def _check_task(plan: Any, task: str | None) -> None:
-    """The task (--task, else the plan's [embedded] task) and its options exist: refused before anything starts."""
-    from mixfleet.runner.orchestration.config import check_task
+def flag_overrides(settings: list[str], *, lr: float | None = None, eval_every: int | None = None,
+                   task: str | None = None, trainer_threads: int | None = None,
+                   task_set: str | None = None) -> dict[str, Any]:
+    """The run's dotted plan overrides: each `--set KEY=VALUE` (recipe.py `parse_settings`) and the shorthand
+    flags as the plan keys they are (`--lr X` is `embedded.lr=X`, `--eval-every`, `--task`, `--trainer-threads`,
+    `--task-set DIR` is `embedded.task_options.task_set=DIR`). They go into the run's own plan (the run log records
+    them, a `--resume` compares them); a key given twice is refused naming the flag."""
+    from mixfleet.costmodel.errors import SpecError
+    from mixfleet.runner.orchestration.recipe import parse_settings
 
-    emb = plan.embedded
-    name = task or (emb.task if emb and emb.task else "guess")
-    options = emb.task_options if emb is not None else None
-    check_task(name, options, where="--task" if task else f"plan '{plan.name}' [embedded] task")
-
-
-def default_base_policy(plan: Any, progress: bool = True, task: str | None = None) -> str:
-    """The cached `mixfleet pretrain` checkpoint of the plan's model, task and [embedded] base_steps (trained now
-    if missing: minutes on a CPU)."""
-    from mixfleet.runner.orchestration.pretrain import plan_base_config, pretrain
-
-    cfg = plan_base_config(plan, task=task)
-    if not progress:
-        return str(pretrain(cfg).path)
-    typer.echo(f"base policy: the cached `mixfleet pretrain --model {cfg.model} --task {cfg.demos.task} "
-               f"--steps {cfg.steps}` checkpoint (trained if missing)...")
-    demos, steps = pretrain_lines(typer.echo)
-    return str(pretrain(cfg, demo_progress=demos, progress=steps).path)
-
-
-PRETRAIN_LINE = "pretraining the base policy: "    # what the app's "starting" banner looks for (app_launch.py)
-
-
-def pretrain_lines(echo: Callable[[str], Any]) -> tuple[Callable[[int, int], None], Callable[[int, int, dict], None]]:
-    """`pretrain`'s two progress callbacks as plain lines through `echo` (the driver log the app shows while a
-    run starts), one every tenth of each phase: "pretraining the base policy: demonstrations 200/2000"."""
-    said: dict[str, int] = {}
-
-    def say(phase: str, done: int, total: int, tail: str = "") -> None:
-        tenth = done * 10 // max(total, 1)
-        if said.get(phase, -1) < tenth:
-            said[phase] = tenth
-            echo(f"{PRETRAIN_LINE}{phase} {done}/{total}{tail}")
-
-    return (lambda d, n: say("demonstrations", d, n)), (lambda s, n, m: say("steps", s, n, f", loss {m['loss']:.3f}"))
-
-
-def with_lr(plan: Any, lr: float | None) -> Any:
-    """The plan with `--lr` as its [embedded] lr (None: the plan as it is). It goes into the plan, not only the
-    run's settings, so that the run log records it and `--resume` refuses a plan whose lr differs (a run resumed
-    without the same --lr would otherwise go on at the plan's lr unseen). A bad value is the plan's own
-    SpecError, naming the field."""
-    import dataclasses
-
-    from mixfleet.costmodel.plan.planspec import EmbeddedPlan
-
-    if lr is None:
-        return plan
-    return dataclasses.replace(plan, embedded=dataclasses.replace(plan.embedded or EmbeddedPlan(), lr=lr))
-
-
-def with_task_set(plan: Any, task_set: str | None, task: str | None) -> Any:
-    """The plan with `--task-set DIR` as its repo task's `task_set` option (None: the plan as it is); recorded in the
-    run's plan like --lr. Refused unless the task (--task, else the plan's) is `repo`."""
-    import dataclasses
-
-    from mixfleet.costmodel.plan.planspec import EmbeddedPlan
-
-    if task_set is None:
-        return plan
-    emb = plan.embedded or EmbeddedPlan()
-    name = task or emb.task or "guess"
-    if name != "repo":
-        raise ValueError(f"--task-set: {task_set!r} needs the repo task; the task is {name!r} (add --task repo)")
-    options = {} if task else dict(emb.task_options)
-    return dataclasses.replace(plan, embedded=dataclasses.replace(
-        emb, task="repo", task_options={**options, "task_set": task_set}))
+    out = parse_settings(settings)
+    for flag, key, value in (("--lr", "embedded.lr", lr), ("--eval-every", "embedded.eval_every", eval_every),
+                             ("--task", "embedded.task", task),
+                             ("--trainer-threads", "embedded.trainer_threads", trainer_threads),
+                             ("--task-set", "embedded.task_options.task_set", task_set)):
+        if value is None:
+            continue
+        if key in out:
+            raise SpecError("command line", flag, value, f"given once ({key} is also given with --set)")
+        out[key] = value
+    return out
 
 
 def run_command(plan_ref: str, out: Path, updates: int | None, resume: bool, embedded: bool, address: str | None,
                 init: str | None, mode: str, attach: list[str], kill_at: list[str], eval_every: int | None,
                 task: str | None, quiet: bool, trainer_threads: int | None = None, force: bool = False,
                 allow_group_loss: bool = False, tracker: list[str] | None = None, lr: float | None = None,
-                task_set: str | None = None) -> None:
-    """Body of `mixfleet run` (see its help): the run's lifecycle is the launcher's
-    (runner/orchestration/launcher.py). Exit codes: 0 done or stopped, 1 the run failed or stopped on an error
-    (run log kept), 2 bad input, 3 done without a sampler group that could not start (--allow-group-loss)."""
+                task_set: str | None = None, settings: list[str] | None = None,
+                take_new_settings: bool = False) -> None:
+    """Body of `mixfleet run` (see its help): the run is prepared by the runner's one recipe
+    (runner/orchestration/recipe.py `prepare_run`: the overrides into the plan, the rehearsal, the locked folder,
+    the base policy) and its lifecycle is the launcher's (runner/orchestration/launcher.py). Exit codes: 0 done
+    or stopped, 1 the run failed or stopped on an error (run log kept), 2 bad input, 3 done without a sampler
+    group that could not start (--allow-group-loss)."""
     import torch
     from mixfleet.costmodel.errors import SpecError
-    from mixfleet.costmodel.records.outdir import prepare_output_dir
     from mixfleet.costmodel.records.trackers import LiveTracker
     from mixfleet.policies.plan import load_plan
-    from mixfleet.runner.orchestration import launcher
-    from mixfleet.runner.orchestration.orchestrator import RunConfig
+    from mixfleet.runner.orchestration.recipe import prepare_run
 
     torch.set_num_threads(1)
-    lock = None
     try:
-        plan = with_task_set(with_lr(load_plan(plan_ref), lr), task_set, task)
-        task = None if task_set is not None else task     # --task-set moved --task repo into the plan
-        # everything that needs no folder is checked first: a bad flag or plan field changes nothing on disk
+        plan = load_plan(plan_ref)
+        overrides = flag_overrides(list(settings or []), lr=lr, eval_every=eval_every, task=task,
+                                   trainer_threads=trainer_threads, task_set=task_set)
+        # what needs no folder is checked first (prepare_run checks the overrides before it writes anything)
         kills = _parse_kill_at(kill_at, plan, updates or 30)
-        _check_task(plan, task)
         live = LiveTracker.from_options(tracker or [], out, resume=resume, force=force)   # --tracker (export's metrics)
-        prepare_output_dir(out, "run", where="mixfleet run", resume=resume, force=force, clear=False)
-        attach_map = _parse_attach(attach)
-        fleet_mode = launcher.fleet_mode(plan, embedded=embedded, address=address, attach=attach_map)
-        if fleet_mode == "embedded":      # the plan's own fleet scaled to this machine (orchestration/rehearsal.py)
-            from mixfleet.runner.orchestration.rehearsal import rehearsal_of
-
-            rehearsal = rehearsal_of(plan)
-            plan = rehearsal.plan
-            typer.echo("\n".join(rehearsal.lines()))
-        # one writer per run folder, held until this command ends (the run takes it again, re-entrantly); the
-        # folder is checked again under the lock, and a resume checked before the base policy and Ray start
-        lock = launcher.prepare(out, plan, resume=resume, force=force)
-        init_path = init or default_base_policy(plan, task=task)     # plain lines (the app shows them)
-        cfg = RunConfig(out_dir=out, updates=updates or 30, init_checkpoint=init_path, mode=mode,
-                        fleet_mode=fleet_mode, attach=attach_map, address=address, resume=resume,
-                        task=task, eval_every=eval_every, trainer_threads=trainer_threads,  # None: the plan's
-                        allow_group_loss=allow_group_loss)
+        prepared = prepare_run(plan, overrides, out, updates=updates or 30, mode=mode, init=init, embedded=embedded,
+                               address=address, attach=_parse_attach(attach), resume=resume, force=force,
+                               take_new_settings=take_new_settings, allow_group_loss=allow_group_loss,
+                               say=typer.echo)      # plain lines (the app shows them)
     except (SpecError, ValueError) as e:
-        if lock is not None:
-            lock.release()
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(2) from None
     try:
-        _run_locked(plan, cfg, out, quiet, kills, live)
+        _run_locked(prepared.plan, prepared.config, out, quiet, kills, live)
     finally:
-        lock.release()
+        prepared.release()
 
 
 def _run_locked(plan: Any, cfg: Any, out: Path, quiet: bool, kills: dict[int, list[str]], live: Any = None) -> None:
@@ -319,17 +253,24 @@ def register_run(app: typer.Typer) -> None:
         attach: list[str] = typer.Option([], "--attach", help="GROUP=URL of a running sampler (repeatable)."),
         kill_at: list[str] = typer.Option([], "--kill-at", help="Fault drill: kill a GROUP replica after UPDATE "
                                                                 "(GROUP@UPDATE, repeatable)."),
-        eval_every: int = typer.Option(None, "--eval-every", min=0, help="pass@k every N updates (0: never; "
-                                                                         "default: the plan's)."),
-        task: str = typer.Option(None, "--task", help="Task name (default: the plan's, else guess)."),
+        eval_every: int = typer.Option(None, "--eval-every", min=0, help="pass@k every N updates (0: never): "
+                                                                         "--set embedded.eval_every=N."),
+        task: str = typer.Option(None, "--task", help="Task name: --set embedded.task=NAME (another task than "
+                                 "the plan's starts its options afresh)."),
         task_set: str = typer.Option(None, "--task-set", help="A folder of repository tasks of your own for the repo "
-                                     "task (docs/tasks.md); recorded in the run's plan."),
+                                     "task (docs/tasks.md): --set embedded.task_options.task_set=DIR."),
         trainer_threads: int = typer.Option(None, "--trainer-threads", min=1,
-                                            help="Torch threads of the trainer (default: the plan's, else 1)."),
-        lr: float = typer.Option(None, "--lr", help="The trainer's learning rate (AdamW), over the plan's "
-                                                    "[embedded] lr; recorded in the run's plan, so a --resume "
-                                                    "gives it again (docs/learning.md: 1.5e-4 learns on the "
-                                                    "asynchronous fleets, 3e-4 barely)."),
+                                            help="Torch threads of the trainer: --set embedded.trainer_threads=N."),
+        lr: float = typer.Option(None, "--lr", help="The trainer's learning rate (AdamW): --set embedded.lr=X "
+                                                    "(docs/learning.md: 1.5e-4 learns on the asynchronous fleets, "
+                                                    "3e-4 barely)."),
+        settings: list[str] = typer.Option([], "--set", help="KEY=VALUE: a dotted plan key over the plan's value "
+                                           "(e.g. embedded.lr=1.5e-4, embedded.eval_top_p=0.95), repeatable; "
+                                           "recorded in the run's plan, so a --resume gives it again."),
+        take_new_settings: bool = typer.Option(False, "--take-new-settings",
+                                               help="With --resume: take run settings (embedded.*) that differ "
+                                                    "from the saved run's (the run log records them) instead of "
+                                                    "refusing the resume."),
         allow_group_loss: bool = typer.Option(False, "--allow-group-loss",
                                               help="Go on without a sampler group none of whose replicas can "
                                                    "start (reported; exit code 3) instead of failing the run."),
@@ -344,4 +285,5 @@ def register_run(app: typer.Typer) -> None:
             typer.secho(f"error: --mode {mode!r}; allowed: async, sync", fg=typer.colors.RED, err=True)
             raise typer.Exit(2)
         run_command(plan, out, updates, resume, embedded, address, init, mode, attach, kill_at, eval_every, task,
-                    quiet, trainer_threads, force, allow_group_loss, tracker, lr, task_set)
+                    quiet, trainer_threads, force, allow_group_loss, tracker, lr, task_set, settings,
+                    take_new_settings)
