@@ -246,7 +246,7 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
     with np.errstate(invalid="ignore"):   # an empty fleet (the re-planner's rows) never finishes: 0 x inf
         sampling = (n @ price) * t_update / 3600.0
     out = {"cost_sampling_per_update": sampling, "cost_training_per_update": trainer_usd_h * t_update / 3600.0,
-           "cost_sandbox_per_update": np.zeros(len(cost)), "sandbox_wait_share": np.full(len(cost), np.nan),
+           "cost_sandbox_per_update": np.zeros(len(cost)), "sandbox_wait_share": np.zeros(len(cost)),
            "sandboxes_live": np.zeros(len(cost))}
     if cfg.sandboxes:   # every episode of an update holds a sandbox for its start + its run (Little's law)
         sandbox_s = ppu * spp * (cfg.sandbox_start_s + episode_s)

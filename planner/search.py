@@ -64,7 +64,7 @@ class Candidate:
     cost_sampling_per_update_usd: float = math.nan
     cost_training_per_update_usd: float = math.nan
     cost_sandbox_per_update_usd: float = 0.0
-    sandbox_wait_share: float = math.nan
+    sandbox_wait_share: float = 0.0      # 0 without sandboxes (not NaN: verified figures compare equal, bit for bit)
     sandboxes_live: float = 0.0
     lost_work: dict[str, Any] = field(default_factory=dict)  # expected preemption losses (`expected_lost_work`)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -54,7 +55,8 @@ def twin_check(plan: dict[str, Any], updates: int, seed: int, calibration: Any =
             "cost_sampler_per_update_ci_usd": s.steady_cost_sampler_per_update_ci_usd,
             "cost_sandbox_per_update_usd": s.steady_cost_sandbox_per_update_usd,
             "cost_sandbox_per_update_ci_usd": s.steady_cost_sandbox_per_update_ci_usd,
-            "sandbox_wait_share": s.sandbox_wait_share,
+            # 0 for a plan without sandboxes (the summary's NaN would make equal checks compare unequal)
+            "sandbox_wait_share": s.sandbox_wait_share if math.isfinite(s.sandbox_wait_share) else 0.0,
             "extreme_share": s.extreme_share, "staleness": s.steady_staleness_mean,
             "staleness_ci": s.steady_staleness_ci,
             "tokens_per_s": s.steady_tokens_per_s, "fill_s": s.first_update_s, "updates": updates,
