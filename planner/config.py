@@ -16,7 +16,7 @@ from mixfleet.costmodel.specs.formats import formats
 from mixfleet.planner.defaults import DEFAULTS
 
 OBJECTIVES = ("cost_per_update", "cost_per_effective_update")
-DEFAULT_SANDBOX_START_S = 10.0   # est-2026-12, as data/plans/seed-mixed.toml: a container with the repository
+DEFAULT_SANDBOX_START_S = 10.0   # est-2026-12, as data/plans/seed-mixed-sandbox.toml: a container with the repository
 MAX_VERIFY_SEEDS = 64
 
 

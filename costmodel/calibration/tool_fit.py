@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 from mixfleet.costmodel.calibration.record import CalibrationError
+from mixfleet.costmodel.calibration.workload_fit import EMPIRICAL_MAX_VALUES, subsample
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.records.runlog import RunLog
 from mixfleet.costmodel.specs.dist import dist_from_dict
@@ -56,7 +57,6 @@ BOOTSTRAP_SAMPLES = 1000           # resamples of the episodes
 INTERVAL = 0.95                    # the intervals' coverage
 MIN_EPISODES = 4                   # episodes with the per-reply lists a fit needs
 MIN_OBSERVATIONS = 4               # values of one lognormal field
-EMPIRICAL_MAX_VALUES = 512         # the turns distribution keeps at most this many values
 LEFT_OUT = ("error", "aborted", "restarted")
 MEAN_TOLERANCE = 0.10              # a lognormal is written when its clipped mean is this close to the sample mean
 # the fits written into the workload (the others, command_s, are reported only)
@@ -121,7 +121,7 @@ class LognormalFit:
     def empirical(self) -> dict[str, Any]:
         """The workload TOML's inline table: the values seen (at most EMPIRICAL_MAX_VALUES evenly spaced order
         statistics of them)."""
-        return {"kind": "empirical", "values": [_r(v) for v in _spaced(np.asarray(self.values))],
+        return {"kind": "empirical", "values": [_r(v) for v in subsample(np.asarray(self.values))],
                 "min": _r(self.low), "max": _r(self.high), **({"integer": True} if self.integer else {})}
 
     def to_dict(self) -> dict[str, Any]:
@@ -129,14 +129,6 @@ class LognormalFit:
                 "fits_the_mean": self.fits_the_mean(), "sigma": self.sigma.to_dict(),
                 "mean": self.mean.to_dict(), "model_mean": self.model_mean(),
                 "min": self.low, "max": self.high, "episodes": self.episodes, "integer": self.integer}
-
-
-def _spaced(x: np.ndarray) -> np.ndarray:
-    """`x` sorted, cut to at most EMPIRICAL_MAX_VALUES evenly spaced order statistics."""
-    x = np.sort(x)
-    if len(x) > EMPIRICAL_MAX_VALUES:
-        x = x[np.linspace(0, len(x) - 1, EMPIRICAL_MAX_VALUES).round().astype(int)]
-    return x
 
 
 def _r(x: float) -> float:
@@ -352,7 +344,7 @@ def fit_workload(runlogs: Iterable[str | os.PathLike[str] | RunLog], *, seed: in
     if len(tr):
         figures["pool_wait_share"] = _share(wait_tot, dur, rng)
     cap_max = float(cap) if cap else float(t.max())
-    vals = _spaced(t)
+    vals = subsample(t)
     written: dict[str, dict[str, Any]] = {}
     for k, f in fits.items():
         if k not in WORKLOAD_FIELDS:

@@ -18,7 +18,9 @@ def _round_values(x: np.ndarray) -> list[float]:
     return [float(v) for v in np.round(x, 6)]
 
 
-def _subsample(x: np.ndarray) -> np.ndarray:
+def subsample(x: np.ndarray) -> np.ndarray:
+    """`x` sorted, cut to at most EMPIRICAL_MAX_VALUES evenly spaced order statistics (an empirical
+    distribution's values; also tool_fit.py's)."""
     x = np.sort(np.asarray(x, dtype=np.float64))
     if len(x) <= EMPIRICAL_MAX_VALUES:
         return x
@@ -48,9 +50,9 @@ def _measured_workload(trs: list[pd.DataFrame], base: WorkloadSpec, turn_latency
         "source": "mixfleet calibrate", "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "prompts_per_update": base.prompts_per_update, "samples_per_prompt": base.samples_per_prompt,
         "max_context": base.max_context, "success_prob": success, "no_tool_call_prob": base.no_tool_call_prob,
-        "turns": {"kind": "empirical", "values": _round_values(_subsample(turns)), "integer": True},
-        "prompt_tokens": {"kind": "empirical", "values": _round_values(_subsample(first)), "integer": True},
-        "reply_tokens": {"kind": "empirical", "values": _round_values(_subsample(reply)), "integer": True},
+        "turns": {"kind": "empirical", "values": _round_values(subsample(turns)), "integer": True},
+        "prompt_tokens": {"kind": "empirical", "values": _round_values(subsample(first)), "integer": True},
+        "reply_tokens": {"kind": "empirical", "values": _round_values(subsample(reply)), "integer": True},
         "tool_output_tokens": {"kind": "const", "value": round(tool, 6)},
         "tool_latency_s": {"kind": "const", "value": round(max(turn_latency_s, 0.0), 9)},
     }
