@@ -9,11 +9,14 @@ figures:
 - cached: the same inputs asked again (the app's Plan page, a second `mixfleet plan`): the twin checks read back
   from the cache (`twin.checks.cached_map`);
 - sequential (--sequential): `MIXFLEET_NO_CACHE=1` and one core (`taskset -c 0`), the checks one after another
-  as before the change.
+  as before the change;
+- beside (--beside REV): the cold mode of another commit (a clone of this repository at REV, installed in its own
+  virtual environment on top of this Python's packages), its runs alternating with this tree's cold runs so that
+  both see the same load; written with the commit and its chosen mix and twin figures.
 
 Wall seconds depend on how busy the machine is: the 1-minute load average is written beside them.
 
-    python benchmarks/planner_speed.py [--runs 3] [--sequential]
+    python benchmarks/planner_speed.py [--runs 3] [--sequential] [--beside ea5cd9e]
 """
 
 from __future__ import annotations
@@ -33,10 +36,58 @@ from pathlib import Path
 OUT = Path(__file__).resolve().parent / "results" / "planner_speed.json"
 
 
-def one(env: dict[str, str], prefix: list[str]) -> tuple[float, dict]:
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def one(env: dict[str, str], prefix: list[str], exe: str = "mixfleet") -> tuple[float, dict]:
     w0 = time.perf_counter()
-    p = subprocess.run([*prefix, "mixfleet", "plan", "--json"], env=env, capture_output=True, text=True, check=True)
+    p = subprocess.run([*prefix, exe, "plan", "--json"], env=env, capture_output=True, text=True, check=True)
     return time.perf_counter() - w0, json.loads(p.stdout)
+
+
+def build(rev: str, where: Path) -> str:
+    """A clone of this repository at `rev` installed (editable, its compiled core built) in its own venv that sees
+    this Python's packages; returns its `mixfleet` executable."""
+    subprocess.run(["git", "clone", "-q", str(ROOT), str(where)], check=True)
+    subprocess.run(["git", "-C", str(where), "checkout", "-q", rev], check=True)
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(where / ".venv")], check=True)
+    pip = [str(where / ".venv" / "bin" / "python"), "-m", "pip", "-q"]
+    subprocess.run([*pip, "uninstall", "-y", "setuptools"], check=False, capture_output=True)  # old: no bdist_wheel
+    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", "-e", str(where)], check=True)
+    return str(where / ".venv" / "bin" / "mixfleet")
+
+
+def summary(walls: list[float], loads: list[float], last: dict) -> dict:
+    v = last.get("best", {}).get("verified", {})
+    return {"runs": walls, "median_wall_s": statistics.median(walls), "load_avg_1m": loads,
+            "checks": last.get("checks"), "best": last.get("best", {}).get("replicas"),
+            "twin_time_per_update_s": v.get("time_per_update_s"),
+            "twin_time_per_update_ci_s": v.get("time_per_update_ci_s"),
+            "twin_cost_per_update_usd": v.get("cost_per_update_usd"),
+            "twin_cost_per_update_ci_usd": v.get("cost_per_update_ci_usd")}
+
+
+def beside(rev: str, runs: int) -> dict[str, dict]:
+    """Cold runs of this tree and of `rev`, alternating (this tree first), each on a fresh check cache."""
+    tmp = Path(tempfile.mkdtemp(prefix="mixfleet-plan-beside-"))
+    try:
+        exe = build(rev, tmp / "old")
+        commit = subprocess.run(["git", "-C", str(tmp / "old"), "rev-parse", "HEAD"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        got: dict[str, tuple[list[float], list[float], dict]] = {"cold": ([], [], {}), "old": ([], [], {})}
+        for _ in range(runs):
+            for name, exe_ in (("cold", "mixfleet"), ("old", exe)):
+                cache = tmp / "cache"
+                shutil.rmtree(cache, ignore_errors=True)
+                walls, loads, _ = got[name]
+                loads.append(os.getloadavg()[0])
+                wall, last = one({**os.environ, "MIXFLEET_CACHE_DIR": str(cache)}, [], exe_)
+                walls.append(wall)
+                got[name] = (walls, loads, last)
+                print(f"{name}: {wall:.1f} s wall (load {loads[-1]:.1f})", file=sys.stderr, flush=True)
+        return {"cold": summary(*got["cold"]), "beside": {"commit": commit, **summary(*got["old"])}}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def mode(name: str, runs: int, *, fresh_cache: bool, no_cache: bool = False, one_core: bool = False) -> dict:
@@ -57,24 +108,22 @@ def mode(name: str, runs: int, *, fresh_cache: bool, no_cache: bool = False, one
             print(f"{name}: {wall:.1f} s wall (load {loads[-1]:.1f})", file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    v = last.get("best", {}).get("verified", {})
-    return {"runs": walls, "median_wall_s": statistics.median(walls), "load_avg_1m": loads,
-            "checks": last.get("checks"), "best": last.get("best", {}).get("replicas"),
-            "twin_time_per_update_s": v.get("time_per_update_s"),
-            "twin_time_per_update_ci_s": v.get("time_per_update_ci_s"),
-            "twin_cost_per_update_usd": v.get("cost_per_update_usd"),
-            "twin_cost_per_update_ci_usd": v.get("cost_per_update_ci_usd")}
+    return summary(walls, loads, last)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--sequential", action="store_true", help="also time one core without the cache")
+    ap.add_argument("--beside", metavar="REV", help="also time this commit's cold plan, alternating with this tree's")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    out = {"command": "mixfleet plan --json (defaults)",
-           "cold": mode("cold", args.runs, fresh_cache=True),
-           "cached": mode("cached", args.runs, fresh_cache=False)}
+    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True).stdout.strip())
+    out: dict = {"command": "mixfleet plan --json (defaults)", "commit": head + ("+dirty" if dirty else "")}
+    out.update(beside(args.beside, args.runs) if args.beside else {"cold": mode("cold", args.runs, fresh_cache=True)})
+    out["cached"] = mode("cached", args.runs, fresh_cache=False)
     if args.sequential:
         out["sequential"] = mode("sequential", args.runs, fresh_cache=True, no_cache=True, one_core=True)
     out["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),

@@ -26,7 +26,7 @@ class PlannerDefaults:
     max_time_per_update_s: float | None = None
     max_usd_per_hour: float | None = None      # fleet + trainer
     objective: str = "cost_per_update"
-    verify: int = 3                            # best candidates verified in the twin's steady state and re-ranked
+    verify: int = 2                            # best candidates verified in the twin's steady state and re-ranked
     verify_updates: int = 0                    # updates per twin check (0: 10 + prompts in flight / per update)
     verify_seeds: int = 1                      # seeds per verified candidate
     seed: int = 0

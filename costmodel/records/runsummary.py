@@ -217,7 +217,7 @@ def mser_truncation(values: Any, batch: int = MSER_BATCH) -> int:
 def batch_means(values: Any, max_batches: int = 10) -> SteadyEstimate:
     """Mean of `values` and its 95% half-width by batch means: b = min(max_batches, max(2, n // 2)) batches
     of n // b consecutive values (the leading remainder left out of the batches, not of the mean)."""
-    from scipy.stats import t as student_t
+    from scipy.special import stdtrit  # = scipy.stats.t.ppf, bit for bit, without importing scipy.stats (0.6 s)
 
     x = np.asarray(values, dtype=float)
     x = x[~np.isnan(x)]
@@ -229,7 +229,7 @@ def batch_means(values: Any, max_batches: int = 10) -> SteadyEstimate:
     b = min(max_batches, max(2, n // 2))
     size = n // b
     z = x[n - b * size:].reshape(b, size).mean(axis=1)
-    half = float(student_t.ppf(0.975, b - 1) * z.std(ddof=1) / math.sqrt(b))
+    half = float(stdtrit(b - 1, 0.975) * z.std(ddof=1) / math.sqrt(b))
     return SteadyEstimate(mean=float(x.mean()), half_width=half, n=n, batches=b)
 
 
