@@ -33,28 +33,15 @@ import tempfile
 import time
 from pathlib import Path
 
+from beside import build, head
+
 OUT = Path(__file__).resolve().parent / "results" / "planner_speed.json"
-
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 def one(env: dict[str, str], prefix: list[str], exe: str = "mixfleet") -> tuple[float, dict]:
     w0 = time.perf_counter()
     p = subprocess.run([*prefix, exe, "plan", "--json"], env=env, capture_output=True, text=True, check=True)
     return time.perf_counter() - w0, json.loads(p.stdout)
-
-
-def build(rev: str, where: Path) -> str:
-    """A clone of this repository at `rev` installed (editable, its compiled core built) in its own venv that sees
-    this Python's packages; returns its `mixfleet` executable."""
-    subprocess.run(["git", "clone", "-q", str(ROOT), str(where)], check=True)
-    subprocess.run(["git", "-C", str(where), "checkout", "-q", rev], check=True)
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(where / ".venv")], check=True)
-    pip = [str(where / ".venv" / "bin" / "python"), "-m", "pip", "-q"]
-    subprocess.run([*pip, "uninstall", "-y", "setuptools"], check=False, capture_output=True)  # old: no bdist_wheel
-    subprocess.run([*pip, "install", "--no-deps", "--no-build-isolation", "-e", str(where)], check=True)
-    return str(where / ".venv" / "bin" / "mixfleet")
 
 
 def summary(walls: list[float], loads: list[float], last: dict) -> dict:
@@ -71,7 +58,7 @@ def beside(rev: str, runs: int) -> dict[str, dict]:
     """Cold runs of this tree and of `rev`, alternating (this tree first), each on a fresh check cache."""
     tmp = Path(tempfile.mkdtemp(prefix="mixfleet-plan-beside-"))
     try:
-        exe = build(rev, tmp / "old")
+        exe = str(build(rev, tmp / "old") / "mixfleet")
         commit = subprocess.run(["git", "-C", str(tmp / "old"), "rev-parse", "HEAD"], capture_output=True,
                                 text=True, check=True).stdout.strip()
         got: dict[str, tuple[list[float], list[float], dict]] = {"cold": ([], [], {}), "old": ([], [], {})}
@@ -118,10 +105,7 @@ def main() -> None:
     ap.add_argument("--beside", metavar="REV", help="also time this commit's cold plan, alternating with this tree's")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
-    head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = bool(subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                                capture_output=True, text=True).stdout.strip())
-    out: dict = {"command": "mixfleet plan --json (defaults)", "commit": head + ("+dirty" if dirty else "")}
+    out: dict = {"command": "mixfleet plan --json (defaults)", "commit": head()}
     out.update(beside(args.beside, args.runs) if args.beside else {"cold": mode("cold", args.runs, fresh_cache=True)})
     out["cached"] = mode("cached", args.runs, fresh_cache=False)
     if args.sequential:

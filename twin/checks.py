@@ -61,7 +61,8 @@ def twin_check(plan: dict[str, Any], updates: int, seed: int, calibration: Any =
             "staleness_ci": s.steady_staleness_ci,
             "tokens_per_s": s.steady_tokens_per_s, "fill_s": s.first_update_s, "updates": updates,
             "warmup_updates": s.warmup_updates, "steady_updates": s.steady_updates, "seed": seed,
-            "turns_lost": r.turns_lost, "sessions_restarted": r.sessions_restarted}
+            "turns_lost": r.turns_lost, "sessions_restarted": r.sessions_restarted,
+            "group_share_of_samples": dict(s.group_share_of_samples)}
 
 
 def cores() -> int:

@@ -270,6 +270,9 @@ def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
     for refs, symbol, size in ((references, "diamond", 14), (twin_points, "circle-open", 12)):
         for i, ref in enumerate(refs):
             stale = ref.get("staleness_mean", float("nan"))
+            box = ref.get("cost_sandbox_per_update_usd") or 0.0
+            boxed = (f", sandboxes ${box:,.2f} ({100 * box / ref['cost_per_update_usd']:.0f} %)"
+                     if box > 0 and ref.get("cost_per_update_usd") else "")
             # only the seed's diamonds carry a label, on alternating sides (the twin's open circles sit near them
             # and are named in the legend and on hover): the labels ran into a blob (issue 26)
             labelled = symbol == "diamond"
@@ -278,7 +281,7 @@ def pareto(points: pd.DataFrame, *, chosen: Mapping[str, float] | None = None,
                 mode="markers+text" if labelled else "markers",
                 name=str(ref["name"]), text=[str(ref["name"])], textposition=("middle left", "middle right")[i % 2],
                 hovertemplate=f"{ref['name']}<br>%{{x:,.1f}} s, $%{{y:,.2f}} per update, staleness "
-                              f"{stale:.2f}<extra></extra>",
+                              f"{stale:.2f}{boxed}<extra></extra>",
                 marker={"symbol": symbol, "size": size, "line": {"width": 2 if symbol == "circle-open" else 1,
                                                                  "color": "black"}}))
     if chosen is not None:

@@ -21,7 +21,9 @@ from typing import Any
 import pandas as pd
 import streamlit as st
 import tomli_w
+from mixfleet.costmodel.plan.planspec import MAX_SANDBOX_START_S, MAX_SANDBOXES
 from mixfleet.costmodel.specs.formats import formats
+from mixfleet.planner.config import DEFAULT_SANDBOX_START_S, PlannerConfig
 from mixfleet.planner.defaults import DEFAULTS
 from mixfleet.ui import app_charts as charts
 from mixfleet.ui import app_planner as planner
@@ -230,8 +232,9 @@ def _trainer() -> dict[str, Any]:
                               key="pl_tn",
                               help="The planner verifies its best candidates in the twin for this many updates from "
                                    "a warm start (0: 10 + prompts in flight / prompts per update, as `mixfleet "
-                                   "plan`), and the chosen mix and the seed's two fleets are dry-run as long; their "
-                                   "steady state is shown (cached under the runs folder)."))
+                                   "plan`), and the chosen mix and the seed's two fleets are dry-run as long, at once "
+                                   "on this machine's cores; their steady state is shown (each check kept in the "
+                                   "twin's check cache: the same question again is read back)."))
     refs = c[3].toggle("show the seed's two fleets", value=True, key="pl_refs")
     return {"trainer_accelerator": acc, "trainer_gpus": gpus, "twin_updates": n, "references": refs}
 
@@ -408,6 +411,7 @@ def _show(view: planner.PlannerView) -> None:
     c[3].metric("fleet + trainer", fmt_usd(p.get("usd_per_hour"), 0) + "/h")
     c[4].metric("mean staleness (versions)",
                 "unbounded" if p.get("trainer_bound") else fmt_versions(p.get("staleness_mean")))
+    st.caption(cost_split_text(p))
     st.table(view.mix_table)
     st.caption("**prior share outside [0.2, 5]**: the cost model's prior of the share of a group's tokens whose "
                "ratio of trainer to sampler probability falls outside [0.2, 5] (from its precision and KV cache). "
@@ -434,6 +438,45 @@ def _show(view: planner.PlannerView) -> None:
     run_for_real(view.plan, "pl")
 
 
+def cost_split_text(p: dict[str, Any]) -> str:
+    """The chosen mix's cost per update split into sampling, training and sandboxes (the analytic screen; the
+    twin's sandbox figure beside it when checked), as `mixfleet plan` prints it."""
+    text = (f"Cost per update (analytic): sampling {fmt_usd(p.get('cost_sampling_per_update_usd'))} + training "
+            f"{fmt_usd(p.get('cost_training_per_update_usd'))} + sandboxes "
+            f"{fmt_usd(p.get('cost_sandbox_per_update_usd') or 0.0)}")
+    if (p.get("cost_sandbox_per_update_usd") or 0.0) > 0:
+        wait = p.get("sandbox_wait_share") or 0.0
+        text += (f"; {p.get('sandboxes_live', 0.0):,.0f} sandboxes live on average, pool wait share "
+                 f"{100 * wait:.1f} %" + (" (the cap binds)" if wait > 1e-9 else ""))
+        tw = p.get("twin") or {}
+        if tw.get("cost_sandbox_per_update_usd") is not None:
+            text += (f"; twin: sandboxes {fmt_usd(tw['cost_sandbox_per_update_usd'])} per update, pool wait share "
+                     f"{100 * (tw.get('sandbox_wait_share') or 0.0):.1f} %")
+    return text + "."
+
+
+def _sandboxes() -> dict[str, Any]:
+    """The sandbox pool (issue 42): off by default, as `mixfleet plan`; on, each episode holds a sandbox for its
+    whole length, billed per sandbox-hour, and a cap makes episodes wait (the plan says when it binds)."""
+    c = st.columns(4)
+    on = c[0].toggle("plan sandboxes (agentic work)", value=PlannerConfig.sandboxes, key="pl_sbx",
+                     help="As `mixfleet plan --sandboxes`: a sandbox per live episode, its start latency, its price "
+                          "per sandbox-hour; the cost per update is split into sampling, training and sandboxes.")
+    cap = int(c[1].number_input("sandbox cap (0 = none)", 0, MAX_SANDBOXES, 0, step=256, key="pl_sbx_cap",
+                                disabled=not on, help="The most sandboxes live at once (a provider's concurrency "
+                                                      "limit, say): `--sandbox-cap`."))
+    start = c[2].number_input("sandbox start (s)", 0.0, float(MAX_SANDBOX_START_S), DEFAULT_SANDBOX_START_S, step=1.0,
+                              key="pl_sbx_start", disabled=not on, help="`--sandbox-start-s`.")
+    price = c[3].number_input("USD per sandbox-hour (0 = the catalog's)", 0.0, 100.0, 0.0, step=0.01,
+                              format="%.4f", key="pl_sbx_price", disabled=not on,
+                              help="`--sandbox-price`; 0: the catalog's [sandbox] price (its source and date in "
+                                   "data/accelerators.toml).")
+    if not on:
+        return {}
+    return {"sandboxes": True, "sandbox_cap": cap or None, "sandbox_start_s": float(start),
+            "sandbox_usd_per_hour": float(price) or None}
+
+
 def render() -> None:
     st.title("Plan")
     st.caption("Find the cheapest sampler mix that meets your constraints. Every field has a default; "
@@ -458,6 +501,8 @@ def render() -> None:
     with st.container(border=True):
         st.markdown("**Constraints**")
         cons = _constraints()
+        st.markdown("**Sandboxes**")
+        sandboxes = _sandboxes()
         st.markdown("**Trainer and twin check**")
         trainer = _trainer()
         cals = calibration_files()
@@ -489,7 +534,8 @@ def render() -> None:
     from mixfleet.ui import app_plan_result as result
 
     inputs = {"model": mw[0], "workload": mw[1], "price_table": price_table, "kv_dtypes": kv, **cons,
-              **trainer, "emulated": emulated, "calibration": calibration, "backend": backend, "layouts": layouts}
+              **trainer, "emulated": emulated, "calibration": calibration, "backend": backend, "layouts": layouts,
+              **sandboxes}
     cols = pool[["use", "accelerator", "max_gpus", "usd_per_gpu_hour", "precisions"]]
     cols = cols.assign(precisions=[",".join(planner.precision_list(v)) for v in cols["precisions"]])
     go = st.button("Run planner", type="primary", key="pl_go", disabled=not planner.available())

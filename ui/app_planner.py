@@ -4,9 +4,11 @@
 prices per GPU-hour and allowed precisions, constraints) into a `PlannerConfig`, calls `plan_mix` (`verify`
 candidates verified in the twin's steady state and re-ranked; every default is the planner's one set,
 `planner.defaults.DEFAULTS`, the same as `mixfleet plan`'s), dry-runs the chosen plan
-in the twin (kept as a run log so its per-group share of samples can be shown), and evaluates the seed's two
-fleets with the planner's analytic model (`evaluate_plan`) as reference points, and dry-runs them in the
-twin too (warm starts; their steady state). It returns a `PlannerView` for the page: the chosen plan as
+in the twin (its per-group share of samples shown), and evaluates the seed's two fleets with the planner's
+analytic model (`evaluate_plan`) as reference points, and dry-runs them in the twin too (warm starts; their
+steady state). The dry runs are the twin's checks (`twin.checks.twin_check` through `default_map`: at once on
+this machine's cores, each read back from the check cache when asked before; the chosen mix's is the planner's
+own verification job, read back). It returns a `PlannerView` for the page: the chosen plan as
 TOML, the chosen mix as a display table, the Pareto set, and the twin's points. Planning happens in
 mixfleet.planner (its candidates checked by the twin's `twin_check`, handed in here) and simulation in
 mixfleet.twin; here only inputs and outputs are shaped.
@@ -26,12 +28,10 @@ from mixfleet.planner.defaults import DEFAULTS
 from mixfleet.ui.app_common import (
     REFERENCE_PLANS,
     PlanText,
-    dry_run,
     fmt_compact,
     fmt_num,
     fmt_pct,
     fmt_usd,
-    load_run,
     plan_object,
     shipped_plan,
     with_workload,
@@ -123,24 +123,28 @@ def check_pool(pool: pd.DataFrame, price_table: str, emulated: bool = False) -> 
 def _point(c: Any) -> dict[str, Any]:
     stale = c.staleness if math.isfinite(c.staleness) else math.nan
     mix = ", ".join(f"{g} x{n}" for g, n in c.replicas.items())
+    box = c.cost_sandbox_per_update_usd if math.isfinite(c.cost_sandbox_per_update_usd) else 0.0
+    share = box / c.cost_per_update_usd if box > 0 and c.cost_per_update_usd > 0 else 0.0
     return {"time_per_update_s": c.time_per_update_s, "cost_per_update_usd": c.cost_per_update_usd,
+            "cost_sandbox_per_update_usd": box, "sandbox_share": share,
+            "cost_sampling_per_update_usd": c.cost_sampling_per_update_usd,
+            "cost_training_per_update_usd": c.cost_training_per_update_usd,
+            "sandbox_wait_share": c.sandbox_wait_share, "sandboxes_live": c.sandboxes_live,
             "cost_per_effective_update_usd": c.cost_per_effective_update_usd, "staleness_mean": stale,
             "usd_per_hour": c.usd_per_hour, "inflight_prompts": c.inflight_prompts,
             "trainer_bound": c.trainer_bound, "throughput_tokens_per_s": c.throughput_tokens_per_s,
             "label": f"{mix}; {c.inflight_prompts} prompts in flight"
+                     + (f"; sandboxes {fmt_usd(box)} per update ({fmt_pct(share)} of it)" if box > 0 else "")
                      + ("; trainer-bound (staleness unbounded)" if c.trainer_bound else "")}
 
 
-def _twin_point(name: str, pt: PlanText, updates: int, seed: int,
-                progress: Callable[[int], None] | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    run = load_run(dry_run(pt, updates, seed, progress=progress, warm_start=True))
-    s = run.summary
-    return ({"name": name, "time_per_update_s": s["steady_time_per_update_s"],
-             "time_per_update_ci_s": s["steady_time_per_update_ci_s"],
-             "cost_per_update_usd": s["steady_cost_per_update_usd"],
-             "cost_per_update_ci_usd": s["steady_cost_per_update_ci_usd"],
-             "staleness_mean": s["steady_staleness_mean"], "staleness_ci": s["steady_staleness_ci"],
-             "run_log": run.path}, s)
+def _twin_point(name: str, check: dict[str, Any]) -> dict[str, Any]:
+    """A twin check's steady state (`twin.checks.twin_check`) as a point of the Pareto chart."""
+    return {"name": name, "time_per_update_s": check["time_per_update_s"],
+            "time_per_update_ci_s": check["time_per_update_ci_s"], "cost_per_update_usd": check["cost_per_update_usd"],
+            "cost_per_update_ci_usd": check["cost_per_update_ci_usd"], "staleness_mean": check["staleness"],
+            "staleness_ci": check["staleness_ci"],
+            "cost_sandbox_per_update_usd": check.get("cost_sandbox_per_update_usd", 0.0)}
 
 
 def _load_calibration(path: str) -> Any:
@@ -155,7 +159,9 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
         twin_updates: int = DEFAULT_TWIN_UPDATES, references: bool = True, seed: int = DEFAULTS.seed,
         emulated: bool = DEFAULTS.emulated, calibration: str | None = None,
         progress: Callable[[float, str], None] | None = None, backend: str = DEFAULTS.backend,
-        layouts: str = DEFAULTS.layouts, verify: int = DEFAULT_VERIFY) -> PlannerView:
+        layouts: str = DEFAULTS.layouts, verify: int = DEFAULT_VERIFY, sandboxes: bool = False,
+        sandbox_cap: int | None = None, sandbox_start_s: float | None = None,
+        sandbox_usd_per_hour: float | None = None) -> PlannerView:
     """Plan a mix; raises the planner's SpecError on bad inputs and ValueError when nothing is feasible.
     `pool`: columns use, accelerator, max_gpus and optionally usd_per_gpu_hour and precisions (edited prices
     and precision lists become the planner's per-accelerator overrides; `emulated` allows emulated ones)."""
@@ -175,7 +181,9 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
         max_usd_per_hour=budget_usd_per_hour, objective=OBJECTIVES.get(objective, objective), verify=verify,
         verify_updates=twin_updates, seed=seed,
         prices=prices, precisions=precisions, emulated=emulated,
-        calibration=_load_calibration(calibration) if calibration else None, backend=backend, layouts=layouts)
+        calibration=_load_calibration(calibration) if calibration else None, backend=backend, layouts=layouts,
+        sandboxes=sandboxes, sandbox_cap=sandbox_cap, sandbox_usd_per_hour=sandbox_usd_per_hour,
+        **({"sandbox_start_s": sandbox_start_s} if sandbox_start_s is not None else {}))
     if not cfg.accelerators:
         from mixfleet.costmodel.errors import SpecError
 
@@ -193,7 +201,7 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
         from mixfleet.costmodel.specs.workload import load_workload
 
         twin_updates = verify_updates(best, cfg, load_workload(workload).prompts_per_update)
-    jobs: list[tuple[str, PlanText]] = [("chosen mix (twin)", pt)]
+    jobs: list[tuple[str, dict[str, Any]]] = [("chosen mix (twin)", plan.to_dict())]
     analytic: list[dict[str, Any]] = []
     if references:
         from mixfleet.planner.search import evaluate_plan
@@ -204,21 +212,16 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
                 "model": model, "price_table": price_table, "trainer.accelerator": trainer_accelerator,
                 "trainer.gpus": int(trainer_gpus), **{f"prices.{a}": usd for a, usd in cfg.prices.items()}})
             analytic.append({"name": ref, **_point(evaluate_plan(rp))})
-            jobs.append((f"{ref} (twin)", PlanText(rp.name, tomli_w.dumps(rp.to_dict()))))
-    twin_points, chosen_summary = [], {}
-    for j, (name, p) in enumerate(jobs):
-        lo, hi = 0.2 + 0.8 * j / len(jobs), 0.2 + 0.8 * (j + 1) / len(jobs)
-
-        def tick(v: int, lo: float = lo, hi: float = hi, name: str = name) -> None:
-            say(lo + (hi - lo) * v / twin_updates, f"twin: {name}, update {v} / {twin_updates}")
-
-        say(lo, f"twin: {name}")
-        point, summary = _twin_point(name, p, twin_updates, seed, tick)
-        twin_points.append(point)
-        if j == 0:
-            chosen_summary = summary
+            jobs.append((f"{ref} (twin)", rp.to_dict()))
+    # the chosen mix and the seed's fleets as twin checks, at once on this machine's cores and each read back from
+    # the check cache when asked before: the chosen mix's is the planner's own verification job (same plan, updates,
+    # seed and calibration), so it is read back, not simulated again
+    say(0.2, f"twin: {len(jobs)} plans x {twin_updates} updates from a warm start, on this machine's cores")
+    checks, _info = default_map(twin_check, [(d, twin_updates, seed, cfg.calibration) for _, d in jobs])
+    twin_points = [_twin_point(name, c) for (name, _), c in zip(jobs, checks, strict=True)]
+    chosen_check = checks[0]
     types = {t.name: t for t in result.types}
-    share = chosen_summary.get("group_share_of_samples", {})
+    share = chosen_check.get("group_share_of_samples", {})
     rows = []
     for g in plan.groups:
         t = types[g.name]
@@ -232,13 +235,14 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
                      "priced by": "measured (aiconfigurator)" if t.backend == "aiconfigurator" else t.backend})
     table = pd.DataFrame(rows)
     chosen = _point(best)
-    cs = chosen_summary
-    chosen["twin"] = {  # the chosen plan's steady state in the twin (its dry run above)
-        "time_per_update_s": cs.get("steady_time_per_update_s"), "time_per_update_ci_s": cs.get(
-            "steady_time_per_update_ci_s"), "cost_per_update_usd": cs.get("steady_cost_per_update_usd"),
-        "cost_per_update_ci_usd": cs.get("steady_cost_per_update_ci_usd"), "staleness": cs.get("steady_staleness_mean"),
-        "staleness_ci": cs.get("steady_staleness_ci"), "fill_s": cs.get("first_update_s"),
-        "warmup_updates": cs.get("warmup_updates"), "steady_updates": cs.get("steady_updates"), "updates": twin_updates}
+    cs = chosen_check
+    chosen["twin"] = {  # the chosen plan's steady state in the twin (its check above)
+        "time_per_update_s": cs["time_per_update_s"], "time_per_update_ci_s": cs["time_per_update_ci_s"],
+        "cost_per_update_usd": cs["cost_per_update_usd"], "cost_per_update_ci_usd": cs["cost_per_update_ci_usd"],
+        "cost_sandbox_per_update_usd": cs["cost_sandbox_per_update_usd"], "sandbox_wait_share": cs[
+            "sandbox_wait_share"], "staleness": cs["staleness"], "staleness_ci": cs["staleness_ci"],
+        "fill_s": cs["fill_s"], "warmup_updates": cs["warmup_updates"], "steady_updates": cs["steady_updates"],
+        "updates": twin_updates}
     points = pd.DataFrame([_point(c) for c in result.pareto])
     points["pareto"] = True
     notes = (f"{result.screened:,} candidates screened, {result.feasible:,} feasible, {len(result.pareto)} on the "
