@@ -32,12 +32,11 @@ def _run(**kw: object) -> object:
 
 def test_the_page_plans_sandboxes_splits_the_cost_and_reads_the_chosen_check_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from mixfleet.ui import app_charts as charts
-    from mixfleet.ui.app_plan import cost_split_text
-
     import functools
 
     from mixfleet.twin import checks
+    from mixfleet.ui import app_charts as charts
+    from mixfleet.ui.app_plan import cost_split_text
 
     monkeypatch.setenv("MIXFLEET_CACHE_DIR", str(tmp_path / "cache"))
     monkeypatch.delenv("MIXFLEET_NO_CACHE", raising=False)
