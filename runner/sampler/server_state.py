@@ -21,14 +21,8 @@ from typing import TYPE_CHECKING, Any
 from mixfleet.costmodel.specs.formats import formats
 from mixfleet.runner.checkpoint.tokenizer import ByteTokenizer
 from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplerEngine, TokenOutput
-from mixfleet.runner.sampler.protocol import (
-    GenerateCall,
-    GenerateItem,
-    ProtocolError,
-    ProtocolLimits,
-    build_response,
-    response_dict,
-)
+from mixfleet.runner.sampler.protocol import GenerateCall, GenerateItem, ProtocolError, ProtocolLimits
+from mixfleet.runner.sampler.protocol_response import build_response, response_dict
 
 if TYPE_CHECKING:
     from mixfleet.runner.sampler.server import ServerArgs
