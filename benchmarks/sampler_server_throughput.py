@@ -43,7 +43,8 @@ def main() -> None:
     from mixfleet.runner.sampler.client import SamplerClient
     from mixfleet.runner.sampler.engine import Engine
     from mixfleet.runner.sampler.engine_api import EngineRequest, SamplingParams
-    from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
+    from mixfleet.runner.sampler.server import ServerArgs
+    from mixfleet.runner.sampler.server_launch import start_in_thread
 
     model = a.model or str(init_model(load_model_spec("tiny"), Path(tempfile.mkdtemp()) / "tiny", seed=0))
     engine = Engine(model, precision=a.precision, kv_cache_dtype="bf16")

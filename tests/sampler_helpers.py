@@ -27,7 +27,8 @@ def make_checkpoint(directory: Path, *, seed: int, weight_version: str) -> Path:
 def served_engine(checkpoint: Path, **server_kw):
     """(engine, base_url) of a real Engine served over HTTP on loopback for the duration of the block."""
     from mixfleet.runner.sampler.engine import Engine
-    from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
+    from mixfleet.runner.sampler.server import ServerArgs
+    from mixfleet.runner.sampler.server_launch import start_in_thread
 
     engine = Engine(checkpoint, precision="bf16", kv_cache_dtype="bf16", kernel="fp32", max_running_requests=64)
     handle = start_in_thread(engine, server_args=ServerArgs(port=0, **server_kw))

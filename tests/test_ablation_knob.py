@@ -12,7 +12,7 @@ from mixfleet.costmodel.specs.model import load_model_spec
 from mixfleet.policies.plan import load_plan
 from mixfleet.runner.checkpoint.init_model import init_model
 from mixfleet.runner.orchestration.fleet import fleet_from_plan
-from mixfleet.runner.sampler.engine.engine import Engine, EngineConfig
+from mixfleet.runner.sampler.engine import Engine, EngineConfig
 from mixfleet.runner.sampler.engine.model import load_weights, perturb
 from mixfleet.runner.sampler.mismatch import MismatchConfig, _generate, prompts, score
 from mixfleet.studies.ablation import (

@@ -98,7 +98,8 @@ FAKE_SGLANG = textwrap.dedent('''
     import argparse, sys
     import yaml
     from mixfleet.runner.sampler.engine import Engine
-    from mixfleet.runner.sampler.server import ServerArgs, serve
+    from mixfleet.runner.sampler.server import ServerArgs
+    from mixfleet.runner.sampler.server_launch import serve
 
     p = argparse.ArgumentParser()
     for flag in ("--model-path", "--host", "--config", "--api-key"):

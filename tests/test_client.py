@@ -100,7 +100,8 @@ def _free_port() -> int:
 def test_retries_until_the_server_is_up(checkpoints):
     """The client's first connection attempts are refused (no server yet); it backs off and succeeds."""
     from mixfleet.runner.sampler.engine import Engine
-    from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
+    from mixfleet.runner.sampler.server import ServerArgs
+    from mixfleet.runner.sampler.server_launch import start_in_thread
 
     port = _free_port()
     engine = Engine(checkpoints[0], precision="bf16", kv_cache_dtype="bf16", kernel="fp32")

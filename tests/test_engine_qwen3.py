@@ -22,8 +22,9 @@ from mixfleet.runner.sampler.engine import Engine
 from mixfleet.runner.sampler.engine.model import forward_full, load_weights
 from mixfleet.runner.sampler.engine.quant import fake_quantize
 from mixfleet.runner.sampler.engine_api import EngineRequest, RequestResult, SamplingParams
-from mixfleet.runner.sampler.protocol import decode_routed_experts
-from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
+from mixfleet.runner.sampler.protocol_response import decode_routed_experts
+from mixfleet.runner.sampler.server import ServerArgs
+from mixfleet.runner.sampler.server_launch import start_in_thread
 
 transformers = pytest.importorskip("transformers")
 

@@ -10,7 +10,7 @@ from mixfleet.costmodel.specs.formats import formats
 def test_every_accepting_list_is_the_registry() -> None:
     from mixfleet.costmodel.steptime import report
     from mixfleet.runner.orchestration import fleet
-    from mixfleet.runner.sampler import engine_api, server, sglang_launch
+    from mixfleet.runner.sampler import engine_api, server_state, sglang_launch
     from mixfleet.runner.sampler.engine import kvcache, model, quant
     from mixfleet.ui import app_plan, app_planner
 
@@ -23,7 +23,7 @@ def test_every_accepting_list_is_the_registry() -> None:
     assert sglang_launch.SGLANG_KV_DTYPES == f.sglang_kv_dtypes == ("bf16", "fp8_e4m3")
     assert dict(sglang_launch.QUANTIZATION_FLAG) == {"bf16": None, "fp8": "fp8", "nvfp4": "modelopt_fp4",
                                                      "mxfp4": "mxfp4"}
-    assert server.QUANTIZATION_NAME == {"fp32": None, **sglang_launch.QUANTIZATION_FLAG}
+    assert server_state.QUANTIZATION_NAME == {"fp32": None, **sglang_launch.QUANTIZATION_FLAG}
     assert report.DEFAULT_PRECISIONS == app_plan.PRECISIONS == f.gpu_precisions == ("bf16", "fp8", "nvfp4", "mxfp4")
     assert set(app_planner.KV_DTYPES) == {"bf16", "fp8_e4m3"}
 

@@ -27,7 +27,8 @@ from mixfleet.runner.rollout.tasks import make_task  # noqa: E402
 from mixfleet.runner.sampler.client import SamplerClient  # noqa: E402
 from mixfleet.runner.sampler.engine import Engine  # noqa: E402
 from mixfleet.runner.sampler.engine_api import SamplingParams  # noqa: E402
-from mixfleet.runner.sampler.server import ServerArgs, start_in_thread  # noqa: E402
+from mixfleet.runner.sampler.server import ServerArgs  # noqa: E402
+from mixfleet.runner.sampler.server_launch import start_in_thread  # noqa: E402
 from mixfleet.runner.trainer.megatron_model import BuildOptions  # noqa: E402
 from mixfleet.runner.trainer.trainer import Trainer, TrainerConfig  # noqa: E402
 

@@ -22,7 +22,8 @@ PROMPT = "The cat sat on the mat, and then the cat sat again."
 def setup(tmp_path_factory):
     from mixfleet.runner.sampler.engine import Engine
     from mixfleet.runner.sampler.engine.model import load_weights
-    from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
+    from mixfleet.runner.sampler.server import ServerArgs
+    from mixfleet.runner.sampler.server_launch import start_in_thread
 
     ck = make_checkpoint(tmp_path_factory.mktemp("ck"), seed=5, weight_version="v0")
     engine = Engine(ck, precision="fp32", kv_cache_dtype="fp32", kernel="fp32")

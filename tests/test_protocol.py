@@ -1,4 +1,5 @@
-"""runner/sampler/protocol.py without HTTP: SGLang's /generate body -> engine requests, and results -> responses.
+"""runner/sampler/protocol.py and protocol_response.py without HTTP: SGLang's /generate body -> engine requests,
+and results -> responses.
 
 Covers: SGLang's defaults; batch forms (input_ids lists, text lists, per-item sampling_params, rid
 expansion, `n`); keys SGLang knows but the engine does not implement (accepted at the neutral
@@ -16,10 +17,10 @@ from mixfleet.runner.sampler.engine_api import RequestResult, SamplingParams, To
 from mixfleet.runner.sampler.protocol import (
     ProtocolError,
     ProtocolLimits,
-    build_response,
     parse_generate,
     parse_json_body,
 )
+from mixfleet.runner.sampler.protocol_response import build_response
 
 TOK = ByteTokenizer()
 LIMITS = ProtocolLimits(vocab_size=272, context_length=64, max_body_bytes=1000, sampling_mask_max_tokens=16)

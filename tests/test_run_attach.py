@@ -38,7 +38,8 @@ PLAN = run_plan_toml(
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory: pytest.TempPathFactory):
     from mixfleet.runner.sampler.engine import Engine
-    from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
+    from mixfleet.runner.sampler.server import ServerArgs
+    from mixfleet.runner.sampler.server_launch import start_in_thread
 
     with socket.socket() as s:                                   # the probe's URL: nothing listens on port 9
         assert s.connect_ex(("127.0.0.1", 9)) != 0, "something listens on 127.0.0.1:9; this test needs it dead"

@@ -12,8 +12,8 @@ from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.records.runlog import RunLogWriter
 from mixfleet.policies.plan import load_plan, plan_from_dict
 from mixfleet.runner.orchestration.config import run_settings
-from mixfleet.runner.orchestration.orchestrator import prepare_resume
 from mixfleet.runner.orchestration.recipe import apply_overrides
+from mixfleet.runner.orchestration.resume import prepare_resume
 from mixfleet.ui.cli import app
 from mixfleet.ui.commands.run_live import flag_overrides
 from typer.testing import CliRunner

@@ -197,7 +197,7 @@ def test_resume_with_another_plan_is_refused(first_run: dict[str, Path], tmp_pat
                 "differs in 1 field(s): policies.batcher.inflight_prompts: saved 8, now 6")
     assert _log_bytes(out) == log_before
     # the same plan in another file passes the check: the resolved plans are compared, not the file names
-    from mixfleet.runner.orchestration.orchestrator import prepare_resume
+    from mixfleet.runner.orchestration.resume import prepare_resume
 
     same = tmp_path / "renamed.toml"
     same.write_text(first_run["plan"].read_text())
@@ -247,7 +247,7 @@ def test_a_corrupt_orchestrator_json_is_named_with_what_is_wrong(first_run: dict
     assert code == 2, (code, so[-1500:], se[-3000:])
     _error_line(se, str(orch), "not valid JSON")
     assert _log_bytes(out) == log_before
-    from mixfleet.runner.orchestration.orchestrator import prepare_resume
+    from mixfleet.runner.orchestration.resume import prepare_resume
 
     orch.write_text(json.dumps({**good, "started_prompts": "six"}))
     with pytest.raises(SpecError, match=r"orchestrator.json: field 'started_prompts' = 'six'"):

@@ -118,7 +118,7 @@ def test_local_clients_are_served(server, headers: dict) -> None:
 
 
 def test_a_server_bound_elsewhere_takes_any_host_but_no_foreign_origin() -> None:
-    from mixfleet.runner.sampler.server import check_browser_request
+    from mixfleet.runner.sampler.browser_guard import check_browser_request
 
     h = httpx.Headers
     assert check_browser_request("GET", h({"host": "node-7.cluster:30000"}), "10.0.0.5") is None

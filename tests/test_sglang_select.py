@@ -32,7 +32,8 @@ FRONTEND_ENV = "MIXFLEET_SGLANG_FRONTEND"   # a folder holding SGLang's frontend
 def setup(tmp_path_factory):
     from mixfleet.runner.sampler.engine import Engine
     from mixfleet.runner.sampler.engine.model import load_weights
-    from mixfleet.runner.sampler.server import ServerArgs, start_in_thread
+    from mixfleet.runner.sampler.server import ServerArgs
+    from mixfleet.runner.sampler.server_launch import start_in_thread
 
     ck = make_checkpoint(tmp_path_factory.mktemp("ck"), seed=2, weight_version="v0")
     engine = Engine(ck, precision="fp32", kv_cache_dtype="fp32", kernel="fp32")

@@ -26,6 +26,7 @@ import pytest
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.policies.plan import load_plan
 from mixfleet.ui import run_manager as rm
+from mixfleet.ui.run_progress import progress
 from trust_helpers import SECRET, end_all, plan_text, running, sleeper
 
 APP = str(Path(__file__).resolve().parents[1] / "ui" / "app.py")
@@ -177,20 +178,20 @@ def test_eta_after_a_resume_counts_what_is_left_of_the_start_up(tmp_path: Path) 
     started = "2026-12-06T03:39:52Z"
     t0 = calendar.timegm(time.strptime(started, "%Y-%m-%dT%H:%M:%SZ"))
     first = rm.ManagedRun(folder=str(tmp_path), pid=0, pid_start="", command=[], started_utc=started, updates=8)
-    p = rm.progress(first, updates=u, now_utc=t0 + 5)
+    p = progress(first, updates=u, now_utc=t0 + 5)
     assert (p["done"], p["target"], p["elapsed_s"]) == (4, 8, 108.0)
     assert p["eta_s"] == pytest.approx(4 * 14.0) and p["eta_basis"] == "measured pace"   # gaps 14, 14, 34
     # continued from 4 to 8: no update of the new process yet -> 4 x 14 s + (31 s start-up - 5 s since start)
     cont = rm.ManagedRun(folder=str(tmp_path), pid=0, pid_start="", command=[], started_utc=started, updates=8,
                          resumes=1, done_at_launch=4)
-    p = rm.progress(cont, updates=u, now_utc=t0 + 5)
+    p = progress(cont, updates=u, now_utc=t0 + 5)
     assert p["eta_s"] == pytest.approx(4 * 14.0 + 26.0) and p["eta_basis"] == "measured pace + start-up"
-    assert rm.progress(cont, updates=u, now_utc=t0 + 60)["eta_s"] == pytest.approx(4 * 14.0)   # start-up over
-    p = rm.progress(cont, 10.0, updates=u, now_utc=t0 + 5)                  # the twin's pace, the same start-up
+    assert progress(cont, updates=u, now_utc=t0 + 60)["eta_s"] == pytest.approx(4 * 14.0)   # start-up over
+    p = progress(cont, 10.0, updates=u, now_utc=t0 + 5)                  # the twin's pace, the same start-up
     assert p["eta_s"] == pytest.approx(4 * 10.0 + 26.0) and p["eta_basis"] == "twin + start-up"
     # once the resumed process has logged an update, its start-up is behind it
     more = pd.concat([u, pd.DataFrame({"version": [5], "start_s": [108.0], "end_s": [122.0]})])
-    assert rm.progress(cont, updates=more, now_utc=t0 + 5)["eta_s"] == pytest.approx(3 * 14.0)
+    assert progress(cont, updates=more, now_utc=t0 + 5)["eta_s"] == pytest.approx(3 * 14.0)
 
 
 def test_the_starting_banner_shows_the_pretraining_progress_a_run_prints() -> None:

@@ -18,6 +18,7 @@ import pandas as pd
 import streamlit as st
 from mixfleet.ui import run_manager as rm
 from mixfleet.ui.app_common import PlanText, fmt_s, fmt_table, runs_dir, show_error
+from mixfleet.ui.run_progress import progress
 
 TRACKER_NAMES = {"TensorBoard": "tensorboard", "W&B (offline)": "wandb"}   # label -> `mixfleet run --tracker`
 UPDATES_ENV = "MIXFLEET_UI_RUN_UPDATES"      # default target updates of a real run from the app (tests: 2)
@@ -241,7 +242,7 @@ def managed_panel(m: rm.ManagedRun, twin_path: str | None) -> None:
     state = m.state()
     _rerun_on_change(m, state)
     run = _run_log(m)                   # one cached read for progress and events (the page's own cache)
-    p = rm.progress(m, _predicted_s_per_update(twin_path), updates=run.updates if run is not None else None)
+    p = progress(m, _predicted_s_per_update(twin_path), updates=run.updates if run is not None else None)
     st.markdown(f"**Managed run `{m.name}`**: {state} · pid {m.pid} · started {m.started_utc}"
                 + (f" · resumed {m.resumes}x" if m.resumes else ""))
     frac = min(1.0, p["done"] / p["target"]) if p["target"] else 0.0

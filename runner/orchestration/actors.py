@@ -99,7 +99,7 @@ class SamplerWorker:
             _set_threads(launch.threads)
             from mixfleet.runner.sampler.engine import Engine
             from mixfleet.runner.sampler.replica import embedded_settings
-            from mixfleet.runner.sampler.server import start_in_thread
+            from mixfleet.runner.sampler.server_launch import start_in_thread
 
             engine_kw, server_args = embedded_settings(launch, model_path=str(model_path), host=self.host)
             self._handle = start_in_thread(Engine(**engine_kw), server_args=server_args)

@@ -6,7 +6,7 @@ In the run's own process:
   attached servers, or SGLang servers on a Ray cluster), refused when none fits;
 - `prepare(out, plan, ...)` (called by recipe.py `prepare_run`, the one recipe of a run): the run folder locked
   for the whole run, checked (a new or empty folder, or the run a resume continues), and a resume checked
-  against the log (`orchestrator.prepare_resume`, nothing changed) before the base policy or Ray start;
+  against the log (`resume.prepare_resume`, nothing changed) before the base policy or Ray start;
 - `launch(plan, config, ...)`: the run itself (`orchestrator.run_plan`). SIGTERM (the app's Stop, a
   scheduler's) stops it after the update under way: checkpointed, its log closed "stopped", resumable with
   `resume=True` / `--resume`. The Ray start and its retries are `actors.init_ray`'s (one loop); it hands SIGTERM
@@ -74,7 +74,7 @@ def prepare(out: Path, plan: Any, *, resume: bool, force: bool = False, where: s
     checkpoint readable; nothing is changed yet). Returns the lock (release
     it when the run ends); raises SpecError / ValueError naming the problem, the lock released."""
     from mixfleet.costmodel.records.outdir import claim_output_dir
-    from mixfleet.runner.orchestration.orchestrator import prepare_resume
+    from mixfleet.runner.orchestration.resume import prepare_resume
 
     lock = claim_output_dir(out, "run", where=where, resume=resume, force=force)
     try:

@@ -137,7 +137,7 @@ def prepare_run(plan: Plan, overrides: Mapping[str, Any], out: str | Path, *, up
     """The recipe (module doc). Bad input is a SpecError (or ValueError) naming the field before anything is
     written; the folder's lock is released when a later step fails."""
     from mixfleet.runner.orchestration import launcher
-    from mixfleet.runner.orchestration.orchestrator import prepare_resume
+    from mixfleet.runner.orchestration.resume import prepare_resume
 
     out = Path(out)
     plan = apply_overrides(plan, overrides)

@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 import numpy as np
-from mixfleet.runner.sampler.protocol import decode_routed_experts
+from mixfleet.runner.sampler.protocol_response import decode_routed_experts
 
 ROUTING_KEY_HEADER = "X-SMG-Routing-Key"
 # failures where the request never reached the server: always safe to retry

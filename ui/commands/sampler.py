@@ -82,7 +82,7 @@ def serve(
 
     from mixfleet.runner.sampler.engine import Engine
     from mixfleet.runner.sampler.server import ServerArgs
-    from mixfleet.runner.sampler.server import serve as run_server
+    from mixfleet.runner.sampler.server_launch import serve as run_server
 
     try:
         args = ServerArgs(host=host, port=port, max_body_bytes=max_body_bytes,
