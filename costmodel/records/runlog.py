@@ -429,7 +429,7 @@ class RunLogWriter:
     (resume): the header is updated with the given keys, `resumes` is incremented, part numbering
     continues after the highest existing part, old parts are kept and leftover temp files are removed. A resume
     with another plan is refused, but for the dotted fields in `taken` (run settings a resume took, checked by
-    the caller: runner/orchestration/orchestrator.py `prepare_resume`).
+    the caller: runner/orchestration/resume.py `prepare_resume`).
     Rows are buffered and flushed every `flush_every_rows` rows (in any one table) or `flush_every_s`
     wall seconds (checked on append; None disables either), on `flush()` and on `close()`.
     Use as a context manager: a clean exit sets status "finished", an exception sets "failed".
