@@ -35,7 +35,7 @@ class PlannerConfig:
     trainer_gpus: int = DEFAULTS.trainer_gpus
     max_staleness: float | None = DEFAULTS.max_staleness  # mean per-token staleness, versions
     max_time_per_update_s: float | None = DEFAULTS.max_time_per_update_s
-    max_usd_per_hour: float | None = DEFAULTS.max_usd_per_hour  # fleet + trainer
+    max_usd_per_hour: float | None = DEFAULTS.max_usd_per_hour  # fleet + trainer (+ sandboxes when planned)
     objective: str = DEFAULTS.objective
     verify: int = DEFAULTS.verify  # best candidates the twin verifies in steady state and re-ranks
     verify_updates: int = DEFAULTS.verify_updates  # updates per verification (0: 10 + 2 K / B, `verify_updates`)

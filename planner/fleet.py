@@ -254,6 +254,7 @@ def metrics(types: list[GroupType], n: np.ndarray, k: np.ndarray, cfg: PlannerCo
         out["sandboxes_live"] = sandbox_s / t_update
         out["sandbox_wait_share"] = 1.0 - held / np.maximum(unfinished, 1e-12)
         cost = cost + out["cost_sandbox_per_update"]
+        usd_h = usd_h + out["sandboxes_live"] * cfg.sandbox_price()   # the budget (--budget) covers them too
     kept = 1.0 - (n * tps) @ masked / np.maximum(cap_tps, 1e-12)
     return {"throughput": thr, "time_per_update_s": t_update, "staleness": staleness, "usd_per_hour": usd_h,
             "cost_per_update": cost, "cost_per_effective_update": cost / kept, "kept_share": kept,

@@ -216,6 +216,23 @@ def test_planner_charges_every_episode_its_sandbox_time_and_splits_the_cost() ->
     assert m["sandboxes_live"] == pytest.approx(m["cost_sandbox_per_update"] * 3600 / 0.36 / m["time_per_update_s"])
 
 
+def test_the_budget_covers_the_sandboxes_when_they_are_planned() -> None:
+    _, (n0, _, m0) = _screen()
+    cfg, (n1, _, m1) = _screen(sandbox_start_s=1.0, sandbox_usd_per_hour=0.36)
+    assert (n0 == n1).all()
+    # USD/h = fleet + trainer + live sandboxes x their price (Little's law), so that x time per update = the cost
+    assert m1["usd_per_hour"] == pytest.approx(m0["usd_per_hour"] + m1["sandboxes_live"] * 0.36, rel=1e-12)
+    assert m1["usd_per_hour"] * m1["time_per_update_s"] / 3600 == pytest.approx(m1["cost_per_update"], rel=1e-9)
+    # a budget between the two burn rates of the cheapest-per-hour mix keeps it without sandboxes, not with them
+    i = int(m0["usd_per_hour"].argmin())
+    budget = (m0["usd_per_hour"][i] + m1["usd_per_hour"][i]) / 2
+    from mixfleet.planner.fleet import feasible
+
+    assert feasible({k: v[i:i + 1] for k, v in m0.items()}, _screen(max_usd_per_hour=budget)[0])[0]
+    assert not feasible({k: v[i:i + 1] for k, v in m1.items()},
+                        _screen(max_usd_per_hour=budget, sandbox_start_s=1.0, sandbox_usd_per_hour=0.36)[0])[0]
+
+
 def test_planner_cap_that_binds_queues_episodes_and_keeps_the_cap_live() -> None:
     cfg, (n, k, m) = _screen(sandbox_cap=32, sandbox_start_s=1.0, sandbox_usd_per_hour=0.36)
     binds = m["sandbox_wait_share"] > 0
