@@ -202,7 +202,8 @@ def register(app: typer.Typer) -> None:
         max_staleness: float = typer.Option(D.max_staleness, "--max-staleness", help="Max mean staleness, versions."),
         max_time: float = typer.Option(D.max_time_per_update_s, "--max-time-per-update",
                                        help="Max seconds per update."),
-        budget: float = typer.Option(D.max_usd_per_hour, "--budget", help="Max USD per hour (fleet + trainer, + sandboxes with --sandboxes)."),
+        budget: float = typer.Option(D.max_usd_per_hour, "--budget",
+                                    help="Max USD per hour (fleet + trainer, + sandboxes with --sandboxes)."),
         objective: str = typer.Option(D.objective, "--objective",
                                       help="cost_per_update | cost_per_effective_update."),
         verify: int = typer.Option(D.verify, "--verify", help="Best candidates the twin verifies in steady state and "
