@@ -10,13 +10,16 @@ figures:
   from the cache (`twin.checks.cached_map`);
 - sequential (--sequential): `MIXFLEET_NO_CACHE=1` and one core (`taskset -c 0`), the checks one after another
   as before the change;
+- page (--page): the app's Plan page at its defaults, **Run planner** pressed (Streamlit's AppTest, in a fresh
+  process and check cache each run): the planner, its checks and the page's twin points of the chosen mix and the
+  seed's two fleets;
 - beside (--beside REV): the cold mode of another commit (a clone of this repository at REV, installed in its own
   virtual environment on top of this Python's packages), its runs alternating with this tree's cold runs so that
   both see the same load; written with the commit and its chosen mix and twin figures.
 
 Wall seconds depend on how busy the machine is: the 1-minute load average is written beside them.
 
-    python benchmarks/planner_speed.py [--runs 3] [--sequential] [--beside ea5cd9e]
+    python benchmarks/planner_speed.py [--runs 3] [--sequential] [--page] [--beside ea5cd9e]
 """
 
 from __future__ import annotations
@@ -31,9 +34,10 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 from pathlib import Path
 
-from beside import build, head
+from beside import ROOT, build, head
 
 OUT = Path(__file__).resolve().parent / "results" / "planner_speed.json"
 
@@ -42,6 +46,40 @@ def one(env: dict[str, str], prefix: list[str], exe: str = "mixfleet") -> tuple[
     w0 = time.perf_counter()
     p = subprocess.run([*prefix, exe, "plan", "--json"], env=env, capture_output=True, text=True, check=True)
     return time.perf_counter() - w0, json.loads(p.stdout)
+
+
+PAGE = """
+import json, sys, time
+from streamlit.testing.v1 import AppTest
+at = AppTest.from_file(sys.argv[1], default_timeout=1800)
+at.run()
+w0 = time.perf_counter()
+at.button(key="pl_go").click()
+at.run()
+wall = time.perf_counter() - w0
+assert not at.exception and not at.error, [e.value for e in (*at.exception, *at.error)]
+print(json.dumps({"wall_s": wall, "plan": at.session_state["planned_plan"].toml}))
+"""
+
+
+def page(runs: int) -> dict:
+    """The Plan page's Run planner at its defaults, each run on a fresh check cache and runs folder."""
+    walls, loads, mixes = [], [], []
+    for _ in range(runs):
+        tmp = Path(tempfile.mkdtemp(prefix="mixfleet-plan-page-"))
+        try:
+            env = {**os.environ, "MIXFLEET_CACHE_DIR": str(tmp / "cache"), "MIXFLEET_RUNS_DIR": str(tmp / "runs")}
+            loads.append(os.getloadavg()[0])
+            p = subprocess.run([sys.executable, "-c", PAGE, str(ROOT / "ui" / "app.py")], env=env,
+                               capture_output=True, text=True, check=True)
+            got = json.loads(p.stdout.strip().splitlines()[-1])
+            walls.append(got["wall_s"])
+            mixes.append({g["name"]: g["replicas"] for g in tomllib.loads(got["plan"])["groups"]})
+            print(f"page: {walls[-1]:.1f} s wall (load {loads[-1]:.1f})", file=sys.stderr, flush=True)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return {"runs": walls, "median_wall_s": statistics.median(walls), "load_avg_1m": loads, "best": mixes[-1],
+            "what": "Run planner pressed to the result shown (AppTest), the app's defaults, a fresh check cache"}
 
 
 def summary(walls: list[float], loads: list[float], last: dict) -> dict:
@@ -102,12 +140,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--sequential", action="store_true", help="also time one core without the cache")
+    ap.add_argument("--page", action="store_true", help="also time the app's Plan page at its defaults")
     ap.add_argument("--beside", metavar="REV", help="also time this commit's cold plan, alternating with this tree's")
     ap.add_argument("--out", type=Path, default=OUT)
     args = ap.parse_args()
     out: dict = {"command": "mixfleet plan --json (defaults)", "commit": head()}
     out.update(beside(args.beside, args.runs) if args.beside else {"cold": mode("cold", args.runs, fresh_cache=True)})
     out["cached"] = mode("cached", args.runs, fresh_cache=False)
+    if args.page:
+        out["page"] = page(args.runs)
     if args.sequential:
         out["sequential"] = mode("sequential", args.runs, fresh_cache=True, no_cache=True, one_core=True)
     out["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
