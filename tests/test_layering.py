@@ -140,7 +140,6 @@ OVER_MAX_LINES = {
     "twin/core.py",
     # issue 43: still to split
     "costmodel/plan/planspec.py",
-    "costmodel/records/runlog.py",
 }
 
 
