@@ -1,4 +1,4 @@
-"""One function builds a plan group's replica cost model (costmodel/plan/planspec.py group_replica_model): the
+"""One function builds a plan group's replica cost model (costmodel/plan/resolve.py group_replica_model): the
 twin, the planner, the runner's fleet and the calibration get the same numbers for the same group, and a
 group the cost model refuses is refused in every world (issue 12 item 1)."""
 

@@ -1,4 +1,4 @@
-"""One record per plan group (costmodel/plan/planspec.py `resolve_groups`, issue 25 item 1): the twin's setup with and
+"""One record per plan group (costmodel/plan/resolve.py `resolve_groups`, issue 25 item 1): the twin's setup with and
 without a calibration is one function (`twin.rates.build_setup`), so a calibration that covers no group changes
 nothing, a calibration changes exactly the groups it covers, by one matching rule, and the planner's candidate
 types take the same record."""

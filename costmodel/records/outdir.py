@@ -10,10 +10,10 @@ something is refused (never silently replaced or appended to) unless:
 A folder that holds anything mixfleet did not write (an unknown file name, a run.json of another format)
 is never replaced, `--force` or not: mixfleet deletes only what it wrote. A path that is a file is refused.
 The kinds are recognised by their marker file and by holding only the names that kind writes (below; the
-writers are costmodel/records/runlog.py, runner/orchestration and runner/checkpoint).
+writers are costmodel/records/runlog_writer.py, runner/orchestration and runner/checkpoint).
 
 Temp names: a writer killed mid-write leaves its temp name behind. Only mixfleet's own are ignored here (and
-removed by --force): `.run.json.<8 hex>.tmp` (runlog.py), and for the trainer state `.trainer_state.<8 random>`
+removed by --force): `.run.json.<8 hex>.tmp` (runlog_writer.py), and for the trainer state `.trainer_state.<8 random>`
 (tempfile.mkdtemp of `Trainer.save_state`), `.trainer_state.old.<pid>` (`replace_dir_atomically`) and the
 checkpoint's staging folder `.trainer_state.next` with the same two forms of its own; a folder-form temp
 counts only while it holds nothing but trainer-state files. Anything else, `.draft.old.1` included, is the
@@ -50,7 +50,7 @@ LOCK_FILE = ".mixfleet.lock"                  # a run folder's writer lock (lock
 STATE_FILES = frozenset({"trainer_state.pt", "trainer_meta.json", "orchestrator.json", ".orchestrator.json.tmp"})
 STAGING_SUFFIX = ".next"                      # `.trainer_state.next`: a checkpoint being put together
 _RAND = r"[a-z0-9_]{8}"                       # tempfile.mkdtemp's random part (tempfile._RandomNameSequence)
-_JSON_TMP = re.compile(r"^\.(run\.json)\.[0-9a-f]{8}\.tmp$")                     # runlog._write_json_atomic
+_JSON_TMP = re.compile(r"^\.(run\.json)\.[0-9a-f]{8}\.tmp$")                     # runlog_writer._write_json_atomic
 _DIR_TMP = re.compile(rf"^\.(trainer_state|\.trainer_state\.next)\.(?:old\.(\d+)|({_RAND}))$")
 _STAGING = f".trainer_state{STAGING_SUFFIX}"
 

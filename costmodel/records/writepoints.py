@@ -4,7 +4,7 @@ trainer state stay consistent at every crash point (tests/test_run_crash_points.
 Set `MIXFLEET_DIE_AT=POINT@VERSION` and the process kills itself (SIGKILL: no handler, no flush, as a power cut
 or `kill -9`) right after that write of that update. The points, in order (runner/orchestration/orchestrator.py
 `Orchestrator.run`): `published` (the update's weights exported, nothing of it logged), `part:trajectories`,
-`part:updates`, `part:groups`, `part:events` (each table's part file of the update, costmodel/records/runlog.py),
+`part:updates`, `part:groups`, `part:events` (each table's part file of the update, costmodel/records/runlog_writer.py),
 `state` (the trainer's state in the staging folder), `orchestrator` (orchestrator.json beside it), `checkpoint`
 (the staging folder has replaced trainer_state). Unset (always, outside tests): nothing happens.
 

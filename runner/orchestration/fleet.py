@@ -13,7 +13,7 @@ Three ways a group becomes replicas:
 
 Routing weights: capacity-proportional routing needs each group's serving capacity. It comes from the
 cost model for the plan's accelerator / precision / KV dtype / tp / emulated flag at the workload's mean
-decode context, from the record the twin uses (costmodel/plan/planspec.py `resolve_groups`: the prior replica's
+decode context, from the record the twin uses (costmodel/plan/resolve.py `resolve_groups`: the prior replica's
 `nominal_point`); a group the cost model refuses (a format its accelerator lacks without `emulated = true`,
 a tp too small for the model) is an error here as in the twin. When a rehearsal scales a group of R planned
 replicas down to n, each local replica carries R / n replicas' weight, so the groups' routing shares stay
