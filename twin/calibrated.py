@@ -16,16 +16,13 @@ Time per update is measured from the start of the update loop (the runner's star
 prompt, is not the plan's behaviour; the twin starts with its replicas up). A group's tokens/s counts the
 generated tokens of the logged (trained or dropped) trajectories over that span, the same on both sides.
 
-A plan with sandboxes (a [sandbox] table, or a repo plan's pool: `planspec.plan_sandbox`) adds two rows: the
-pool-wait share (waits / (waits + sandbox-seconds)) and the sandbox cost per update. Measured, from the run's
-logged episodes (`runsummary.sandbox_use`: each one's pool waits and its span less them, the sandbox-seconds,
-priced at the plan's price per sandbox-hour, its own or the catalog's: a local run's sandboxes are free, so they
-are priced as the twin prices them). Predicted, the twin's own figures (its summary: every live sandbox billed
-over the run, / updates; the trained episodes' waits over waits + sandbox time). The two agree in steady state
-(Little's law: the sandboxes live x the time per update = the sandbox-seconds of the episodes an update trains);
-the real run starts with no episode in flight, so each of its logged episodes is whole, while the twin starts
-warm, with episodes already in their sandboxes, so its own logged episodes would be cut at 0 (their
-`sandbox_use`, shown in a note, reads low). `workload=` (`mixfleet fidelity --workload`, e.g. `mixfleet calibrate
+A plan with sandboxes (a [sandbox] table, or a repo plan's pool: `planspec.plan_sandbox`) adds two rows, each from
+the logged episodes by one definition on both sides (`runsummary.sandbox_use`): the pool-wait share (waits /
+(waits + sandbox-seconds)) and the sandbox cost per update (the logged episodes' sandbox-seconds at the plan's
+price per sandbox-hour, its own or the catalog's, / updates: a local run's sandboxes are free, so they are priced
+as the twin prices them). Both worlds start with no episode in flight and neither logs the episodes still in
+flight at the end, so the definitions match; the twin's own billing (every live sandbox, those in flight at the
+end included) is shown in a note. `workload=` (`mixfleet fidelity --workload`, e.g. `mixfleet calibrate
 --workload-out`'s fit) replaces the workload the twin draws episodes from (the calibration's, or the plan's).
 """
 
@@ -165,9 +162,8 @@ class FidelityReport:
 
 def run_metrics(path: str | Path, sandbox_usd_per_hour: float | None = None) -> dict[str, Any]:
     """The fidelity metrics of one run log (the same definitions for the twin and the runner); with
-    `sandbox_usd_per_hour` (a plan with sandboxes) also its pool-wait share and sandbox cost per update: a twin
-    log's own (its billing), a real run's from its logged episodes (`runsummary.sandbox_use`; the module
-    docstring says why the two are alike)."""
+    `sandbox_usd_per_hour` (a plan with sandboxes) also its pool-wait share and sandbox cost per update from its
+    logged episodes (`runsummary.sandbox_use`)."""
     log = RunLog.open(path)
     s = summarize(log)
     span = s.elapsed_s - s.outside_loop_s      # the update loop's seconds
@@ -185,14 +181,9 @@ def run_metrics(path: str | Path, sandbox_usd_per_hour: float | None = None) -> 
     tr = log.trajectories
     if sandbox_usd_per_hour is not None:
         use = sandbox_use(tr)
-        from_log = use.cost_per_update_usd(sandbox_usd_per_hour, len(log.updates))
-        if log.header.get("source") == "twin":
-            out["sandbox_wait_share"] = s.sandbox_wait_share
-            out["cost_sandbox_per_update_usd"] = s.cost_sandbox_per_update_usd
-            out["cost_sandbox_logged_episodes_per_update_usd"] = from_log
-        else:
-            out["sandbox_wait_share"] = use.wait_share
-            out["cost_sandbox_per_update_usd"] = from_log
+        out["sandbox_wait_share"] = use.wait_share
+        out["cost_sandbox_per_update_usd"] = use.cost_per_update_usd(sandbox_usd_per_hour, len(log.updates))
+        out["sandbox_s_per_episode"] = use.held_s / use.episodes if use.episodes else math.nan
     for g in s.group_share_of_samples:
         # tokens of the logged (trained or dropped) trajectories: the runner credits a group's tokens when a
         # session ends, the twin as they are generated, so the groups table's counts are not comparable
@@ -224,7 +215,9 @@ def compare_metrics(measured: dict[str, Any], predicted: dict[str, Any]) -> list
         rows += [FidelityRow(metric="sandbox_wait_share", measured=measured["sandbox_wait_share"],
                              predicted=predicted["sandbox_wait_share"], unit="share", kind="pp"),
                  FidelityRow(metric="cost_sandbox_per_update_usd", measured=measured["cost_sandbox_per_update_usd"],
-                             predicted=predicted["cost_sandbox_per_update_usd"], unit="USD")]
+                             predicted=predicted["cost_sandbox_per_update_usd"], unit="USD"),
+                 FidelityRow(metric="sandbox_s_per_episode", measured=measured["sandbox_s_per_episode"],
+                             predicted=predicted["sandbox_s_per_episode"], unit="s")]
     for g in sorted(set(measured["groups"]) | set(predicted["groups"])):
         m, p = measured["groups"].get(g, {}), predicted["groups"].get(g, {})
         for key, unit, kind in (("tokens_per_s", "tokens/s", "rel"), ("share_of_samples", "share", "pp"),
@@ -293,9 +286,8 @@ def fidelity(plan: Plan | str | Path | None, runlog: str | Path, calibration: Ca
         if sb is not None:
             notes.append("cost_per_update_usd: the twin's includes its sandboxes, a local run's does not (they are "
                          "free); compare cost_sampler_per_update_usd and cost_sandbox_per_update_usd")
-            notes.append("the twin's sandbox cost per update from its own logged episodes, as the run's is measured: "
-                         f"{predicted['cost_sandbox_logged_episodes_per_update_usd']:.4g} USD (it starts warm: "
-                         "episodes in flight at 0 count from 0)")
+            notes.append(f"the twin's own billing (every live sandbox, those in flight at the end included): "
+                         f"{summarize(out).cost_sandbox_per_update_usd:.4g} USD of sandboxes per update")
     finally:
         if keep_twin_log is None:
             shutil.rmtree(out, ignore_errors=True)
