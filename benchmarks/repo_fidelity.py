@@ -90,6 +90,16 @@ def real_run(plan: str, out: Path, updates: int, base: Path, resume: bool, comma
             "load_avg_1m_start": load0, "load_avg_1m_end": os.getloadavg()[0]}
 
 
+def trainer_pace(run: str) -> dict[str, float]:
+    """The trainer's measured pace in a run (the same model and step on both plans): how fast the shared machine
+    was during it, independent of the twin (a diagnostic, as benchmarks/fidelity.py's)."""
+    from mixfleet.costmodel.records.runlog import RunLog
+
+    up = RunLog.open(ROOT / run).updates
+    tok, step = float(up["tokens"].sum()), float(up["train_step_s"].sum())
+    return {"train_step_mean_s": step / max(len(up), 1), "train_tokens_per_s": tok / step if step > 0 else float("nan")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--updates", type=int, default=8, help="Trainer updates per real run.")
@@ -104,9 +114,10 @@ def main() -> None:
     RESULTS.mkdir(parents=True, exist_ok=True)
     commands: list[str] = []
     base = args.base
+    pretrain = ["pretrain", "--model", "tiny", "--task", "repo", "--demos", "200", "--steps", "60", "--eval-episodes",
+                "0", "--out", _rel(base)]
     if not (args.resume and (base / "model.safetensors").exists()):
-        sh(["pretrain", "--model", "tiny", "--task", "repo", "--demos", "200", "--steps", "60", "--eval-episodes",
-            "0", "--out", _rel(base), "--force"], commands)
+        sh(pretrain + (["--force"] if base.exists() else []), commands)
     runs = {"a": real_run(PLAN_A, args.run_a, args.updates, base, args.resume, commands, args.timeout_s)}
     cal = RESULTS / "repo-fidelity-calibration.toml"
     wl = RESULTS / "repo-fidelity-workload.toml"
@@ -131,7 +142,8 @@ def main() -> None:
         "time_utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "machine": {"cpus": os.cpu_count(), "load_avg": list(os.getloadavg()),
                     "note": "2 cores shared with other work: real timings carry the machine's load"},
-        "commands": commands, "runs": runs, "calibration_file": _rel(cal), "workload_file": _rel(wl),
+        "base_command": "mixfleet " + " ".join(pretrain), "commands": commands, "runs": runs,
+        "calibration_file": _rel(cal), "workload_file": _rel(wl),
         "calibrate_output": calibrate_text.splitlines()[-12:],
         "goals": {"time_per_update_within_10pct": g["time_per_update_within_10pct"],
                   "time_per_update_rel_error": g["time_per_update_rel_error"],
@@ -140,6 +152,9 @@ def main() -> None:
                   "cost_sandbox_per_update_within_10pct": g.get("cost_sandbox_per_update_within_10pct"),
                   "cost_sandbox_per_update_rel_error": g.get("cost_sandbox_per_update_rel_error")},
         "figures": pick(fid),
+        "machine_speed_check": {"a": trainer_pace(runs["a"]["runlog"]), "b": trainer_pace(runs["b"]["runlog"]),
+                                "note": "diagnostic only: the trainer's tokens/s in each run (the same work), so a "
+                                        "different pace between a and b is the shared machine's load"},
         "cross_validation": fid,
         "cross_validation_calibration_workload": {"figures": pick(fid_cal_workload), "goals": fid_cal_workload["goals"],
                                                   "notes": fid_cal_workload["notes"]},
