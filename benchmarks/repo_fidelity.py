@@ -28,6 +28,7 @@ import argparse
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -75,19 +76,34 @@ def real_run(plan: str, out: Path, updates: int, base: Path, resume: bool, comma
     """`mixfleet run PLAN` for real (no pass@k evaluation: it is not the plan's sampling work, and it would take
     sandboxes from the pool); with `resume` a finished run is kept and an unfinished one continues."""
     done = finished_updates(out)
-    if resume and done >= updates:
-        print(f"[repo-fidelity] {_rel(out)}: {done} updates already, kept", flush=True)
-        return {"plan": plan, "runlog": _rel(out), "updates": done, "reused": True}
     args = ["run", plan, "--out", _rel(out), "--updates", str(updates), "--init", _rel(base), "--eval-every", "0",
             "--quiet"]
+    if resume and done >= updates:
+        print(f"[repo-fidelity] {_rel(out)}: {done} updates already, kept", flush=True)
+        return {"plan": plan, "runlog": _rel(out), "updates": done, "reused": True,
+                "command": "mixfleet " + " ".join(args), "header": run_header(out)}
     if resume and done > 0:
         args.append("--resume")
     elif out.exists():
         args.append("--force")
     t0, load0 = time.time(), os.getloadavg()[0]
     sh(args, commands, timeout_s)
-    return {"plan": plan, "runlog": _rel(out), "updates": updates, "reused": False, "wall_s": time.time() - t0,
-            "load_avg_1m_start": load0, "load_avg_1m_end": os.getloadavg()[0]}
+    return {"plan": plan, "runlog": _rel(out), "updates": updates, "reused": False, "command": commands[-1],
+            "wall_s": time.time() - t0, "load_avg_1m_start": load0, "load_avg_1m_end": os.getloadavg()[0],
+            "header": run_header(out)}
+
+
+def run_header(run: Path) -> dict[str, Any]:
+    """What the run log says about the run: its start time, wall seconds, update loop and the replicas it ran."""
+    from mixfleet.costmodel.records.runlog import RunLog
+    from mixfleet.costmodel.records.runsummary import summarize
+
+    log = RunLog.open(run)
+    s = summarize(log)
+    runner = log.header.get("runner") or {}
+    return {"created_utc": log.header.get("created_utc") or log.header.get("time_utc"), "elapsed_s": s.elapsed_s,
+            "loop_s": s.elapsed_s - s.outside_loop_s, "time_per_update_mean_s": s.time_per_update_mean_s,
+            "replicas": {g: (v or {}).get("replicas") for g, v in (runner.get("groups") or {}).items()}}
 
 
 def trainer_pace(run: str) -> dict[str, float]:
@@ -98,6 +114,47 @@ def trainer_pace(run: str) -> dict[str, float]:
     up = RunLog.open(ROOT / run).updates
     tok, step = float(up["tokens"].sum()), float(up["train_step_s"].sum())
     return {"train_step_mean_s": step / max(len(up), 1), "train_tokens_per_s": tok / step if step > 0 else float("nan")}
+
+
+def held_by_group(run: Path) -> dict[str, dict[str, float]]:
+    """Per sampler group: episodes, sandbox-seconds and pool wait per episode (`runsummary.sandbox_use`)."""
+    from mixfleet.costmodel.records.runlog import RunLog
+    from mixfleet.costmodel.records.runsummary import sandbox_use
+
+    tr = RunLog.open(run).trajectories
+    out = {}
+    for g, part in tr.groupby("group"):
+        u = sandbox_use(part)
+        out[str(g)] = {"episodes": u.episodes, "sandbox_s_per_episode": u.held_s / max(u.episodes, 1),
+                       "wait_s_per_episode": u.wait_s / max(u.episodes, 1)}
+    return out
+
+
+def rescaled_diagnostic(cal: Path, wl: Path, run_b: Path, measured: dict, predicted: dict) -> dict[str, Any]:
+    """Diagnostic only (it uses run b's own timings, so it is not a prediction): each group's fitted time scale
+    multiplied by run b's measured / the twin's sandbox-seconds per episode, and the fidelity check again. If
+    the pool-wait share then agrees, its miss comes from the groups' episode times in run b (the samplers'
+    pace on the shared cores), not from the pool model."""
+    from dataclasses import replace
+
+    from mixfleet.costmodel.calibration.record import Calibration
+    from mixfleet.twin.calibrated import fidelity
+
+    c = Calibration.load(cal)
+    k = {g: measured[g]["sandbox_s_per_episode"] / predicted[g]["sandbox_s_per_episode"]
+         for g in measured if g in predicted and predicted[g]["sandbox_s_per_episode"] > 0}
+    def scaled(g: Any) -> Any:
+        f = k.get(g.name, 1.0)
+        return replace(g, decode_scale=replace(g.decode_scale, value=g.decode_scale.value * f),
+                       prefill_overhead_s=replace(g.prefill_overhead_s, value=g.prefill_overhead_s.value * f))
+
+    groups = tuple(scaled(g) for g in c.groups)
+    rep = fidelity(PLAN_B, run_b, replace(c, groups=groups), workload=wl)
+    rows = {r.metric: r.to_dict() for r in rep.rows}
+    return {"note": "diagnostic only, not a prediction: each group's fitted time scale x run b's measured / the "
+                    "twin's sandbox-seconds per episode (run b's own timings), then the fidelity check again",
+            "scale_factors": k, "figures": {m: rows[m] for m in ("time_per_update_mean_s", "sandbox_wait_share",
+                                                                 "cost_sandbox_per_update_usd")}}
 
 
 def main() -> None:
@@ -123,8 +180,10 @@ def main() -> None:
     wl = RESULTS / "repo-fidelity-workload.toml"
     calibrate_text = sh(["calibrate", _rel(args.run_a), "-o", _rel(cal), "--workload-out", _rel(wl)], commands)
     runs["b"] = real_run(PLAN_B, args.run_b, args.updates, base, args.resume, commands, args.timeout_s)
+    twin_b = args.run_b.parent / f"{args.run_b.name}-twin"
+    shutil.rmtree(twin_b, ignore_errors=True)           # this script's own twin log of run b, written again below
     fid = json.loads(sh(["fidelity", PLAN_B, "--runlog", _rel(args.run_b), "--calibration", _rel(cal), "--workload",
-                         _rel(wl), "--json"], commands))
+                         _rel(wl), "--keep-twin-log", _rel(twin_b), "--json"], commands))
     # for contrast: the same twin with the calibration's own workload (no tool fit), and on run a (in sample)
     fid_cal_workload = json.loads(sh(["fidelity", PLAN_B, "--runlog", _rel(args.run_b), "--calibration", _rel(cal),
                                       "--json"], commands))
@@ -156,10 +215,14 @@ def main() -> None:
                                 "note": "diagnostic only: the trainer's tokens/s in each run (the same work), so a "
                                         "different pace between a and b is the shared machine's load"},
         "cross_validation": fid,
+        "by_group_run_b": {"measured": held_by_group(ROOT / runs["b"]["runlog"]), "twin": held_by_group(twin_b)},
         "cross_validation_calibration_workload": {"figures": pick(fid_cal_workload), "goals": fid_cal_workload["goals"],
                                                   "notes": fid_cal_workload["notes"]},
         "in_sample": {"figures": pick(in_sample), "goals": in_sample["goals"], "notes": in_sample["notes"]},
     }
+    bg = result["by_group_run_b"]
+    result["diagnostic_group_pace_of_run_b"] = rescaled_diagnostic(cal, wl, ROOT / runs["b"]["runlog"], bg["measured"],
+                                                                   bg["twin"])
     args.out.write_text(json.dumps(json_safe(result), indent=2) + "\n")
     for label, rep in (("cross-validation (repo-cpu-xval, run b)", fid), ("in-sample (repo-cpu, run a)", in_sample),
                        ("xval, the calibration's own workload", fid_cal_workload)):
