@@ -203,7 +203,8 @@ def main() -> None:
                     "note": "2 cores shared with other work: real timings carry the machine's load"},
         "base_command": "mixfleet " + " ".join(pretrain), "commands": commands, "runs": runs,
         "calibration_file": _rel(cal), "workload_file": _rel(wl),
-        "calibrate_output": calibrate_text.splitlines()[-12:],
+        "calibrate_output": [ln for ln in calibrate_text.splitlines()
+                             if ln.startswith(("residuals:", "measured workload:", "calibration written"))],
         "goals": {"time_per_update_within_10pct": g["time_per_update_within_10pct"],
                   "time_per_update_rel_error": g["time_per_update_rel_error"],
                   "sandbox_wait_share_within_5pp": g.get("sandbox_wait_share_within_5pp"),
