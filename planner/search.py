@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 from mixfleet.costmodel.errors import SpecError
-from mixfleet.costmodel.plan.planspec import FaultsPlan, SandboxPlan, resolve_sandbox
+from mixfleet.costmodel.plan.planspec import FaultsPlan, SandboxPlan, resolve_plan_sandbox
 from mixfleet.costmodel.specs.catalog import load_catalog
 from mixfleet.costmodel.specs.workload import load_workload
 from mixfleet.planner.config import DEFAULT_SANDBOX_START_S, PlannerConfig, pool_catalog
@@ -198,7 +198,7 @@ def screen(types: list[GroupType], cfg: PlannerConfig) -> tuple[np.ndarray, np.n
 def evaluate_plan(plan: Plan, cfg: PlannerConfig | None = None) -> Candidate:
     """The analytic model's numbers for an existing plan (e.g. a seed fleet), for comparison with the DES."""
     wl = load_workload(plan.workload)
-    sb = resolve_sandbox(plan.sandbox)   # the plan's sandboxes, as the twin runs them
+    sb = resolve_plan_sandbox(plan, wl)   # the plan's sandboxes, as the twin runs them
     cfg = cfg or PlannerConfig(model=plan.model, workload=plan.workload, price_table=plan.price_table or "modal",
                                prices=dict(plan.prices), backend=plan.cost_backend,
                                trainer_accelerator=plan.trainer.accelerator, trainer_gpus=plan.trainer.gpus,

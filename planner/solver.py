@@ -19,7 +19,7 @@ from dataclasses import replace
 
 import numpy as np
 from mixfleet.costmodel.calibration.record import Calibration
-from mixfleet.costmodel.plan.planspec import plan_catalog, resolve_sandbox, resolve_trainer
+from mixfleet.costmodel.plan.planspec import plan_catalog, resolve_plan_sandbox, resolve_trainer
 from mixfleet.costmodel.specs.model import load_model_spec
 from mixfleet.costmodel.specs.workload import load_workload
 from mixfleet.planner.config import PlannerConfig
@@ -38,7 +38,7 @@ ANCHOR_ITERATIONS = 8               # halvings of the log range: the factor to w
 def planner_config(plan: Plan, config: Replan.Config, calibration: Calibration | None = None) -> PlannerConfig:
     """The planner's settings for the plan's own pool, with the policy's objective and limits (and the plan's
     sandboxes: its [sandbox] cap, start and price, as the twin runs them)."""
-    sb = resolve_sandbox(plan.sandbox)
+    sb = resolve_plan_sandbox(plan, load_workload(plan.workload))
     return PlannerConfig(model=plan.model, workload=plan.workload, price_table=plan.price_table or "modal",
                          prices=dict(plan.prices), backend=plan.cost_backend,
                          trainer_accelerator=plan.trainer.accelerator, trainer_gpus=plan.trainer.gpus,

@@ -15,6 +15,15 @@ samples, mean staleness, trainer idle share, per-group KL and extreme-ratio shar
 Time per update is measured from the start of the update loop (the runner's start-up, before the first
 prompt, is not the plan's behaviour; the twin starts with its replicas up). A group's tokens/s counts the
 generated tokens of the logged (trained or dropped) trajectories over that span, the same on both sides.
+
+A plan with sandboxes (a [sandbox] table, or a repo plan's pool: `planspec.plan_sandbox`) adds two rows, each from
+the logged episodes by one definition on both sides (`runsummary.sandbox_use`): the pool-wait share (waits /
+(waits + sandbox-seconds)) and the sandbox cost per update (the logged episodes' sandbox-seconds at the plan's
+price per sandbox-hour, its own or the catalog's, / updates: a local run's sandboxes are free, so they are priced
+as the twin prices them). Both worlds start with no episode in flight and neither logs the episodes still in
+flight at the end, so the definitions match; the twin's own billing (every live sandbox, those in flight at the
+end included) is shown in a note. `workload=` (`mixfleet fidelity --workload`, e.g. `mixfleet calibrate
+--workload-out`'s fit) replaces the workload the twin draws episodes from (the calibration's, or the plan's).
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ from typing import Any
 from mixfleet.costmodel.calibration.record import Calibration
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.records.runlog import RunLog
-from mixfleet.costmodel.records.runsummary import loop_clock, summarize
+from mixfleet.costmodel.records.runsummary import loop_clock, sandbox_use, summarize
+from mixfleet.costmodel.specs.workload import WorkloadSpec, load_workload
 from mixfleet.policies.plan import Plan, load_plan, plan_from_dict, with_overrides
 from mixfleet.twin.rates import build_setup
 
@@ -125,16 +135,24 @@ class FidelityReport:
         raise KeyError(metric)
 
     def goals(self) -> dict[str, Any]:
-        """The cross-validation goals: time/update within 10%, share of samples within 3 pp, staleness 0.5."""
+        """The cross-validation goals: time/update within 10%, share of samples within 3 pp, staleness 0.5; with
+        sandboxes also the pool-wait share within 5 pp and the sandbox cost per update within 10%."""
         t = self.row("time_per_update_mean_s").error
         shares = [abs(r.error) for r in self.rows if r.metric.startswith("share_of_samples[")]
         st = self.row("staleness_mean").error
+        sandbox: dict[str, Any] = {}
+        if any(r.metric == "sandbox_wait_share" for r in self.rows):
+            w, c = self.row("sandbox_wait_share").error, self.row("cost_sandbox_per_update_usd").error
+            sandbox = {"sandbox_wait_share_within_5pp": bool(math.isfinite(w) and abs(w) <= 5.0),
+                       "sandbox_wait_share_error_pp": w if math.isfinite(w) else None,
+                       "cost_sandbox_per_update_within_10pct": bool(math.isfinite(c) and abs(c) <= 0.10),
+                       "cost_sandbox_per_update_rel_error": c if math.isfinite(c) else None}
         return {"time_per_update_within_10pct": bool(math.isfinite(t) and abs(t) <= 0.10),
                 "time_per_update_rel_error": t if math.isfinite(t) else None,
                 "share_of_samples_within_3pp": bool(shares and max(shares) <= 3.0),
                 "share_of_samples_max_error_pp": max(shares) if shares else None,
                 "staleness_within_half_update": bool(math.isfinite(st) and abs(st) <= 0.5),
-                "staleness_error_updates": st if math.isfinite(st) else None}
+                "staleness_error_updates": st if math.isfinite(st) else None, **sandbox}
 
     def to_dict(self) -> dict[str, Any]:
         return {"plan": self.plan, "runlog": self.runlog, "calibration": self.calibration, "updates": self.updates,
@@ -142,8 +160,10 @@ class FidelityReport:
                 "notes": list(self.notes)}
 
 
-def run_metrics(path: str | Path) -> dict[str, Any]:
-    """The fidelity metrics of one run log (the same definitions for the twin and the runner)."""
+def run_metrics(path: str | Path, sandbox_usd_per_hour: float | None = None) -> dict[str, Any]:
+    """The fidelity metrics of one run log (the same definitions for the twin and the runner); with
+    `sandbox_usd_per_hour` (a plan with sandboxes) also its pool-wait share and sandbox cost per update from its
+    logged episodes (`runsummary.sandbox_use`)."""
     log = RunLog.open(path)
     s = summarize(log)
     span = s.elapsed_s - s.outside_loop_s      # the update loop's seconds
@@ -159,6 +179,11 @@ def run_metrics(path: str | Path) -> dict[str, Any]:
         "groups": {},
     }
     tr = log.trajectories
+    if sandbox_usd_per_hour is not None:
+        use = sandbox_use(tr)
+        out["sandbox_wait_share"] = use.wait_share
+        out["cost_sandbox_per_update_usd"] = use.cost_per_update_usd(sandbox_usd_per_hour, len(log.updates))
+        out["sandbox_s_per_episode"] = use.held_s / use.episodes if use.episodes else math.nan
     for g in s.group_share_of_samples:
         # tokens of the logged (trained or dropped) trajectories: the runner credits a group's tokens when a
         # session ends, the twin as they are generated, so the groups table's counts are not comparable
@@ -186,6 +211,13 @@ def compare_metrics(measured: dict[str, Any], predicted: dict[str, Any]) -> list
             FidelityRow(metric="kl_k3", measured=measured["kl_k3"], predicted=predicted["kl_k3"], unit="nats/token"),
             FidelityRow(metric="extreme_share", measured=measured["extreme_share"],
                         predicted=predicted["extreme_share"], unit="share", kind="pp")]
+    if "sandbox_wait_share" in measured:
+        rows += [FidelityRow(metric="sandbox_wait_share", measured=measured["sandbox_wait_share"],
+                             predicted=predicted["sandbox_wait_share"], unit="share", kind="pp"),
+                 FidelityRow(metric="cost_sandbox_per_update_usd", measured=measured["cost_sandbox_per_update_usd"],
+                             predicted=predicted["cost_sandbox_per_update_usd"], unit="USD"),
+                 FidelityRow(metric="sandbox_s_per_episode", measured=measured["sandbox_s_per_episode"],
+                             predicted=predicted["sandbox_s_per_episode"], unit="s")]
     for g in sorted(set(measured["groups"]) | set(predicted["groups"])):
         m, p = measured["groups"].get(g, {}), predicted["groups"].get(g, {})
         for key, unit, kind in (("tokens_per_s", "tokens/s", "rel"), ("share_of_samples", "share", "pp"),
@@ -201,9 +233,11 @@ def _comparable(d: dict[str, Any]) -> dict[str, Any]:
 
 
 def fidelity(plan: Plan | str | Path | None, runlog: str | Path, calibration: Calibration | str | Path | None = None, *,
-             keep_twin_log: str | Path | None = None, price_table: str | None = None) -> FidelityReport:
+             keep_twin_log: str | Path | None = None, price_table: str | None = None,
+             workload: WorkloadSpec | str | Path | None = None) -> FidelityReport:
     """Simulate `plan` as `runlog` ran it (seed, updates, replica counts, workload) and compare.
-    plan None: the plan recorded in the run log's header."""
+    plan None: the plan recorded in the run log's header. `workload` (a spec or a TOML path): the workload the
+    twin draws episodes from, in place of the calibration's or the plan's (batch sizes and context the plan's)."""
     from mixfleet.twin.sim import simulate
 
     why = RunLog.not_a_run_log(runlog)
@@ -229,23 +263,35 @@ def fidelity(plan: Plan | str | Path | None, runlog: str | Path, calibration: Ca
                          "simulate the header's)")
     plan = plan_as_run(plan, log)
     cal = calibration if isinstance(calibration, Calibration) or calibration is None else Calibration.load(calibration)
-    setup = None
+    wl = workload if isinstance(workload, WorkloadSpec) or workload is None else load_workload(workload)
+    setup = build_setup(plan, price_table=price_table, calibration=cal, workload=wl)
     if cal is not None:
-        setup = build_setup(plan, price_table=price_table, calibration=cal)
         notes += setup.notes
     else:
-        notes.append("no calibration: the cost model's priors and the plan's workload")
+        notes.append("no calibration: the cost model's priors" + ("" if wl is not None else " and the plan's workload"))
+    if wl is not None:
+        notes.append(f"the twin's workload: {workload if not isinstance(workload, WorkloadSpec) else wl.name}")
+    sb = setup.sandbox
+    if sb is not None:
+        notes.append(f"sandboxes: at most {sb.max_live} live, {sb.start_s:.3g} s to start, priced at "
+                     f"${sb.usd_per_hour:.4g} per sandbox-hour ({sb.price_source}) on both sides")
+    price = sb.usd_per_hour if sb is not None else None
     seed = int(log.header.get("seed", plan.seed))
     out = Path(keep_twin_log) if keep_twin_log is not None else Path(tempfile.mkdtemp(prefix="mixfleet-fid-"))
     if out.exists() and keep_twin_log is not None:
         shutil.rmtree(out)
     try:
         simulate(replace(plan, seed=seed), updates=n, seed=seed, out=out, price_table=price_table, setup=setup)
-        predicted = run_metrics(out)
+        predicted = run_metrics(out, price)
+        if sb is not None:
+            notes.append("cost_per_update_usd: the twin's includes its sandboxes, a local run's does not (they are "
+                         "free); compare cost_sampler_per_update_usd and cost_sandbox_per_update_usd")
+            notes.append(f"the twin's own billing (every live sandbox, those in flight at the end included): "
+                         f"{summarize(out).cost_sandbox_per_update_usd:.4g} USD of sandboxes per update")
     finally:
         if keep_twin_log is None:
             shutil.rmtree(out, ignore_errors=True)
-    measured = run_metrics(runlog)
+    measured = run_metrics(runlog, price)
     clock = loop_clock(log)
     if log.header.get("source") == "runner" and clock.segments > 1:
         s = summarize(log)

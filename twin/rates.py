@@ -10,7 +10,7 @@ hand-computable numbers (tests, docs).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -19,7 +19,7 @@ from mixfleet.costmodel.plan.planspec import (
     ResolvedSandbox,
     plan_catalog,
     resolve_groups,
-    resolve_sandbox,
+    resolve_plan_sandbox,
     resolve_trainer,
 )
 from mixfleet.costmodel.specs.catalog import Catalog
@@ -97,17 +97,24 @@ def group_setup(r: ResolvedGroup, max_context: int, spot_preemptions_per_hour: f
 
 
 def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog | None = None,
-                calibration: Calibration | None = None, use_workload: bool = True) -> Setup:
+                calibration: Calibration | None = None, use_workload: bool = True,
+                workload: WorkloadSpec | None = None) -> Setup:
     """Everything the world needs from the cost model for `plan`: each group as `resolve_groups` prices it
     (the priors, or `calibration`'s fitted values for the groups it covers), the trainer as `resolve_trainer`
     does, and the workload (with a calibration: its measured workload unless `use_workload=False`; batch sizes
-    and the context limit stay the plan's). Setup.notes says what a calibration left at the priors."""
+    and the context limit stay the plan's; `workload`, e.g. `mixfleet calibrate --workload-out`'s fit, in place of
+    both, batch sizes and context limit again the plan's). Setup.notes says what a calibration left at the
+    priors. The sandboxes are the plan's (`resolve_plan_sandbox`: a repo plan's pool, the start latency from the
+    workload used when the plan does not set one)."""
     cat = catalog.with_prices(plan.prices) if catalog is not None else plan_catalog(plan, price_table)
     model = load_model_spec(plan.model)
     plan_wl = load_workload(plan.workload)
-    workload = plan_wl
+    given, workload = workload, plan_wl
     if calibration is not None and use_workload:
         workload = calibration.workload_spec(plan_wl) or plan_wl
+    if given is not None:
+        workload = replace(given, prompts_per_update=plan_wl.prompts_per_update,
+                           samples_per_prompt=plan_wl.samples_per_prompt, max_context=plan_wl.max_context)
     resolved = resolve_groups(plan, calibration=calibration, catalog=cat, model=model, workload=plan_wl)
     trainer = resolve_trainer(plan.trainer.accelerator, plan.trainer.gpus, model=model, catalog=cat,
                               calibration=calibration)
@@ -126,4 +133,4 @@ def build_setup(plan: Plan, *, price_table: str | None = None, catalog: Catalog 
                  trainer=TrainerSetup(train_step_s=lambda tokens: float(trainer.step_s(tokens)),
                                       usd_per_hour=trainer.usd_per_hour),
                  workload=workload, models={r.name: r.replica for r in resolved}, resolved=resolved,
-                 notes=tuple(notes), sandbox=resolve_sandbox(plan.sandbox))
+                 notes=tuple(notes), sandbox=resolve_plan_sandbox(plan, workload))

@@ -226,11 +226,12 @@ MAX_SANDBOX_START_S = 3600.0
 @dataclass(frozen=True, kw_only=True)
 class SandboxPlan:
     """Sandboxes as a resource: each episode takes one from a pool of `max_live` (waits while all are live),
-    pays `start_s` before its first turn and holds it until its last turn ends; a live sandbox (starting
-    included) costs `price_per_hour_usd` (None: the catalog's [sandbox] price, `resolve_sandbox`). `source` /
-    `date`: where the figures come from (an estimate says so)."""
+    pays `start_s` before its first turn (None: the workload's `sandbox_start_s` mean when it has one, else 0;
+    `resolve_sandbox`) and holds it until its last turn ends; a live sandbox (starting included) costs
+    `price_per_hour_usd` (None: the catalog's [sandbox] price, `resolve_sandbox`). `source` / `date`: where the
+    figures come from (an estimate says so)."""
     max_live: int
-    start_s: float = 0.0
+    start_s: float | None = None
     price_per_hour_usd: float | None = None
     source: str = ""
     date: str = ""
@@ -238,8 +239,10 @@ class SandboxPlan:
     def __post_init__(self) -> None:
         w = "plan sandbox"
         check_count(w, "max_live", self.max_live, 1, MAX_SANDBOXES)
-        _need(w, "start_s", _number(self.start_s) and 0 <= self.start_s <= MAX_SANDBOX_START_S, self.start_s,
-              f"a number of seconds in [0, {MAX_SANDBOX_START_S:g}]")
+        st = self.start_s
+        _need(w, "start_s", st is None or (_number(st) and 0 <= st <= MAX_SANDBOX_START_S), st,
+              f"a number of seconds in [0, {MAX_SANDBOX_START_S:g}] (or absent: the workload's "
+              "sandbox_start_s mean, else 0)")
         p = self.price_per_hour_usd
         _need(w, "price_per_hour_usd", p is None or (_number(p) and 0 <= p < 1e6), p,
               "USD per sandbox-hour, a number >= 0 (or absent: the catalog's [sandbox] price)")
@@ -257,23 +260,65 @@ class ResolvedSandbox:
     price_source: str
 
 
-def resolve_sandbox(sb: SandboxPlan | None, catalog_sandbox: Any = None) -> ResolvedSandbox | None:
+REPO_TASK = "repo"                  # the runner's task whose sandbox pool size is embedded.task_options.sandboxes
+
+
+def plan_sandbox(plan: PlanData) -> SandboxPlan | None:
+    """The plan's sandboxes, their cap declared once. A plan whose embedded task is `repo` runs real sandboxes
+    from a pool of `embedded.task_options.sandboxes` (the runner's pool reads it), so that is the cap: without a
+    [sandbox] table such a plan has `SandboxPlan(max_live=task_options.sandboxes)` (start and price as
+    `resolve_sandbox` fills them); with one, its `max_live` must equal task_options.sandboxes (a SpecError naming
+    both otherwise, and when the repo plan leaves task_options.sandboxes out: the real pool would not be the
+    table's). Any other plan: its [sandbox] table or None."""
+    sb, emb = plan.sandbox, plan.embedded
+    if emb is None or emb.task != REPO_TASK:
+        return sb
+    n = (emb.task_options or {}).get("sandboxes")
+    if n is None:
+        if sb is None:
+            return None
+        raise SpecError(f"plan '{plan.name}' sandbox", "max_live", sb.max_live,
+                        f"the repo task's pool size, embedded.task_options.sandboxes (not set: the real pool would "
+                        f"not be {sb.max_live}); set task_options.sandboxes = {sb.max_live} and leave max_live out")
+    if sb is None:
+        return SandboxPlan(max_live=n, source="the repo task's pool (embedded.task_options.sandboxes)")
+    if sb.max_live != n:
+        raise SpecError(f"plan '{plan.name}' sandbox", "max_live", sb.max_live,
+                        f"{n}, the repo task's pool size embedded.task_options.sandboxes (the cap is declared once: "
+                        "the real pool reads task_options.sandboxes)")
+    return sb
+
+
+def resolve_sandbox(sb: SandboxPlan | None, catalog_sandbox: Any = None,
+                    workload: WorkloadSpec | None = None) -> ResolvedSandbox | None:
     """The plan's [sandbox] with its price: its own `price_per_hour_usd`, else the catalog's [sandbox] price
-    (`catalog.sandbox_price()`, or `catalog_sandbox` when given); None for a plan without sandboxes."""
+    (`catalog.sandbox_price()`, or `catalog_sandbox` when given), and its start latency: its own `start_s`, else
+    the mean of `workload`'s `sandbox_start_s` when it has one (`mixfleet calibrate --workload-out` measures
+    it), else 0. None for a plan without sandboxes."""
     if sb is None:
         return None
+    start = sb.start_s
+    if start is None:
+        ws = workload.sandbox_start_s if workload is not None else None
+        start = float(ws.mean) if ws is not None else 0.0
     if sb.price_per_hour_usd is not None:
         src = f"the plan's [sandbox] ({sb.source or 'no source given'}" + (f", {sb.date})" if sb.date else ")")
-        return ResolvedSandbox(max_live=sb.max_live, start_s=float(sb.start_s),
+        return ResolvedSandbox(max_live=sb.max_live, start_s=float(start),
                                usd_per_hour=float(sb.price_per_hour_usd), price_source=src)
     from mixfleet.costmodel.specs.catalog import sandbox_price
 
     price = catalog_sandbox or sandbox_price()
     if price is None:
         raise SpecError("plan sandbox", "price_per_hour_usd", None, "a price (the catalog has no [sandbox] price)")
-    return ResolvedSandbox(max_live=sb.max_live, start_s=float(sb.start_s), usd_per_hour=price.usd_per_hour,
+    return ResolvedSandbox(max_live=sb.max_live, start_s=float(start), usd_per_hour=price.usd_per_hour,
                            price_source=f"{price.provider}, {price.vcpus:g} vCPU + {price.memory_gib:g} GiB; "
                                         f"{price.source}; {price.date}")
+
+
+def resolve_plan_sandbox(plan: PlanData, workload: WorkloadSpec | None = None,
+                         catalog_sandbox: Any = None) -> ResolvedSandbox | None:
+    """`resolve_sandbox` of `plan_sandbox(plan)`: the sandboxes a world runs for `plan` with `workload`."""
+    return resolve_sandbox(plan_sandbox(plan), catalog_sandbox, workload)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -17,6 +17,11 @@ Definitions (the run clock starts at 0; seconds are simulated for the twin, wall
   sandboxes has 0 sandbox cost).
 - sandbox_wait_share: the trained episodes' pool waits over their waits + sandbox time (updates' sandbox_wait_s /
   (sandbox_wait_s + sandbox_s), summed over updates); NaN without sandboxes.
+- sandbox use from the trajectories (`sandbox_use`: real and twin logs alike, the fidelity check's figures): per
+  logged episode with sandboxes, its pool wait (the sum of `pool_wait_s`, a runner's; else `sandbox_wait_s`, the
+  twin's) and its sandbox-seconds, its span less that wait (end_s - start_s - wait: the episode's clock starts
+  before it asks for its sandbox and stops after the last one closes); the wait share is waits / (waits +
+  sandbox-seconds), the sandbox cost per update sandbox-seconds x a price per sandbox-hour / 3600 / updates.
 - staleness_mean: token-weighted mean of the updates' per-token mean staleness (versions);
   staleness_p95: mean over updates of each update's p95; staleness_max: max over updates.
 - trainer_idle_share: 1 - sum(train_step_s + weight_sync_s) / the loop's seconds (loop_s: elapsed_s less
@@ -274,6 +279,52 @@ def steady_state(updates: pd.DataFrame, start_s: float = 0.0) -> SteadyState:
         cost_per_update_usd=batch_means(cost[keep]), cost_sampler_per_update_usd=batch_means(cost_s[keep]),
         staleness=batch_means(stale[keep]), cost_sandbox_per_update_usd=batch_means(cost_b[keep]),
         tokens_per_s=float(tokens[keep].sum()) / time_kept if time_kept > 0 else _NAN)
+
+
+@dataclass(frozen=True, kw_only=True)
+class SandboxUse:
+    """The sandboxes of a run log's logged episodes (`sandbox_use`): how many held one, their pool waits and
+    their sandbox-seconds, summed."""
+    episodes: int
+    wait_s: float
+    held_s: float
+
+    @property
+    def wait_share(self) -> float:
+        """Pool waits / (waits + sandbox-seconds); NaN without sandboxes."""
+        total = self.wait_s + self.held_s
+        return self.wait_s / total if self.episodes and total > 0 else _NAN
+
+    def cost_per_update_usd(self, usd_per_hour: float, updates: int) -> float:
+        """The sandbox-seconds priced at `usd_per_hour` per sandbox, per update (NaN without updates)."""
+        return self.held_s * usd_per_hour / 3600.0 / updates if updates > 0 else _NAN
+
+
+def _episode_wait(row: Any) -> float:
+    """One trajectory's pool wait: the sum of its `pool_wait_s` list (runner), else `sandbox_wait_s` (twin);
+    NaN when it has neither (no sandboxes)."""
+    waits = row.get("pool_wait_s")
+    if waits is not None and not (isinstance(waits, float) and math.isnan(waits)):
+        arr = np.asarray(waits, dtype=np.float64)
+        if len(arr):
+            return float(np.nansum(arr))
+    w = row.get("sandbox_wait_s", _NAN)
+    return float(w) if w is not None and math.isfinite(float(w)) else _NAN
+
+
+def sandbox_use(trajectories: pd.DataFrame) -> SandboxUse:
+    """`SandboxUse` of a run log's trajectories (the module docstring's definition): each episode with a pool
+    wait recorded (one with sandboxes) counts its wait and its span less the wait."""
+    waits = held = 0.0
+    n = 0
+    for row in trajectories.to_dict("records"):
+        w = _episode_wait(row)
+        if not math.isfinite(w):
+            continue
+        n += 1
+        waits += w
+        held += max(float(row["end_s"]) - float(row["start_s"]) - w, 0.0)
+    return SandboxUse(episodes=n, wait_s=waits, held_s=held)
 
 
 def summarize(runlog: RunLog | str | os.PathLike[str]) -> RunSummary:

@@ -103,9 +103,13 @@ def check_task(name: str, options: dict[str, Any] | None = None, *, where: str =
 
 
 def check_plan_task(plan: Plan) -> None:
-    """`check_task` of the plan's own task and options, named as the plan's field."""
+    """`check_task` of the plan's own task and options, named as the plan's field; and its sandbox pool's cap
+    declared once (`plan_sandbox`: a repo plan's [sandbox] max_live is its task_options.sandboxes)."""
+    from mixfleet.costmodel.plan.planspec import plan_sandbox
+
     emb = run_settings(plan)
     check_task(task_of(plan), emb.task_options, where=f"plan '{plan.name}' embedded")
+    plan_sandbox(plan)
 
 
 class RunContext:

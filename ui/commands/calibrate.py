@@ -92,9 +92,13 @@ def register(app: typer.Typer) -> None:
         runlog: Path = typer.Option(..., "--runlog", "-r", help="The measured run log folder."),
         calibration: Path = typer.Option(None, "--calibration", "-c", help="Calibration TOML (default: priors)."),
         keep: Path = typer.Option(None, "--keep-twin-log", help="Keep the twin's run log in this folder."),
+        workload: Path = typer.Option(None, "--workload", "-w", help="Workload TOML the twin draws episodes from "
+                                      "(e.g. mixfleet calibrate --workload-out's fit; default: the calibration's, "
+                                      "else the plan's)."),
         as_json: bool = typer.Option(False, "--json", help="Print JSON instead of a table."),
     ) -> None:
-        """Simulate PLAN as the run ran it (seed, updates, replicas, workload); predicted vs measured."""
+        """Simulate PLAN as the run ran it (seed, updates, replicas, workload); predicted vs measured (with
+        sandboxes also the pool-wait share and the sandbox cost per update)."""
         from mixfleet.costmodel.errors import SpecError
         from mixfleet.costmodel.records.outdir import prepare_output_dir
         from mixfleet.twin.calibrated import fidelity
@@ -102,7 +106,7 @@ def register(app: typer.Typer) -> None:
         try:
             if keep is not None:
                 prepare_output_dir(keep, "twin_runlog", where="mixfleet fidelity", flag="--keep-twin-log")
-            rep = fidelity(plan, runlog, calibration, keep_twin_log=keep)
+            rep = fidelity(plan, runlog, calibration, keep_twin_log=keep, workload=workload)
         except (SpecError, FileNotFoundError, OSError) as e:
             _fail(e)
         if as_json:
@@ -125,7 +129,10 @@ def register(app: typer.Typer) -> None:
         g = rep.goals()
         typer.echo(f"goals: time/update within 10%: {g['time_per_update_within_10pct']}; share of samples within "
                    f"3 pp: {g['share_of_samples_within_3pp']}; staleness within 0.5: "
-                   f"{g['staleness_within_half_update']}")
+                   f"{g['staleness_within_half_update']}" + (
+                       f"; pool-wait share within 5 pp: {g['sandbox_wait_share_within_5pp']}; sandbox cost/update "
+                       f"within 10%: {g['cost_sandbox_per_update_within_10pct']}" if "sandbox_wait_share_within_5pp"
+                       in g else ""))
         for n in rep.notes:
             typer.echo(f"note: {n}")
 

@@ -128,18 +128,20 @@ def _spot_source(cfg: Any) -> dict[str, Any]:
 
 def _plan_sandboxes(cfg: Any, plan: Any) -> dict[str, Any]:
     """The chosen plan's sandboxes: cap (and whether the user set it), start latency, price and its source."""
-    from mixfleet.costmodel.plan.planspec import resolve_sandbox
+    from mixfleet.costmodel.plan.planspec import resolve_plan_sandbox
+    from mixfleet.costmodel.specs.workload import load_workload
 
-    sb = resolve_sandbox(plan.sandbox)
+    sb = resolve_plan_sandbox(plan, load_workload(plan.workload))
     return {"cap": sb.max_live, "cap_given": cfg.sandbox_cap is not None, "start_s": sb.start_s,
             "usd_per_sandbox_hour": sb.usd_per_hour, "price_source": sb.price_source}
 
 
 def _split_line(b: Any, plan: Any) -> str:
     """Cost per update split into sampling, training and sandboxes (the analytic screen), and the pool."""
-    from mixfleet.costmodel.plan.planspec import resolve_sandbox
+    from mixfleet.costmodel.plan.planspec import resolve_plan_sandbox
+    from mixfleet.costmodel.specs.workload import load_workload
 
-    sb = resolve_sandbox(plan.sandbox)
+    sb = resolve_plan_sandbox(plan, load_workload(plan.workload))
     wait = b.sandbox_wait_share
     return (f"cost/update split (analytic): sampling {_num(b.cost_sampling_per_update_usd)} + training "
             f"{_num(b.cost_training_per_update_usd)} + sandboxes {_num(b.cost_sandbox_per_update_usd)} USD; "
@@ -488,10 +490,12 @@ def _has_sandboxes(summary: Any) -> bool:
 
 def _sandbox_line(plan: str) -> str | None:
     """The plan's sandboxes in one line (cap, start latency, price and its source); None without a [sandbox]."""
-    from mixfleet.costmodel.plan.planspec import resolve_sandbox
+    from mixfleet.costmodel.plan.planspec import resolve_plan_sandbox
+    from mixfleet.costmodel.specs.workload import load_workload
     from mixfleet.policies.plan import load_plan
 
-    sb = resolve_sandbox(load_plan(plan).sandbox)
+    p = load_plan(plan)
+    sb = resolve_plan_sandbox(p, load_workload(p.workload))
     if sb is None:
         return None
     return (f"sandboxes of {Path(plan).stem}: one per episode, at most {sb.max_live:,} live, {sb.start_s:g} s to "
