@@ -55,6 +55,7 @@ from mixfleet.costmodel.limits import (
 from mixfleet.costmodel.paths import data_path
 from mixfleet.costmodel.plan.resolve import (  # noqa: F401 - re-exported: the plan's resolution, public API
     ResolvedGroup,
+    ResolvedSandbox,
     ResolvedTrainer,
     group_calibration,
     group_replica_model,
@@ -62,6 +63,8 @@ from mixfleet.costmodel.plan.resolve import (  # noqa: F401 - re-exported: the p
     plan_catalog,
     resolve_group,
     resolve_groups,
+    resolve_plan_sandbox,
+    resolve_sandbox,
     resolve_trainer,
     running_cap,
 )
@@ -250,16 +253,6 @@ class SandboxPlan:
             _need(w, f, isinstance(getattr(self, f), str), getattr(self, f), "a string")
 
 
-@dataclass(frozen=True, kw_only=True)
-class ResolvedSandbox:
-    """A plan's sandboxes as a world runs them: the pool's cap, the start latency and the price per hour, with
-    where the price comes from."""
-    max_live: int
-    start_s: float
-    usd_per_hour: float
-    price_source: str
-
-
 REPO_TASK = "repo"                  # the runner's task whose sandbox pool size is embedded.task_options.sandboxes
 
 
@@ -287,38 +280,6 @@ def plan_sandbox(plan: PlanData) -> SandboxPlan | None:
                         f"{n}, the repo task's pool size embedded.task_options.sandboxes (the cap is declared once: "
                         "the real pool reads task_options.sandboxes)")
     return sb
-
-
-def resolve_sandbox(sb: SandboxPlan | None, catalog_sandbox: Any = None,
-                    workload: WorkloadSpec | None = None) -> ResolvedSandbox | None:
-    """The plan's [sandbox] with its price: its own `price_per_hour_usd`, else the catalog's [sandbox] price
-    (`catalog.sandbox_price()`, or `catalog_sandbox` when given), and its start latency: its own `start_s`, else
-    the mean of `workload`'s `sandbox_start_s` when it has one (`mixfleet calibrate --workload-out` measures
-    it), else 0. None for a plan without sandboxes."""
-    if sb is None:
-        return None
-    start = sb.start_s
-    if start is None:
-        ws = workload.sandbox_start_s if workload is not None else None
-        start = float(ws.mean) if ws is not None else 0.0
-    if sb.price_per_hour_usd is not None:
-        src = f"the plan's [sandbox] ({sb.source or 'no source given'}" + (f", {sb.date})" if sb.date else ")")
-        return ResolvedSandbox(max_live=sb.max_live, start_s=float(start),
-                               usd_per_hour=float(sb.price_per_hour_usd), price_source=src)
-    from mixfleet.costmodel.specs.catalog import sandbox_price
-
-    price = catalog_sandbox or sandbox_price()
-    if price is None:
-        raise SpecError("plan sandbox", "price_per_hour_usd", None, "a price (the catalog has no [sandbox] price)")
-    return ResolvedSandbox(max_live=sb.max_live, start_s=float(start), usd_per_hour=price.usd_per_hour,
-                           price_source=f"{price.provider}, {price.vcpus:g} vCPU + {price.memory_gib:g} GiB; "
-                                        f"{price.source}; {price.date}")
-
-
-def resolve_plan_sandbox(plan: PlanData, workload: WorkloadSpec | None = None,
-                         catalog_sandbox: Any = None) -> ResolvedSandbox | None:
-    """`resolve_sandbox` of `plan_sandbox(plan)`: the sandboxes a world runs for `plan` with `workload`."""
-    return resolve_sandbox(plan_sandbox(plan), catalog_sandbox, workload)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -3,8 +3,9 @@ model" (`group_replica_model`, the one construction the twin, the planner, the r
 calibration share), the engine's running cap and nominal point (`running_cap`, `nominal_point`), the
 calibration's match for a group (`group_calibration`), the one group record (`resolve_group`,
 `resolve_groups`, `ResolvedGroup`: replica model prior or calibrated, weight-sync seconds, mismatch, running
-cap, nominal point), the plan's catalog (`plan_catalog`) and the trainer (`resolve_trainer`,
-`ResolvedTrainer`). The plan's plain data these read is costmodel/plan/planspec.py, which re-exports them.
+cap, nominal point), the plan's catalog (`plan_catalog`), the trainer (`resolve_trainer`,
+`ResolvedTrainer`) and the sandboxes (`resolve_sandbox`, `resolve_plan_sandbox`, `ResolvedSandbox`: cap, start
+latency, price and its source). The plan's plain data these read is costmodel/plan/planspec.py, which re-exports them.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from mixfleet.costmodel.errors import SpecError
 from mixfleet.costmodel.specs.catalog import Accelerator, Catalog, load_catalog
 from mixfleet.costmodel.specs.mismatch import mismatch_prior
 from mixfleet.costmodel.specs.model import ModelSpec, load_model_spec
@@ -30,7 +32,7 @@ from mixfleet.costmodel.steptime.roofline import (
 # and planspec imports this module (it re-exports it).
 if TYPE_CHECKING:
     from mixfleet.costmodel.calibration.record import Calibration, GroupCalibration
-    from mixfleet.costmodel.plan.planspec import GroupPlan, PlanData
+    from mixfleet.costmodel.plan.planspec import GroupPlan, PlanData, SandboxPlan
 
 
 # ---- plan group -> replica cost model -------------------------------------------------------------------
@@ -185,3 +187,48 @@ def resolve_trainer(accelerator: str, gpus: int, *, model: ModelSpec, catalog: C
     fit = calibration if calibration is not None and calibration.trainer_accelerator == acc.name else None
     return ResolvedTrainer(model=model, accelerator=acc, gpus=gpus, catalog=catalog, calibration=fit,
                            usd_per_hour=trainer_usd_per_hour(acc.price_usd_per_gpu_hour, gpus))
+
+
+# ---- sandboxes ------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class ResolvedSandbox:
+    """A plan's sandboxes as a world runs them: the pool's cap, the start latency and the price per hour, with
+    where the price comes from."""
+    max_live: int
+    start_s: float
+    usd_per_hour: float
+    price_source: str
+
+
+def resolve_sandbox(sb: SandboxPlan | None, catalog_sandbox: Any = None,
+                    workload: WorkloadSpec | None = None) -> ResolvedSandbox | None:
+    """The plan's [sandbox] with its price: its own `price_per_hour_usd`, else the catalog's [sandbox] price
+    (`catalog.sandbox_price()`, or `catalog_sandbox` when given), and its start latency: its own `start_s`, else
+    the mean of `workload`'s `sandbox_start_s` when it has one (`mixfleet calibrate --workload-out` measures
+    it), else 0. None for a plan without sandboxes."""
+    if sb is None:
+        return None
+    start = sb.start_s
+    if start is None:
+        ws = workload.sandbox_start_s if workload is not None else None
+        start = float(ws.mean) if ws is not None else 0.0
+    if sb.price_per_hour_usd is not None:
+        src = f"the plan's [sandbox] ({sb.source or 'no source given'}" + (f", {sb.date})" if sb.date else ")")
+        return ResolvedSandbox(max_live=sb.max_live, start_s=float(start),
+                               usd_per_hour=float(sb.price_per_hour_usd), price_source=src)
+    from mixfleet.costmodel.specs.catalog import sandbox_price
+
+    price = catalog_sandbox or sandbox_price()
+    if price is None:
+        raise SpecError("plan sandbox", "price_per_hour_usd", None, "a price (the catalog has no [sandbox] price)")
+    return ResolvedSandbox(max_live=sb.max_live, start_s=float(start), usd_per_hour=price.usd_per_hour,
+                           price_source=f"{price.provider}, {price.vcpus:g} vCPU + {price.memory_gib:g} GiB; "
+                                        f"{price.source}; {price.date}")
+
+
+def resolve_plan_sandbox(plan: PlanData, workload: WorkloadSpec | None = None,
+                         catalog_sandbox: Any = None) -> ResolvedSandbox | None:
+    """`resolve_sandbox` of `plan_sandbox(plan)`: the sandboxes a world runs for `plan` with `workload`."""
+    from mixfleet.costmodel.plan.planspec import plan_sandbox  # planspec imports this module at its top
+
+    return resolve_sandbox(plan_sandbox(plan), catalog_sandbox, workload)
