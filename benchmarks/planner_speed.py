@@ -53,6 +53,9 @@ import json, sys, time
 from streamlit.testing.v1 import AppTest
 at = AppTest.from_file(sys.argv[1], default_timeout=1800)
 at.run()
+if len(sys.argv) > 2:
+    at.number_input(key="pl_stale").set_value(float(sys.argv[2]))
+    at.run()
 w0 = time.perf_counter()
 at.button(key="pl_go").click()
 at.run()
@@ -62,24 +65,34 @@ print(json.dumps({"wall_s": wall, "plan": at.session_state["planned_plan"].toml}
 """
 
 
-def page(runs: int) -> dict:
-    """The Plan page's Run planner at its defaults, each run on a fresh check cache and runs folder."""
+def page(runs: int, *, new_question: float | None = None) -> dict:
+    """The Plan page's Run planner at its defaults, each run on a fresh check cache and runs folder.
+    new_question: the page asked once at its defaults first (not counted), then again with this max staleness
+    (another chosen mix, so the planner's checks run again, while the seed fleets' twin points are read back)."""
     walls, loads, mixes = [], [], []
     for _ in range(runs):
         tmp = Path(tempfile.mkdtemp(prefix="mixfleet-plan-page-"))
         try:
             env = {**os.environ, "MIXFLEET_CACHE_DIR": str(tmp / "cache"), "MIXFLEET_RUNS_DIR": str(tmp / "runs")}
+            app = [sys.executable, "-c", PAGE, str(ROOT / "ui" / "app.py")]
+            if new_question is not None:
+                subprocess.run(app, env=env, capture_output=True, text=True, check=True)
+                app.append(str(new_question))
             loads.append(os.getloadavg()[0])
-            p = subprocess.run([sys.executable, "-c", PAGE, str(ROOT / "ui" / "app.py")], env=env,
-                               capture_output=True, text=True, check=True)
+            p = subprocess.run(app, env=env, capture_output=True, text=True, check=True)
             got = json.loads(p.stdout.strip().splitlines()[-1])
             walls.append(got["wall_s"])
             mixes.append({g["name"]: g["replicas"] for g in tomllib.loads(got["plan"])["groups"]})
-            print(f"page: {walls[-1]:.1f} s wall (load {loads[-1]:.1f})", file=sys.stderr, flush=True)
+            print(f"page{'' if new_question is None else ' (new question)'}: {walls[-1]:.1f} s wall "
+                  f"(load {loads[-1]:.1f})", file=sys.stderr, flush=True)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+    what = ("Run planner pressed to the result shown (AppTest), the app's defaults, a fresh check cache"
+            if new_question is None else
+            f"Run planner pressed again with max staleness {new_question:g} after a first question at the "
+            "defaults (another mix checked; the seed fleets' twin points read from the check cache)")
     return {"runs": walls, "median_wall_s": statistics.median(walls), "load_avg_1m": loads, "best": mixes[-1],
-            "what": "Run planner pressed to the result shown (AppTest), the app's defaults, a fresh check cache"}
+            "what": what}
 
 
 def summary(walls: list[float], loads: list[float], last: dict) -> dict:
@@ -149,6 +162,7 @@ def main() -> None:
     out["cached"] = mode("cached", args.runs, fresh_cache=False)
     if args.page:
         out["page"] = page(args.runs)
+        out["page_new_question"] = page(args.runs, new_question=4.0)
     if args.sequential:
         out["sequential"] = mode("sequential", args.runs, fresh_cache=True, no_cache=True, one_core=True)
     out["machine"] = {"python": platform.python_version(), "cpus": os.cpu_count(),
