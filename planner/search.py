@@ -294,10 +294,15 @@ def binds_text(binds: list[Binding], names: Mapping[str, str] | None = None) -> 
 
 def pareto_mask(points: np.ndarray) -> np.ndarray:
     """Rows not dominated by another (all objectives minimized; inf allowed)."""
-    keep = np.ones(len(points), dtype=bool)
-    for i in range(len(points)):
-        dominated = (points <= points[i]).all(1) & (points < points[i]).any(1)
-        keep[i] = not dominated.any()
+    # A point's dominator is lexicographically smaller, and dominance is transitive, so walking the points in
+    # lexicographic order each needs checking only against the non-dominated points met so far.
+    keep = np.zeros(len(points), dtype=bool)
+    front = np.empty((0, points.shape[1]) if points.ndim == 2 else (0, 0))
+    for i in np.lexsort(points.T[::-1]) if len(points) else ():
+        p = points[i]
+        if not ((front <= p).all(1) & (front < p).any(1)).any():
+            keep[i] = True
+            front = np.vstack([front, p])
     return keep
 
 

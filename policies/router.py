@@ -7,6 +7,7 @@ a replica. Built-ins: `capacity_proportional` (the seed's), `least_outstanding_t
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter
 from dataclasses import dataclass
 
@@ -32,6 +33,8 @@ class Router:
         self.config = config
         self._pins: dict[int, Route] = {}
         self._pinned: Counter[Route] = Counter()
+        # per group: (the view, a heap of its up replicas' (sessions, index), their indices): choose_replica's
+        self._heaps: dict[str, tuple[GroupView, list[tuple[int, int]], set[int]]] = {}
         self.reroutes = 0  # sessions moved because their replica went away
 
     # ---- the decision (subclasses) ---------------------------------------------------------------
@@ -39,15 +42,39 @@ class Router:
         raise NotImplementedError
 
     def choose_replica(self, group: GroupView) -> int | None:
-        """Default: the up replica holding the fewest sessions (ties: lowest index)."""
-        pinned, name = self._pinned, group.name
-        best, best_n = None, 0
-        for r in group.replicas:
-            if r.up:
-                n = pinned[(name, r.index)]
-                if best is None or n < best_n or (n == best_n and r.index < best):
-                    best, best_n = r.index, n
-        return best
+        """Default: the up replica holding the fewest sessions (ties: lowest index).
+
+        The same view is asked again and again (a world whose router reads no load reuses it), so per group the
+        up replicas' (sessions, index) stay in a heap built for that view; a change of a replica's count pushes
+        its new entry, and entries whose count is no longer the replica's are dropped when they reach the top
+        (the minimum is the same as a scan of the view's replicas)."""
+        name, get = group.name, self._pinned.get
+        held = self._heaps.get(name)
+        if held is None or held[0] is not group:
+            ups = {r.index for r in group.replicas if r.up}
+            heap = [(get((name, i), 0), i) for i in ups]
+            heapq.heapify(heap)
+            held = self._heaps[name] = (group, heap, ups)
+        heap = held[1]
+        while heap:
+            n, i = heap[0]
+            if get((name, i), 0) == n:
+                return i
+            heapq.heappop(heap)
+        return None
+
+    def _count(self, route: Route, delta: int) -> None:
+        """A replica's pinned sessions change: its new entry into its group's heap (`choose_replica`)."""
+        n = self._pinned[route] + delta
+        self._pinned[route] = n
+        held = self._heaps.get(route[0])
+        if held is not None and route[1] in held[2]:
+            heap = held[1]
+            heapq.heappush(heap, (n, route[1]))
+            if len(heap) > 4 * len(held[2]) + 64:   # mostly stale entries: rebuild from the counts
+                get = self._pinned.get
+                heap[:] = [(get((route[0], i), 0), i) for i in held[2]]
+                heapq.heapify(heap)
 
     # ---- bookkeeping (callers) -------------------------------------------------------------------
     def route(self, session_id: int, fleet: FleetView) -> Route | None:
@@ -70,14 +97,14 @@ class Router:
             return None
         route = (group.name, replica)
         self._pins[session_id] = route
-        self._pinned[route] += 1
+        self._count(route, +1)
         return route
 
     def release(self, session_id: int) -> None:
         """The session ended (or moved): unpin it."""
         route = self._pins.pop(session_id, None)
         if route is not None:
-            self._pinned[route] -= 1
+            self._count(route, -1)
 
     def pinned(self, group: str, replica: int) -> int:
         return self._pinned[(group, replica)]

@@ -31,6 +31,21 @@ def test_pareto_mask_keeps_exactly_the_non_dominated_points() -> None:
     assert pareto_mask(pts).tolist() == [True, True, False, False, True, True]
 
 
+def test_pareto_mask_equals_the_pairwise_definition_on_random_points() -> None:
+    """The front walk (lexicographic order, checked against the front so far) keeps exactly the points no
+    other point dominates, ties, inf and NaN included (a NaN point is incomparable: kept, dominates nothing)."""
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n = int(rng.integers(0, 60))
+        pts = rng.integers(0, 5, size=(n, 3)).astype(float)   # few values: many ties and equal points
+        if n and trial % 3 == 0:
+            pts[rng.integers(0, n, size=n // 4), rng.integers(0, 3)] = np.inf
+        if n and trial % 5 == 0:
+            pts[rng.integers(0, n, size=n // 6), rng.integers(0, 3)] = np.nan
+        dominated = [bool(((pts <= p).all(1) & (pts < p).any(1)).any()) for p in pts]
+        assert pareto_mask(pts).tolist() == [not d for d in dominated], trial
+
+
 def test_screen_arithmetic_for_one_candidate() -> None:
     cfg = PlannerConfig(**TINY)
     types = group_types(cfg)

@@ -47,6 +47,33 @@ def test_capacity_proportional_counts_stay_within_one_session_of_the_exact_share
     assert [r.pinned("c", i) for i in range(3)] == [300, 300, 300]
 
 
+def test_the_replica_choice_is_the_fewest_sessions_lowest_index_scan_whatever_the_history() -> None:
+    """choose_replica keeps a heap per view (the twin asks the same view ~30,000 times per check); after any
+    sequence of routes, releases and views with replicas down, it picks what a scan of the view picks."""
+    import random
+
+    from mixfleet.policies.router import Router
+
+    rnd = random.Random(0)
+    r = make("router", "capacity_proportional")
+    views = [group("a", 100.0, 6, up=u) for u in (6, 4, 1)] + \
+            [GroupView(**{**_fields(group("a", 100.0, 6)),
+                          "replicas": tuple(ReplicaView(index=i, up=i % 2 == 1) for i in range(6))})]
+    live: list[int] = []
+    view = views[0]
+    for step in range(3000):
+        if rnd.random() < 0.02:
+            view = rnd.choice(views)
+        want = min(((r.pinned("a", x.index), x.index) for x in view.replicas if x.up), default=(0, None))[1]
+        assert r.choose_replica(view) == want, step
+        if live and rnd.random() < 0.45:
+            r.release(live.pop(rnd.randrange(len(live))))
+        else:
+            r.route(step, FleetView(now_s=0.0, groups=(view,)))
+            live.append(step)
+    assert Router.choose_replica is type(r).choose_replica   # the default choice is the one tested
+
+
 def test_routing_is_sticky_and_reroutes_when_the_replica_goes_away() -> None:
     r = make("router", "capacity_proportional")
     fleet = FleetView(now_s=0.0, groups=(group("a", 100.0, 2),))
