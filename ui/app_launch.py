@@ -265,13 +265,10 @@ def _controls(m: rm.ManagedRun, p: dict[str, Any] | None) -> None:
                        help="SIGTERM: the run finishes the update under way, checkpoints and closes its log "
                             "as 'stopped'. Resume continues it."):
             _act(lambda: rm.stop(m), m.name)
-        if c[1].button("Kill now", key=f"{key}_kill", help="SIGKILL to the run and its Ray; resumable from the "
-                                                           "last checkpoint."):
-            _act(lambda: rm.kill(m), m.name)
     elif state == "stopping":
         c[0].caption("stopping after the current update...")
-        if c[1].button("Kill now", key=f"{key}_kill"):
-            _act(lambda: rm.kill(m), m.name)
+    if state in ("running", "stopping"):
+        _kill_control(m, c[3], key)
     elif state in ("stopped", "killed", "exited", "failed", "finished"):
         label = "Continue" if state == "finished" else "Resume"
         more = c[1].number_input(f"{label} to updates (target)", min_value=1, max_value=rm.MAX_UPDATES,
@@ -281,6 +278,30 @@ def _controls(m: rm.ManagedRun, p: dict[str, Any] | None) -> None:
         if c[0].button(label, key=f"{key}_resume", type="primary",
                        help="`mixfleet run ... --resume`: from the last trainer checkpoint, each update once"):
             _act(lambda: follow(rm.resume(m, int(more)).run_dir), m.name)
+
+
+KILL_ARMED_KEY = "managed_run_kill_armed"     # session state: {run name: Kill now pressed, not yet confirmed}
+
+
+def _kill_control(m: rm.ManagedRun, col: Any, key: str) -> None:
+    """Kill now, in the last column (away from Stop), and only after a confirmation: it acted at once, one button
+    from Stop (issue 44), and loses the update under way."""
+    armed = st.session_state.setdefault(KILL_ARMED_KEY, {})
+    if not armed.get(m.name):
+        if col.button("Kill now", key=f"{key}_kill", help="SIGKILL to the run and its Ray; asks first. The update "
+                                                          "under way is lost; resumable from the last checkpoint."):
+            armed[m.name] = True
+            st.rerun()
+        return
+    col.warning(f"Kill `{m.name}` now? SIGKILL: the update under way is lost; Resume continues from the last "
+                "checkpoint. **Stop** ends it after this update instead.")
+    yes, no = col.columns(2)
+    if yes.button("Kill", key=f"{key}_kill_confirm", type="primary"):
+        armed.pop(m.name, None)
+        _act(lambda: rm.kill(m), m.name)
+    if no.button("Cancel", key=f"{key}_kill_cancel"):
+        armed.pop(m.name, None)
+        st.rerun()
 
 
 ACT_ERROR_KEY = "managed_run_errors"          # session state: {run name: the last control's error}
