@@ -84,6 +84,38 @@ def _rehearsal_note(pt: PlanText) -> str:
     return ""
 
 
+def _base_note(pt: PlanText, key: str) -> None:
+    """Whether the base policy an embedded run of this plan starts from is cached, and a button that prepares it
+    beforehand when it is not (issue 44: the first run pretrained it for minutes inside "starting")."""
+    from mixfleet.ui import base_prep
+
+    try:
+        b = base_prep.base_of(pt.toml)
+    except Exception:  # the rehearsal's refusal is said above
+        return
+    if b.cached:
+        st.caption(f"Base policy: cached (`{b.command}`); an embedded run starts from it without pretraining.")
+        return
+    proc = base_prep.PROCS.get(b.key)
+    if base_prep.preparing(b.key):
+        st.info(f"Preparing the base policy (`{b.command}`) in the background: "
+                f"{base_prep.last_line(b.key) or 'starting'}. A run started before it is cached trains its own.")
+        st.button("Refresh", key=f"{key}_base_refresh")
+        return
+    if proc is not None and proc.returncode:
+        st.error(f"Preparing the base policy failed (exit {proc.returncode}): {base_prep.last_line(b.key)}; "
+                 f"log `{base_prep.log_path(b.key)}`")
+    st.info(f"The base policy of an embedded run (`{b.command}`) is not cached yet: the first run trains it before "
+            "its first update (minutes on a 2-core CPU, about 10 under load). Prepare it now, beforehand.")
+    if st.button("Prepare the base policy now", key=f"{key}_base_prep"):
+        try:
+            base_prep.start(pt.toml)
+        except Exception as e:
+            show_error("cannot prepare the base policy", e)
+            return
+        st.rerun()
+
+
 def run_for_real(pt: PlanText, key: str) -> None:
     """A form that starts `mixfleet run` on this plan as a managed background process, then opens the Runs page."""
     root = runs_dir()
@@ -93,6 +125,8 @@ def run_for_real(pt: PlanText, key: str) -> None:
                    "own fleet is rehearsed on this machine: every group as embedded samplers in its precision, KV "
                    "dtype and kernel, with the plan's policies, on the tiny stand-in of its model family.")
         refusal = _rehearsal_note(pt)
+        if not refusal:
+            _base_note(pt, key)
         with st.form(f"{key}_run_form"):
             c1, c2 = st.columns([3, 1])
             # keyed by the plan, so the name follows the chosen plan (a fixed key kept the first plan's name)
