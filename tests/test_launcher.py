@@ -5,8 +5,8 @@ Fast: the fleet mode of a plan, the child's command line (the app's `run_argv` i
 run to stop, a child and its whole process group killed (and a process that does not lead its group refused),
 a study's run that outlives its time-out killed through it. Slow (a real run): `mixfleet run` started as a
 child, stopped with SIGTERM after its first update (log "stopped", resumable), resumed to its target with each
-update once; a SIGTERM inside Ray's start-up closes the log "stopped"; Ray's own SIGTERM handler, installed by `ray.init`, is handed back to the launcher's by
-`actors.init_ray` (main re-took it on every event of the run).
+update once; a SIGTERM inside Ray's start-up closes the log "stopped"; Ray's own SIGTERM handler, installed by
+`ray.init`, is handed back to the launcher's by `actors.init_ray` (main re-took it on every event of the run).
 """
 
 from __future__ import annotations
