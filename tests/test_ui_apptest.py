@@ -118,6 +118,8 @@ def test_planner_runs_with_the_defaults_and_shows_a_mix(env: Path) -> None:
     mix = at.table[0].value
     assert len(mix) >= 1 and (mix["replicas"].astype(int) >= 1).all()
     assert set(mix["accelerator"]) <= {"B200", "B300", "H200", "H100", "A100-80GB", "RTX-PRO-6000"}
+    assert "prior share outside [0.2, 5]" in mix.columns       # the column is explained under it (issue 44)
+    assert any(c.value.startswith("**prior share outside [0.2, 5]**: the cost model's prior") for c in at.caption)
     assert "Cost vs time per update" in _plotly_titles(at)
     binds = [m.value for m in at.markdown if m.value.startswith("**What binds:**")]   # why this mix: what binds
     assert len(binds) == 1 and ("binds" in binds[0] or "GPUs allowed" in binds[0]), binds
