@@ -303,7 +303,9 @@ def _controls(m: rm.ManagedRun, p: dict[str, Any] | None) -> None:
         c[0].caption("stopping after the current update...")
     if state in ("running", "stopping"):
         _kill_control(m, c[3], key)
-    elif state in ("stopped", "killed", "exited", "failed", "finished"):
+        return
+    st.session_state.get(KILL_ARMED_KEY, {}).pop(m.name, None)     # a confirmation never outlives the run
+    if state in ("stopped", "killed", "exited", "failed", "finished"):
         label = "Continue" if state == "finished" else "Resume"
         more = c[1].number_input(f"{label} to updates (target)", min_value=1, max_value=rm.MAX_UPDATES,
                                  value=max(m.updates, (p or {}).get("done", 0) + (1 if state == "finished" else 0)),
