@@ -116,3 +116,31 @@ def test_a_task_sets_evaluation_says_each_tasks_outcome(tmp_path: Path) -> None:
     assert [ln.split()[0] for ln in lines[at + 1:at + 1 + len(rows)]] == list(rows)
     bad = runner.invoke(app, ["evaluate", str(ck), "--task-set", str(tmp_path / "none"), "--problems", "2"])
     assert bad.exit_code == 2 and "task_set" in bad.output and "Traceback" not in bad.output
+
+
+def test_a_cut_trainer_state_is_one_line_through_the_command(tmp_path: Path) -> None:
+    """Issue 44 (third probe): `mixfleet evaluate` of a run whose trainer_state.pt is cut printed a 95-line
+    `[rank0]:` traceback around the project's own message. Through the entry point, as a user runs it: exit 2,
+    one line naming the file, no traceback."""
+    import subprocess
+    import sys
+
+    from mixfleet.costmodel.records.runlog import RunLogWriter
+    from mixfleet.costmodel.specs.model import load_model_spec
+    from mixfleet.runner.orchestration.config import STATE_DIR
+    from mixfleet.runner.trainer.megatron_model import BuildOptions
+    from mixfleet.runner.trainer.trainer import Trainer, TrainerConfig
+
+    run = tmp_path / "run"
+    RunLogWriter(run, {"source": "runner", "runner": {"task": "guess"}}).close()
+    Trainer(load_model_spec("tiny"), TrainerConfig(build=BuildOptions(device="cpu", seed=1))).save_state(
+        run / STATE_DIR)
+    state = run / STATE_DIR / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    r = subprocess.run([sys.executable, "-m", "mixfleet.ui.cli", "evaluate", str(run), "--problems", "1", "--k", "1"],
+                       capture_output=True, text=True, timeout=300)
+    out = r.stdout + r.stderr
+    assert r.returncode == 2, out[-3000:]
+    assert "Traceback" not in out and "[rank" not in out, out[-3000:]
+    said = [ln for ln in out.splitlines() if ln.startswith("error:")]
+    assert len(said) == 1 and f"{state}: cut or corrupt" in said[0], out[-3000:]

@@ -5,8 +5,8 @@ Fast: the fleet mode of a plan, the child's command line (the app's `run_argv` i
 run to stop, a child and its whole process group killed (and a process that does not lead its group refused),
 a study's run that outlives its time-out killed through it. Slow (a real run): `mixfleet run` started as a
 child, stopped with SIGTERM after its first update (log "stopped", resumable), resumed to its target with each
-update once; Ray's own SIGTERM handler, installed by `ray.init`, is handed back to the launcher's by
-`actors.init_ray` (main re-took it on every event of the run).
+update once; a SIGTERM inside Ray's start-up closes the log "stopped"; Ray's own SIGTERM handler, installed by
+`ray.init`, is handed back to the launcher's by `actors.init_ray` (main re-took it on every event of the run).
 """
 
 from __future__ import annotations
@@ -234,3 +234,49 @@ def test_a_run_stopped_by_sigterm_and_resumed_through_the_launcher(tmp_path: Pat
     done = RunLog.open(out)
     assert done.header["status"] == "finished" and done.header["resumes"] == 1
     assert sorted(done.updates["version"].tolist()) == [1, 2, 3]              # each update once
+
+
+def test_a_sigterm_in_rays_start_up_closes_the_log_stopped(tmp_path: Path, state: Path) -> None:
+    """Issue 44 (third probe): a SIGTERM during Ray's start-up left run.json "running" (Ray's own handler, installed
+    inside `ray.init`, exits at once). The signal is sent once the run's local Ray has its raylet up (ray.init is
+    then connecting the driver, Ray's handler in place): the log must read "stopped" (resumable), never "running"."""
+    from mixfleet.runner.orchestration.local_ray import stop_leftover_rays
+
+    plan_toml = run_plan_toml("launcher-sigterm", [CPU_BF16], embedded={"max_turns": 2, "max_new_tokens": 8},
+                              batcher={"prompts_per_update": 2, "samples_per_prompt": 2, "inflight_prompts": 4,
+                                       "max_staleness": 0, "stale": "wait"})
+    init, plan_path = run_files(tmp_path, plan_toml)
+    out, log = tmp_path / "run", tmp_path / "driver.log"
+    proc = launcher.start_child(launcher.run_argv(plan_path, out, updates=3, init=str(init)) + ["--eval-every", "0"],
+                                log_path=log)
+    try:
+        deadline = time.monotonic() + 300
+        while not _raylet_of(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert (out / "run.json").exists() and _raylet_of(proc.pid), log.read_text()[-2000:]
+        launcher.stop_child(proc.pid)            # Ray's raylet is up: ray.init is connecting the driver
+        proc.wait(300)
+    finally:
+        if proc.poll() is None:
+            launcher.kill_child(proc.pid)
+        stop_leftover_rays()
+    header = json.loads((out / "run.json").read_text())
+    assert header["status"] == "stopped", (header["status"], log.read_text()[-2000:])
+    assert "Traceback" not in log.read_text(), log.read_text()[-3000:]
+
+
+def _raylet_of(pid: int) -> bool:
+    """A raylet among the descendants of `pid` (the local Ray a run's `ray.init` starts)."""
+    import psutil
+
+    try:
+        kids = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        return False
+    for k in kids:
+        try:
+            if any("raylet" in a for a in k.cmdline()[:2]):
+                return True
+        except psutil.Error:
+            continue
+    return False

@@ -54,6 +54,18 @@ def test_staleness_dominated_mismatch_is_fitted_from_one_run() -> None:
     assert oldg.value == pytest.approx(MAX_GROWTH_PER_VERSION) and old0.value > 3 * kl0.value
 
 
+def test_a_kept_level_says_so_first() -> None:
+    """Issue 44: the calibration table cut the note off, and what showed ("kl(s) = 3e-07 ...") contradicted the
+    row's value (the level kept at 1 % of the KL at the run's staleness, said only at the note's end)."""
+    kl0, _, _, _ = _mismatch_split(rows(level=3e-7, slope=0.005, ext_ratio=0.13), PRIOR)
+    assert kl0.note.startswith(f"kl0 = {kl0.value:.3g}: kept at 1% of kl at the run's mean staleness"), kl0.note
+    exact = rows(level=4e-3, slope=0.0, ext_ratio=0.2)
+    exact["kl_k3"] = 4e-3
+    exact["kl_k3_on_policy"] = np.where(exact["staleness_mean"] == 0, 4e-3, np.nan)
+    kl0, _, _, _ = _mismatch_split(exact, PRIOR)
+    assert kl0.note.startswith("kl(s) = 0.004 (+- ") and " + 0 (+- " in kl0.note, kl0.note   # no 7e-18 for 0
+
+
 def test_a_format_level_and_its_growth_are_recovered() -> None:
     level, g = 4e-3, 0.05   # the priors' form: kl0 (1 + g s), no noise
     gr = rows(level=level, slope=level * g, ext_ratio=0.2)

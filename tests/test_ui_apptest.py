@@ -22,7 +22,7 @@ import psutil
 import pytest
 
 pytest.importorskip("streamlit.testing.v1")
-from mixfleet.costmodel.records.runlog import GroupRecord, RunLogWriter, UpdateRecord  # noqa: E402
+from mixfleet.costmodel.records.runlog import GroupRecord, RunLog, RunLogWriter, UpdateRecord  # noqa: E402
 from streamlit.testing.v1 import AppTest  # noqa: E402
 from trust_helpers import SECRET, plan_text  # noqa: E402
 
@@ -118,6 +118,8 @@ def test_planner_runs_with_the_defaults_and_shows_a_mix(env: Path) -> None:
     mix = at.table[0].value
     assert len(mix) >= 1 and (mix["replicas"].astype(int) >= 1).all()
     assert set(mix["accelerator"]) <= {"B200", "B300", "H200", "H100", "A100-80GB", "RTX-PRO-6000"}
+    assert "prior share outside [0.2, 5]" in mix.columns       # the column is explained under it (issue 44)
+    assert any(c.value.startswith("**prior share outside [0.2, 5]**: the cost model's prior") for c in at.caption)
     assert "Cost vs time per update" in _plotly_titles(at)
     binds = [m.value for m in at.markdown if m.value.startswith("**What binds:**")]   # why this mix: what binds
     assert len(binds) == 1 and ("binds" in binds[0] or "GPUs allowed" in binds[0]), binds
@@ -211,6 +213,10 @@ def test_runs_page_overlays_the_twin_on_a_runner_log(env: Path, twin_run: tuple[
     at.run()
     assert not at.exception, [e.value for e in at.exception]
     assert "Predicted vs measured" in [s.value for s in at.subheader]
+    # issue 44 (stale widgets): the table says at how many updates it was computed (the run goes on under it)
+    n = int(RunLog.open(real).updates["version"].nunique())
+    assert any(c.value.startswith(f"Computed at {n} measured updates against the twin's ") for c in at.caption), \
+        [c.value for c in at.caption]
     titles = _plotly_titles(at)
     assert "Grad norm" in titles and "Entropy" in titles
     assert len([t for t in titles if t.startswith("Routing disagreement by group")]) == 2   # MoE columns recorded

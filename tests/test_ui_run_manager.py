@@ -155,6 +155,8 @@ def test_the_runs_page_offers_controls_only_for_its_own_runs(tmp_path: Path, mon
         assert "Stop (after this update)" in labels and "Kill now" in labels
         kill = next(b for b in at.button if b.label == "Kill now")
         kill.click().run()
+        assert m.alive()                      # Kill now asks first (issue 44): the confirmation kills
+        next(b for b in at.button if b.key == "mr_mine_kill_confirm").click().run()
         deadline = time.monotonic() + 30
         while Path(f"/proc/{m.pid}").exists() and time.monotonic() < deadline:   # killed, then reaped
             time.sleep(0.2)

@@ -84,6 +84,38 @@ def _rehearsal_note(pt: PlanText) -> str:
     return ""
 
 
+def _base_note(pt: PlanText, key: str) -> None:
+    """Whether the base policy an embedded run of this plan starts from is cached, and a button that prepares it
+    beforehand when it is not (issue 44: the first run pretrained it for minutes inside "starting")."""
+    from mixfleet.ui import base_prep
+
+    try:
+        b = base_prep.base_of(pt.toml)
+    except Exception:  # the rehearsal's refusal is said above
+        return
+    if b.cached:
+        st.caption(f"Base policy: cached (`{b.command}`); an embedded run starts from it without pretraining.")
+        return
+    proc = base_prep.PROCS.get(b.key)
+    if base_prep.preparing(b.key):
+        st.info(f"Preparing the base policy (`{b.command}`) in the background: "
+                f"{base_prep.last_line(b.key) or 'starting'}. A run started before it is cached trains its own.")
+        st.button("Refresh", key=f"{key}_base_refresh")
+        return
+    if proc is not None and proc.returncode:
+        st.error(f"Preparing the base policy failed (exit {proc.returncode}): {base_prep.last_line(b.key)}; "
+                 f"log `{base_prep.log_path(b.key)}`")
+    st.info(f"The base policy of an embedded run (`{b.command}`) is not cached yet: the first run trains it before "
+            "its first update (minutes on a 2-core CPU, about 10 under load). Prepare it now, beforehand.")
+    if st.button("Prepare the base policy now", key=f"{key}_base_prep"):
+        try:
+            base_prep.start(pt.toml)
+        except Exception as e:
+            show_error("cannot prepare the base policy", e)
+            return
+        st.rerun()
+
+
 def run_for_real(pt: PlanText, key: str) -> None:
     """A form that starts `mixfleet run` on this plan as a managed background process, then opens the Runs page."""
     root = runs_dir()
@@ -93,6 +125,8 @@ def run_for_real(pt: PlanText, key: str) -> None:
                    "own fleet is rehearsed on this machine: every group as embedded samplers in its precision, KV "
                    "dtype and kernel, with the plan's policies, on the tiny stand-in of its model family.")
         refusal = _rehearsal_note(pt)
+        if not refusal:
+            _base_note(pt, key)
         with st.form(f"{key}_run_form"):
             c1, c2 = st.columns([3, 1])
             # keyed by the plan, so the name follows the chosen plan (a fixed key kept the first plan's name)
@@ -265,14 +299,13 @@ def _controls(m: rm.ManagedRun, p: dict[str, Any] | None) -> None:
                        help="SIGTERM: the run finishes the update under way, checkpoints and closes its log "
                             "as 'stopped'. Resume continues it."):
             _act(lambda: rm.stop(m), m.name)
-        if c[1].button("Kill now", key=f"{key}_kill", help="SIGKILL to the run and its Ray; resumable from the "
-                                                           "last checkpoint."):
-            _act(lambda: rm.kill(m), m.name)
     elif state == "stopping":
         c[0].caption("stopping after the current update...")
-        if c[1].button("Kill now", key=f"{key}_kill"):
-            _act(lambda: rm.kill(m), m.name)
-    elif state in ("stopped", "killed", "exited", "failed", "finished"):
+    if state in ("running", "stopping"):
+        _kill_control(m, c[3], key)
+        return
+    st.session_state.get(KILL_ARMED_KEY, {}).pop(m.name, None)     # a confirmation never outlives the run
+    if state in ("stopped", "killed", "exited", "failed", "finished"):
         label = "Continue" if state == "finished" else "Resume"
         more = c[1].number_input(f"{label} to updates (target)", min_value=1, max_value=rm.MAX_UPDATES,
                                  value=max(m.updates, (p or {}).get("done", 0) + (1 if state == "finished" else 0)),
@@ -281,6 +314,30 @@ def _controls(m: rm.ManagedRun, p: dict[str, Any] | None) -> None:
         if c[0].button(label, key=f"{key}_resume", type="primary",
                        help="`mixfleet run ... --resume`: from the last trainer checkpoint, each update once"):
             _act(lambda: follow(rm.resume(m, int(more)).run_dir), m.name)
+
+
+KILL_ARMED_KEY = "managed_run_kill_armed"     # session state: {run name: Kill now pressed, not yet confirmed}
+
+
+def _kill_control(m: rm.ManagedRun, col: Any, key: str) -> None:
+    """Kill now, in the last column (away from Stop), and only after a confirmation: it acted at once, one button
+    from Stop (issue 44), and loses the update under way."""
+    armed = st.session_state.setdefault(KILL_ARMED_KEY, {})
+    if not armed.get(m.name):
+        if col.button("Kill now", key=f"{key}_kill", help="SIGKILL to the run and its Ray; asks first. The update "
+                                                          "under way is lost; resumable from the last checkpoint."):
+            armed[m.name] = True
+            st.rerun()
+        return
+    col.warning(f"Kill `{m.name}` now? SIGKILL: the update under way is lost; Resume continues from the last "
+                "checkpoint. **Stop** ends it after this update instead.")
+    yes, no = col.columns(2)
+    if yes.button("Kill", key=f"{key}_kill_confirm", type="primary"):
+        armed.pop(m.name, None)
+        _act(lambda: rm.kill(m), m.name)
+    if no.button("Cancel", key=f"{key}_kill_cancel"):
+        armed.pop(m.name, None)
+        st.rerun()
 
 
 ACT_ERROR_KEY = "managed_run_errors"          # session state: {run name: the last control's error}

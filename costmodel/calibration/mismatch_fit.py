@@ -192,11 +192,18 @@ def _mismatch_split(gr: pd.DataFrame, prior: Any) -> tuple[Fitted, Fitted, Fitte
     level = max(a, MIN_LEVEL_SHARE * at_run)
     g = (at_run / level - 1.0) / s_run if level > 0 and s_run > 0 else 0.0
     eg = float(eb / level) if level > 0 else math.nan
-    note = (f"kl(s) = {a:.3g} (+- {ea:.2g}) + {b:.3g} (+- {eb:.2g}) x s, fitted on the run's staleness "
+    z = 1e-9 * max(abs(a), abs(at_run))       # a bound of 0 reached at round-off (7e-18) reads 0, as in the table
+
+    def g3(x: float) -> str:
+        return "0" if abs(x) <= z else f"{x:.3g}"
+
+    note = (f"kl(s) = {g3(a)} (+- {ea:.2g}) + {g3(b)} (+- {eb:.2g}) x s, fitted on the run's staleness "
             f"0..{line.staleness_max:.2f}; kl at its mean staleness {s_run:.2f}: {at_run:.3g} +- {line.stderr:.2g} "
             f"(+- {line.stderr_robust:.2g} with the updates' autocorrelation, lag {line.lag})")
-    if level > a:
-        note += f"; kl0 kept at {MIN_LEVEL_SHARE:.0%} of kl at the run's staleness {s_run:.2f}"
+    if level > a:   # said first: the value differs from the line's level the note goes on to give (issue 44: the
+        # table cut the note before its end, and what showed contradicted the row)
+        note = (f"kl0 = {level:.3g}: kept at {MIN_LEVEL_SHARE:.0%} of kl at the run's mean staleness {s_run:.2f} "
+                f"(the line's own level {g3(a)} is below it; the +- is the line level's). " + note)
     ext = gr["extreme_share"].to_numpy(dtype=np.float64)
     eok = ok & np.isfinite(ext)
     r = float((ext[eok] * n[eok]).sum() / max((kl[eok] * n[eok]).sum(), 1e-300)) if eok.any() else math.nan
