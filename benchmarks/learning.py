@@ -78,6 +78,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "learning.json"
 FINAL_RESULTS = Path(__file__).resolve().parent / "results" / "learning_final_eval.json"
 FIGURES = Path(__file__).resolve().parents[1] / "docs" / "img"
 INPROCESS_FILE = "onpolicy_result.json"
+GROUP_SERIES = ("kl_k3", "extreme_share", "masked_share")     # per-group series read_run keeps (groups table)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,30 +248,48 @@ def read_run(folder: Path, rung: str, seed: int) -> dict[str, Any] | None:
                 "train_reward": [u["reward"] for u in res["updates"]],
                 "no_tool_call_share": [u["no_tool_call_share"] for u in res["updates"]],
                 "kl_k3": [u["k3"] for u in res["updates"]], "entropy": [u["entropy"] for u in res["updates"]],
+                "grad_norm": [u.get("grad_norm", math.nan) for u in res["updates"]],
                 "evals": res["evals"], "wall_s": res["wall_s"], "config": res["config"],
                 "base_checkpoint": res["base_checkpoint"], "base_digest": weights_digest(res["base_checkpoint"]),
                 "pretrain_steps": RUNGS[rung].pretrain_steps,
                 "eval_top_p": float(res["config"].get("eval_top_p", 1.0))}
     if not (folder / "run.json").exists():
         return None
-    from mixfleet.costmodel.records.runlog import RunLog
+    from mixfleet.costmodel.records.runlog import RunLog, extreme_shares
 
     log = RunLog.open(folder)
     u = log.updates.sort_values("version")
+    versions = [int(v) for v in u["version"]]
     tr = log.trajectories
     trained = tr[tr["trained_version"] >= 1] if len(tr) else tr
-    ntc = trained.groupby("trained_version")["finish_reason"].apply(lambda s: float((s == "no_tool_call_3x").mean()))
-    groups: dict[str, list[float]] = {}
+    by_update = trained.groupby("trained_version")
+    ntc = by_update["finish_reason"].apply(lambda s: float((s == "no_tool_call_3x").mean()))
+    turns, gen = by_update["turns"].mean(), by_update["generated_tokens"].mean()
+    groups: dict[str, dict[str, list[float]]] = {m: {} for m in GROUP_SERIES}
     if len(log.groups):
-        for name, rows in log.groups.sort_values("version").groupby("group"):
-            groups[str(name)] = [float(x) for x in rows["kl_k3"]]
+        for name, rows in log.groups.groupby("group"):
+            at = rows.drop_duplicates("version", keep="last").set_index("version")
+            for m in GROUP_SERIES:      # one entry per update (NaN where the group had no row in that update)
+                groups[m][str(name)] = [float(at[m].get(v, math.nan)) for v in versions]
     evals = _eval_curve(log.events)
     init = str(log.header.get("runner", {}).get("init_checkpoint") or "")
+
+    def per_update(series: Any) -> list[float]:
+        return [float(series.get(v, math.nan)) for v in versions]
+
     return {"rung": rung, "seed": seed, "status": log.header.get("status"), "updates": int(len(u)),
             "base_checkpoint": init, "base_digest": weights_digest(init),
             "train_reward": [float(x) for x in u["reward_mean"]],
-            "no_tool_call_share": [float(ntc.get(int(v), math.nan)) for v in u["version"]],
-            "kl_k3": [float(x) for x in u["kl_k3"]], "kl_k3_by_group": groups,
+            "no_tool_call_share": per_update(ntc),
+            "kl_k3": [float(x) for x in u["kl_k3"]], "kl_k3_by_group": groups["kl_k3"],
+            # what the seed's diagnosis rests on, per update (issue 41): the trainer's gradient norm and entropy,
+            # the share of tokens the correction masked and of extreme ratios (outside [0.2, 5]), per group too,
+            # and the episode length (assistant turns, generated tokens) of the batch trained on
+            "grad_norm": [float(x) for x in u["grad_norm"]], "entropy": [float(x) for x in u["entropy"]],
+            "masked_share": [float(x) for x in u["masked_share"]],
+            "extreme_share": [float(x) for x in extreme_shares(u)],
+            "extreme_share_by_group": groups["extreme_share"], "masked_share_by_group": groups["masked_share"],
+            "episode_turns": per_update(turns), "episode_generated_tokens": per_update(gen),
             "staleness_mean": [float(x) for x in u["staleness_mean"]], "evals": evals,
             "wall_s": float(u["end_s"].max()) if len(u) else math.nan, "plan": log.header.get("plan", {}).get("name"),
             "pretrain_steps": RUNGS[rung].pretrain_steps, "eval_top_p": evals[-1]["top_p"] if evals else 1.0}
