@@ -29,6 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mixfleet.studies.ablation import LABELS
+from mixfleet.studies.learning_study import RUN_OVERHEAD_S, STUDY, estimate_s
 from scipy.special import stdtrit  # the t distribution's quantile (scipy.stats imports twice as slowly)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -410,8 +412,34 @@ def block_findings(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n\n" + FINDINGS_RULES
 
 
+def block_study_arms(data: dict[str, Any]) -> str:
+    """The study's arms (studies/learning_study.py STUDY) with their estimated CPU time from the ladder's runs."""
+    lines = ["| study | arm (rung) | loss | fleet (plan) | seeds | updates | base | est. CPU per run "
+             "| est. CPU, all seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    totals = {}
+    for study, arms in STUDY.items():
+        for a in arms:
+            est = estimate_s(a, data["ladder"])
+            totals[study] = totals.get(study, 0.0) + est * len(a.seeds)
+            lines.append(f"| {study} | {a.key} | {LABELS[a.variant]} | {a.fleet} ({a.plan}) | "
+                         f"{','.join(map(str, a.seeds))} | {a.updates} | {a.model}, {a.pretrain_steps} steps | "
+                         f"{est / 60:.0f} min | {est * len(a.seeds) / 3600:.1f} h |")
+    t = data["treat"]["runs"]
+    walls = {k: statistics.median(r["wall_s"] for r in t if r["rung"] in k) for k in (("t-grpo", "t-c"), ("b-lr",))}
+    ratio = walls[("t-grpo", "t-c")] / walls[("b-lr",)]
+    lines.append("")
+    lines.append(f"Estimated CPU in all: {' + '.join(f'{v / 3600:.1f} h ({k})' for k, v in totals.items())}, one "
+                 f"run at a time, plus each finished run's 512 x 2 re-evaluation. The estimate is the median wall "
+                 f"per update of the like ladder rungs in learning.json (mixed: c-lr, c-grpo-lr; homogeneous: those "
+                 f"and b-lr, b-c-lr; MoE: d-c300 and its kin) x the updates + {RUN_OVERHEAD_S:.0f} s start-up. The "
+                 f"treatment's kernel noise is not in those rungs: over the same first 6 updates its runs took "
+                 f"{ratio:.2f}x b-lr's wall (median, learning_treatment.json), so the mixed arms may take longer.")
+    return "\n".join(lines)
+
+
 BLOCKS = {"learning-table": block_ladder, "learning-signs": block_signs, "learning-final-eval": block_final,
-          "learning-findings": block_findings}
+          "learning-findings": block_findings, "study-arms": block_study_arms}
 BLOCK_RE = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end -->)", re.S)
 
 
