@@ -59,7 +59,7 @@ from typing import Any
 import numpy as np
 from mixfleet.costmodel.jsonsafe import json_safe
 from mixfleet.studies.ablation import variant
-from mixfleet.studies.learning_study import ARMS, STUDY, TREATMENT_NOISE, estimate_s, study_order
+from mixfleet.studies.learning_study import ARMS, STUDY, TREATMENT_NOISE, estimate_s, study_order, verdicts
 
 # the loss variants as plan overrides, from the ablation's one table of them (studies/ablation.py)
 SC_MIS_TOPP = variant("sc_mis_topp").overrides()   # SC + MIS, top-p 0.95 sampling with mask replay
@@ -572,7 +572,7 @@ def study_listing(study: str, out: Path, ladder: dict[str, Any]) -> tuple[list[s
 
 def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
     """--study: list, run (resumable), re-evaluate or report the study of issue 41 (studies/learning_study.py)."""
-    from mixfleet.studies.learning_study import MODELS, STUDY_EVAL
+    from mixfleet.studies.learning_study import MODELS, RULES, STUDY_EVAL
 
     arms = STUDY[args.study]
     model, steps = MODELS[args.study]
@@ -598,7 +598,7 @@ def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
                           out) for a, s in order]
         run_study(runs, manifest_path=out / f"study-{args.study}.json",
                   manifest_extra={"format": "mixfleet-learning-study", "study": args.study, "model": model,
-                                  "pretrain_steps": steps,
+                                  "pretrain_steps": steps, "rules": RULES,
                                   "order": [f"{a.key}/seed{s}" for a, s in order]},
                   base_policy=base_policy(model, steps), log=log,
                   settings=StudySettings(resume=args.resume, start_gap_s=5.0, run_timeout_s=5400.0))
@@ -611,11 +611,25 @@ def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
     runs, kept = merge_earlier(runs, earlier)
     if kept:
         log(f"kept {kept} earlier run(s) of {args.results} that this command did not read")
+    final = read_earlier(Path(args.final_results)).get("evaluations", {})
+    v = verdicts(runs, args.study, final)
     results = {"generated_unix_s": time.time(), "command": command, "study": args.study,
                "evaluation": {"problems": STUDY_EVAL["problems"], "samples_per_problem": STUDY_EVAL["samples"],
                               "every": STUDY_EVAL["every"], "temperature": 1.0, "precision": "bf16", "split": "eval"},
-               "summary": summarize(runs), "runs": runs}
+               "rules": RULES, "summary": summarize(runs), "verdicts": v, "runs": runs}
     _write_json_atomically(Path(args.results), results)
+    t = v["treatment"]
+    log(f"treatment (mixed / homogeneous GRPO run k3, updates 2-6): "
+        f"{', '.join(f'seed {s} {x:.2f}x' for s, x in t['ratio_by_seed'].items()) or 'no pairs yet'}: {t['verdict']}")
+    for row in v["arms"]:
+        log(f"{row['arm']:>26}: {len(row['seeds'])} of {len(row['seeds_planned'])} seeds, held-out "
+            f"{row['heldout_start']:.3f} -> {row['heldout_end']:.3f}, {row['collapsed']} collapsed, "
+            f"{row['stable']} stable: {row['verdict']}")
+    for c in v["contrasts"]:
+        log(f"{c['a']} - {c['b']} at {c['horizon']}: {c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] "
+            f"({c['pairs']} pairs): {c['verdict']}")
+    for f in v["findings"]:
+        log(f"{f['finding']}: {f['verdict']}")
     log(f"wrote {args.results}")
     return 0
 

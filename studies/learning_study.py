@@ -1,4 +1,4 @@
-"""The learning study of issue 41 as data.
+"""The learning study of issue 41 as data, and its verdict rules as code (fixed before any of its runs).
 
 The study (`STUDY`): the seed's six loss variants (studies/ablation.py `VARIANTS`) on the treatment (mixed) fleet,
 GRPO and SC + MIS + top-p also on a homogeneous bf16 fleet, on the dense model; on the MoE the four key arms and
@@ -11,6 +11,10 @@ a rung of its RUNGS table under its own key (prefix "s-" dense, "m-" MoE: no col
                      its k3 measured against one fp32 group (b-lr, learning_treatment.json); against the
                      bf16 fleet below it is measured by the study's first runs
     homogeneous      learning-homog-bf16 (-moe): tiny-cpu's bf16 group alone, three replicas
+
+The verdict rules (`RULES`, applied by `verdicts`): written down on `RULES_FIXED`, before the study's first run,
+and quoted verbatim in docs/learning.md. The collapse signs are the ones docs/learning.md's ladder findings use
+(`collapse_signs`, also imported by benchmarks/check_learning_docs.py: one definition).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mixfleet.studies.ablation import LABELS, variant
+from scipy.special import stdtrit  # the t distribution's quantile (scipy.stats imports twice as slowly)
 
 # The treatment (issue 41): tiny-cpu's fp8 / nvfp4 groups alone are barely further from the trainer than one fp32
 # group two versions behind (the mixed / homogeneous k3 of c-grpo-lr / b-lr: 0.89-1.38x). The embedded engine's
@@ -37,6 +42,7 @@ KEY_UPDATES, OTHER_UPDATES = 60, 40
 FIRST_SEEDS = 3                         # the key arms' seeds 0-2 run first, then their seeds 3-4, then the rest
 RUN_OVERHEAD_S = 15.0                   # per run beyond its log's wall: child + Ray start and the start gap (runs/treat
                                         # manifest: child wall - log wall 7-14 s; start gap 5 s)
+RULES_FIXED = "2026-12-07"
 
 MODELS = {"dense": ("tiny", 150), "moe": ("tiny-qwen3-moe", 300)}    # study -> (model, its base's pretrain steps)
 PLANS = {("dense", "mixed"): "tiny-cpu", ("dense", "homogeneous"): "learning-homog-bf16",
@@ -145,3 +151,266 @@ def estimate_s(arm: Arm, ladder: Mapping[str, Any]) -> float:
     """A run's estimated CPU wall seconds on this machine: measured wall per update of its like rungs x its updates
     + RUN_OVERHEAD_S."""
     return wall_per_update(ladder, arm.like) * arm.updates + RUN_OVERHEAD_S
+
+
+# ---------------------------------------------------------------------------------------------- the verdict rules
+
+EQUIVALENCE_MARGIN = 0.05          # the seed's "within 0.05"
+CONFIDENCE = 0.95
+
+RULES = f"""\
+Fixed on {RULES_FIXED}, before the study's first run; applied by code (studies/learning_study.py `verdicts`).
+Only finished runs count. A contrast of two arms is compared at the shorter arm's horizon H (its updates): each
+run's series cut to its first H updates and its held-out reward at version H; at their own final version the
+512 x 2 re-evaluation with shared draws (learning_study_final_eval.json) replaces the 64 x 2 periodic one when both
+arms have it.
+*Collapse signs* (the ladder's, docs/learning.md): k3 above 3x its mean over updates 2-6; more than half the
+episodes of an update ending on three replies without a tool call; the 5-update mean training reward below half
+its first 5 updates' mean. A seed *collapses* when all three signs occur within H, is *stable* when none does.
+An arm *collapses* when every seed collapses, is *stable* when every seed is stable, *partly collapses* when some
+seed collapses, otherwise is *unsettled*. Runs shorter than 10 updates get no verdict.
+*Paired contrast* A - B: per seed present in both arms, from the same base (equal weight digests) and the same
+evaluation, the difference of the held-out rewards at H; the 95 % t-interval of the mean difference (df: pairs
+minus 1). *equivalent* if the whole interval lies inside +-{EQUIVALENCE_MARGIN} (even if it excludes 0: the
+difference is then smaller than the margin that matters); else *different* if it excludes 0; else *inconclusive*
+(also with fewer than 2 pairs). A pair from two bases is left out and named.
+*Treatment*: per seed, the mixed GRPO arm's run k3 (mean of updates 2-6) over the homogeneous GRPO arm's, same
+base; it holds if the ratio is >= 3 on every seed, partly if on some, not if on none.
+*Learns*: the per-seed gain (held-out reward at H minus at version 0; with the re-evaluation, minus the base's)
+has a 95 % t-interval above 0.
+*Sooner on mixed*: per seed and sign, the update the sign first occurs on the homogeneous fleet minus on the
+mixed fleet, a sign that never occurs counted at H + 1 (a pair where neither fleet shows it is left out); shown if
+every difference is > 0, partly if none is < 0 and some is > 0, else not shown.
+The findings: (1) SC + MIS + top-p learns on the mixed fleet, and beats GRPO there (contrast *different*, > 0);
+(2) GRPO collapses on the mixed fleet (the arm *collapses*; *partly* if it partly collapses), sooner than on the
+homogeneous fleet; (3) SC + MIS + top-p on the mixed fleet is *equivalent* to it on the homogeneous fleet. Each is
+*reproduced* when its rule holds and *not reproduced* otherwise, with the figures that decided; *not tested yet*
+while its arms have fewer than 2 finished seeds (pairs) at H."""
+
+
+def t_interval(values: Sequence[float]) -> tuple[float, float, float, float]:
+    """(mean, se, low, high): the 95 % t-interval over the values (seeds)."""
+    m = statistics.fmean(values)
+    se = statistics.stdev(values) / math.sqrt(len(values))
+    h = float(stdtrit(len(values) - 1, 0.5 + CONFIDENCE / 2)) * se
+    return m, se, m - h, m + h
+
+
+def mean5(xs: Sequence[float], i: int) -> float:
+    return statistics.fmean(xs[i:i + 5])
+
+
+@dataclass(frozen=True)
+class Signs:
+    """A run's collapse signs (RULES): update numbers are 1-based; None = never."""
+    k3_peak_x: float          # the largest k3 over its level at updates 2-6
+    k3_3x: int | None         # the first update with k3 above 3x that level
+    ntc_50: int | None        # the first update with more than half the episodes ending without a tool call
+    ntc_max_pct: float
+    halved: int | None        # the last update of the first 5-update window whose mean is < half the first 5's
+    train_first5: float
+    train_last5: float
+
+    @property
+    def collapsed(self) -> bool:
+        return self.k3_3x is not None and self.ntc_50 is not None and self.halved is not None
+
+    @property
+    def stable(self) -> bool:
+        return self.k3_3x is None and self.ntc_50 is None and self.halved is None
+
+
+def collapse_signs(run: Mapping[str, Any]) -> Signs:
+    k3, ntc, tr = run["kl_k3"], run["no_tool_call_share"], run["train_reward"]
+    level = statistics.fmean(k3[1:6])
+    k3_3x = next((i + 1 for i, k in enumerate(k3) if k > 3 * level), None)
+    ntc_50 = next((i + 1 for i, s in enumerate(ntc) if s > 0.5), None)
+    start = mean5(tr, 0)
+    halved = next((i + 5 for i in range(len(tr) - 4) if mean5(tr, i) < start / 2), None)
+    return Signs(max(k3) / level, k3_3x, ntc_50, 100 * max(ntc), halved, start, mean5(tr, len(tr) - 5))
+
+
+def equivalence(lo: float, hi: float, margin: float = EQUIVALENCE_MARGIN) -> str:
+    """The paired contrast's verdict from its interval (RULES)."""
+    if not (math.isfinite(lo) and math.isfinite(hi)):
+        return "inconclusive"
+    if -margin <= lo and hi <= margin:
+        return "equivalent"
+    if lo > 0 or hi < 0:
+        return "different"
+    return "inconclusive"
+
+
+def _growth(xs: Sequence[float]) -> float:
+    """The last 5 updates' mean over updates 2-6's (k3, gradient norm)."""
+    xs = [x for x in xs if math.isfinite(x)]
+    if len(xs) < 10:
+        return math.nan
+    level = statistics.fmean(xs[1:6])
+    return statistics.fmean(xs[-5:]) / level if level > 0 else math.nan
+
+
+def cut(run: Mapping[str, Any], horizon: int) -> dict[str, Any] | None:
+    """The run's series up to update `horizon` and its held-out reward there (`heldout_end`); None if it has no
+    evaluation at version `horizon` (or none at 0)."""
+    evals = {int(e["version"]): float(e["reward"]) for e in run.get("evals", [])}
+    if horizon not in evals or 0 not in evals or run.get("updates", 0) < horizon:
+        return None
+    out = {k: (v[:horizon] if isinstance(v, list) and k not in ("evals",) else v) for k, v in run.items()}
+    out.update(heldout_start=evals[0], heldout_end=evals[horizon], horizon=horizon)
+    return out
+
+
+def _final_reward(final: Mapping[str, Any] | None, arm: str, seed: int, version: int) -> float | None:
+    e = (final or {}).get(f"{arm}/seed{seed}")
+    return float(e["reward"]) if e and int(e.get("version", -1)) == version else None
+
+
+def _base_reward(final: Mapping[str, Any] | None, arm: Arm) -> float | None:
+    e = (final or {}).get(f"base/{arm.model}/{arm.pretrain_steps}")
+    return float(e["reward"]) if e else None
+
+
+def _runs_at(runs: Sequence[Mapping[str, Any]], arm: Arm, horizon: int,
+             final: Mapping[str, Any] | None) -> dict[int, dict[str, Any]]:
+    """Seed -> the finished run of `arm` cut at `horizon`, its held-out end (the re-evaluation where it is at its
+    final version and has one) and start (the base's re-evaluation then)."""
+    out = {}
+    for r in runs:
+        if r["rung"] != arm.key or r.get("status") != "finished":
+            continue
+        c = cut(r, horizon)
+        if c is None:
+            continue
+        fin, base = _final_reward(final, arm.key, r["seed"], horizon), _base_reward(final, arm)
+        if fin is not None and base is not None:
+            c.update(heldout_end=fin, heldout_start=base, reevaluated=True)
+        out[int(r["seed"])] = c
+    return out
+
+
+def arm_verdict(runs: Sequence[Mapping[str, Any]]) -> tuple[str, list[Signs]]:
+    """An arm's verdict from its (cut) runs (RULES) and each seed's signs."""
+    runs = [r for r in runs if len(r["kl_k3"]) >= 10]
+    if not runs:
+        return "no verdict (no finished run of >= 10 updates)", []
+    signs = [collapse_signs(r) for r in runs]
+    if all(s.collapsed for s in signs):
+        return "collapses", signs
+    if all(s.stable for s in signs):
+        return "stable", signs
+    return ("partly collapses" if any(s.collapsed for s in signs) else "unsettled"), signs
+
+
+def paired(a: Mapping[int, Mapping[str, Any]], b: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """The paired contrast A - B over the seeds both have from one base (RULES)."""
+    diffs, seeds, other_base = [], [], []
+    for s in sorted(set(a) & set(b)):
+        da, db = a[s].get("base_digest"), b[s].get("base_digest")
+        if da is not None and db is not None and da != db:
+            other_base.append(s)
+            continue
+        diffs.append(a[s]["heldout_end"] - b[s]["heldout_end"])
+        seeds.append(s)
+    if len(diffs) < 2:
+        m = diffs[0] if diffs else math.nan
+        return {"pairs": len(diffs), "seeds": seeds, "other_base_seeds": other_base, "mean": m, "lo": math.nan,
+                "hi": math.nan, "verdict": "inconclusive"}
+    m, se, lo, hi = t_interval(diffs)
+    return {"pairs": len(diffs), "seeds": seeds, "other_base_seeds": other_base, "mean": m, "se": se, "lo": lo,
+            "hi": hi, "diffs": diffs, "verdict": equivalence(lo, hi)}
+
+
+def sooner(mixed: Mapping[int, Mapping[str, Any]], homog: Mapping[int, Mapping[str, Any]], horizon: int) -> dict:
+    """Per seed and sign: the update it first occurs on the homogeneous fleet minus on the mixed (RULES)."""
+    diffs: list[int] = []
+    for s in sorted(set(mixed) & set(homog)):
+        sm, sh = collapse_signs(mixed[s]), collapse_signs(homog[s])
+        for um, uh in ((sm.k3_3x, sh.k3_3x), (sm.ntc_50, sh.ntc_50), (sm.halved, sh.halved)):
+            if um is None and uh is None:
+                continue
+            diffs.append((horizon + 1 if uh is None else uh) - (horizon + 1 if um is None else um))
+    if not diffs:
+        verdict = "not shown"
+    else:
+        verdict = "shown" if min(diffs) > 0 else ("partly shown" if min(diffs) >= 0 < max(diffs) else "not shown")
+    return {"diffs": diffs, "verdict": verdict}
+
+
+def treatment(mixed: Mapping[int, Mapping[str, Any]], homog: Mapping[int, Mapping[str, Any]]) -> dict[str, Any]:
+    """Per seed the mixed fleet's run k3 (mean of updates 2-6) over the homogeneous fleet's (RULES)."""
+    ratios = {}
+    for s in sorted(set(mixed) & set(homog)):
+        da, db = mixed[s].get("base_digest"), homog[s].get("base_digest")
+        if (da is None or db is None or da == db) and len(mixed[s]["kl_k3"]) >= 6 and len(homog[s]["kl_k3"]) >= 6:
+            ratios[s] = statistics.fmean(mixed[s]["kl_k3"][1:6]) / statistics.fmean(homog[s]["kl_k3"][1:6])
+    k = sum(r >= 3 for r in ratios.values())
+    verdict = "not measured yet" if not ratios else \
+        "holds" if k == len(ratios) else ("partly holds" if k else "does not hold")
+    return {"ratio_by_seed": ratios, "at_least_3x": k, "seeds": len(ratios), "verdict": verdict}
+
+
+def verdicts(runs: Sequence[Mapping[str, Any]], study: str,
+             final: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """The study's verdicts by RULES: per arm (at its own horizon) its reward start -> end, KL and gradient-norm
+    growth, no-tool-call share and verdict; the paired contrasts; the three findings. `runs`: read_run records
+    (benchmarks/learning.py); `final`: the re-evaluation's "evaluations" (key "RUNG/seedS", "base/MODEL/STEPS")."""
+    arms = {a.key: a for a in STUDY[study]}
+    rows = []
+    for a in arms.values():
+        rs = _runs_at(runs, a, a.updates, final)
+        v, signs = arm_verdict(list(rs.values()))
+        starts = [r["heldout_start"] for r in rs.values()]
+        ends = [r["heldout_end"] for r in rs.values()]
+        rows.append({"arm": a.key, "label": a.label, "fleet": a.fleet, "variant": a.variant, "horizon": a.updates,
+                     "seeds": sorted(rs), "seeds_planned": list(a.seeds),
+                     "heldout_start": statistics.fmean(starts) if starts else math.nan,
+                     "heldout_end": statistics.fmean(ends) if ends else math.nan,
+                     "heldout_end_min": min(ends, default=math.nan), "heldout_end_max": max(ends, default=math.nan),
+                     "kl_growth": [_growth(r["kl_k3"]) for r in rs.values()],
+                     "grad_norm_growth": [_growth(r.get("grad_norm", [])) for r in rs.values()],
+                     "no_tool_call_last": [r["no_tool_call_share"][-1] for r in rs.values()],
+                     "collapsed": sum(s.collapsed for s in signs), "stable": sum(s.stable for s in signs),
+                     "verdict": v})
+    prefix = "s" if study == "dense" else "m"
+    mix_c, mix_g = f"{prefix}-mix-sc_mis_topp", f"{prefix}-mix-grpo"
+    hom_c, hom_g = f"{prefix}-hom-sc_mis_topp", f"{prefix}-hom-grpo"
+    pairs = [(mix_c, mix_g), (mix_c, hom_c), (mix_g, hom_g)]
+    pairs += [(a.key, mix_g) for a in arms.values() if a.key not in (mix_c, mix_g, hom_c, hom_g)]
+    contrasts = []
+    for ka, kb in pairs:
+        h = min(arms[ka].updates, arms[kb].updates)
+        fin = final if arms[ka].updates == arms[kb].updates == h else None    # both at their final version, or neither
+        contrasts.append({"a": ka, "b": kb, "horizon": h, "reevaluated": fin is not None,
+                          **paired(_runs_at(runs, arms[ka], h, fin), _runs_at(runs, arms[kb], h, fin))})
+    con = {(c["a"], c["b"]): c for c in contrasts}
+    findings = []
+    h = arms[mix_c].updates
+    learn = _runs_at(runs, arms[mix_c], h, final)
+    gains = [r["heldout_end"] - r["heldout_start"] for r in learn.values()]
+    g = t_interval(gains) if len(gains) > 1 else (math.nan,) * 4
+    beats = con[(mix_c, mix_g)]
+    ok1 = len(gains) > 1 and g[2] > 0 and beats["verdict"] == "different" and beats["mean"] > 0
+    findings.append({"finding": "1. SC + MIS + top-p learns on the mixed fleet, and beats GRPO there",
+                     "gain": g[0], "gain_lo": g[2], "gain_hi": g[3], "seeds": len(gains),
+                     "versus_grpo": beats, "verdict": "not tested yet" if min(len(gains), beats["pairs"]) < 2
+                     else "reproduced" if ok1 else "not reproduced"})
+    grpo = next(r for r in rows if r["arm"] == mix_g)
+    grpo_m = _runs_at(runs, arms[mix_g], arms[mix_g].updates, final)
+    grpo_h = _runs_at(runs, arms[hom_g], arms[mix_g].updates, final)
+    soon, paired_seeds = sooner(grpo_m, grpo_h, arms[mix_g].updates), len(set(grpo_m) & set(grpo_h))
+    ok2 = grpo["verdict"] == "collapses" and soon["verdict"] == "shown"
+    partly2 = grpo["verdict"] in ("collapses", "partly collapses") and soon["verdict"] != "not shown"
+    findings.append({"finding": "2. GRPO collapses on the mixed fleet, sooner than on the homogeneous one",
+                     "mixed_grpo": grpo["verdict"], "collapsed": grpo["collapsed"], "seeds": len(grpo["seeds"]),
+                     "homogeneous_grpo": next(r["verdict"] for r in rows if r["arm"] == hom_g), "sooner": soon,
+                     "verdict": "not tested yet" if len(grpo["seeds"]) < 2 or paired_seeds < 2
+                     else "reproduced" if ok2 else ("partly reproduced" if partly2 else "not reproduced")})
+    par = con[(mix_c, hom_c)]
+    findings.append({"finding": "3. SC + MIS + top-p on the mixed fleet is on par (+-0.05) with the homogeneous",
+                     "contrast": par, "verdict": "not tested yet" if par["pairs"] < 2
+                     else "reproduced" if par["verdict"] == "equivalent" else "not reproduced"})
+    treat = treatment(_runs_at(runs, arms[mix_g], arms[mix_g].updates, None),
+                      _runs_at(runs, arms[hom_g], arms[hom_g].updates, None))
+    return {"rules_fixed": RULES_FIXED, "treatment": treat, "arms": rows, "contrasts": contrasts,
+            "findings": findings}

@@ -1,5 +1,8 @@
 """The learning study of issue 41 (studies/learning_study.py, benchmarks/learning.py --study): its table, its order,
-its estimates and listing. The listing's run logs are written with the real RunLogWriter. Nothing here trains.
+its estimates and listing, and its verdict rules on hand-made runs where each verdict is reached and can fail.
+
+The runs here are dicts in the shape benchmarks/learning.py `read_run` returns (the fields the verdicts read);
+the listing's run logs are written with the real RunLogWriter. Nothing here trains.
 """
 
 from __future__ import annotations
@@ -16,11 +19,18 @@ from mixfleet.policies.plan import load_plan
 from mixfleet.studies.ablation import VARIANT_KEYS, variant
 from mixfleet.studies.learning_study import (
     ARMS,
+    RULES,
     RUN_OVERHEAD_S,
     STUDY,
     TREATMENT_NOISE,
+    arm_verdict,
+    collapse_signs,
+    equivalence,
     estimate_s,
+    paired,
     study_order,
+    t_interval,
+    verdicts,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,3 +131,159 @@ def test_list_prints_the_order_estimates_and_state(learning, tmp_path: Path, cap
     assert "s-mix-grpo/seed0" in rows[1] and rows[1].endswith("partial (12 of 60 updates)")
     assert rows[2].endswith("new") and "s-mix-grpo_mis/seed0" in rows[20] and " 40 updates" in rows[20]
     assert any(line.startswith("estimated CPU hours:") for line in out)
+
+
+# ---------------------------------------------------------------------------------------------- the verdict rules
+
+def _run(rung: str, seed: int, *, n: int = 60, start: float = 0.4, end: float = 0.6, collapse: bool = False,
+         signs: tuple[bool, bool, bool] | None = None, digest: str = "base", evals: dict[int, float] | None = None,
+         k3_scale: float = 1.0) -> dict:
+    """A finished run: flat k3 1e-3, no-tool-call 0, training reward 0.5; `collapse` (or `signs`: which of the
+    three) makes k3 rise 10x, the no-tool-call share 0.9 and the reward 0.1 over its second half."""
+    k3_up, ntc_up, tr_down = signs if signs is not None else (collapse,) * 3
+    half = n // 2
+    k3 = [1e-3] * half + [1e-2 if k3_up else 1e-3] * (n - half)
+    ntc = [0.0] * half + [0.9 if ntc_up else 0.0] * (n - half)
+    tr = [0.5] * half + [0.1 if tr_down else 0.5] * (n - half)
+    ev = evals if evals is not None else {0: start, 40: (start + end) / 2, n: end}
+    return {"rung": rung, "seed": seed, "status": "finished", "updates": n, "kl_k3": [k3_scale * k for k in k3],
+            "no_tool_call_share": ntc,
+            "train_reward": tr, "grad_norm": [1.0] * half + [3.0] * (n - half), "base_digest": digest,
+            "evals": [{"version": v, "reward": r} for v, r in sorted(ev.items())]}
+
+
+def test_collapse_signs_are_the_ladders() -> None:
+    s = collapse_signs(_run("x", 0, collapse=True))
+    assert s.collapsed and not s.stable and (s.k3_3x, s.ntc_50, s.halved) == (31, 31, 34)
+    s = collapse_signs(_run("x", 0))
+    assert s.stable and not s.collapsed and s.k3_3x is s.ntc_50 is s.halved is None
+
+
+@pytest.mark.parametrize(("signs", "want"), [
+    ([(True, True, True)] * 3, "collapses"),
+    ([(True, True, True)] * 2 + [(False, False, False)], "partly collapses"),
+    ([(False, False, False)] * 3, "stable"),
+    ([(False, False, False)] * 2 + [(True, False, True)], "unsettled"),      # two signs are not a collapse
+])
+def test_arm_verdict(signs, want) -> None:
+    assert arm_verdict([_run("x", i, signs=sg) for i, sg in enumerate(signs)])[0] == want
+
+
+def test_arm_verdict_needs_10_updates() -> None:
+    assert arm_verdict([_run("x", 0, n=8, evals={0: 0.4, 8: 0.5})])[0].startswith("no verdict")
+
+
+@pytest.mark.parametrize(("lo", "hi", "want"), [
+    (-0.04, 0.049, "equivalent"), (0.01, 0.03, "equivalent"), (0.06, 0.1, "different"), (-0.2, -0.01, "different"),
+    (-0.1, 0.02, "inconclusive"), (-0.01, 0.051, "inconclusive"), (math.nan, math.nan, "inconclusive")])
+def test_equivalence(lo, hi, want) -> None:
+    assert equivalence(lo, hi) == want
+
+
+def test_t_interval_by_hand() -> None:
+    m, se, lo, hi = t_interval([0.1, 0.2])           # t(0.975, df 1) = 12.7062
+    assert (m, se) == pytest.approx((0.15, 0.05)) and (lo, hi) == pytest.approx((0.15 - 0.63531, 0.15 + 0.63531),
+                                                                                abs=1e-4)
+
+
+def _by_seed(diffs: list[float], digests: list[str] | None = None) -> tuple[dict, dict]:
+    a = {s: {"heldout_end": 0.5 + d, "base_digest": (digests or ["x"] * len(diffs))[s]} for s, d in enumerate(diffs)}
+    b = {s: {"heldout_end": 0.5, "base_digest": "x"} for s in range(len(diffs))}
+    return a, b
+
+
+def test_paired_contrast_reaches_each_verdict() -> None:
+    assert paired(*_by_seed([0.01, -0.01, 0.0, 0.02, -0.02]))["verdict"] == "equivalent"
+    assert paired(*_by_seed([0.2, 0.25, 0.22, 0.18, 0.21]))["verdict"] == "different"
+    assert paired(*_by_seed([0.1, -0.1, 0.05, -0.05, 0.0]))["verdict"] == "inconclusive"
+    one = paired(*_by_seed([0.01]))
+    assert one["verdict"] == "inconclusive" and one["pairs"] == 1
+    mixed = paired(*_by_seed([0.01, -0.01, 0.3], digests=["x", "x", "other"]))
+    assert mixed["other_base_seeds"] == [2] and mixed["pairs"] == 2 and mixed["seeds"] == [0, 1]
+
+
+def _study(*, grpo_collapses: bool, sc_gain: float, hom_offset: list[float], grpo_hom_collapses: bool = False,
+           ) -> list[dict]:
+    runs = []
+    for s in range(5):
+        runs.append(_run("s-mix-sc_mis_topp", s, start=0.4, end=0.4 + sc_gain + 0.01 * (s - 2)))
+        runs.append(_run("s-hom-sc_mis_topp", s, start=0.4, end=0.4 + sc_gain + 0.01 * (s - 2) - hom_offset[s]))
+        runs.append(_run("s-mix-grpo", s, start=0.4, end=0.2 + 0.01 * s, collapse=grpo_collapses))
+        runs.append(_run("s-hom-grpo", s, start=0.4, end=0.3, signs=(grpo_hom_collapses,) * 3 if s else (
+            False, False, False)))
+    for v in ("grpo_mis", "sc", "grpo_topp", "sc_mis"):
+        runs += [_run(f"s-mix-{v}", s, n=40, start=0.4, end=0.45, evals={0: 0.4, 40: 0.45}) for s in range(3)]
+    return runs
+
+
+def _finding(v: dict, n: int) -> dict:
+    return v["findings"][n - 1]
+
+
+def test_the_three_findings_reproduced() -> None:
+    v = verdicts(_study(grpo_collapses=True, sc_gain=0.2, hom_offset=[0.01, -0.01, 0.0, 0.005, -0.005]), "dense")
+    rows = {r["arm"]: r for r in v["arms"]}
+    assert rows["s-mix-grpo"]["verdict"] == "collapses" and rows["s-mix-sc_mis_topp"]["verdict"] == "stable"
+    assert rows["s-mix-grpo"]["kl_growth"] == [pytest.approx(10.0)] * 5
+    assert rows["s-mix-grpo"]["grad_norm_growth"] == [pytest.approx(3.0)] * 5
+    assert rows["s-mix-sc"]["horizon"] == 40 and rows["s-mix-sc"]["seeds"] == [0, 1, 2]
+    assert [_finding(v, i)["verdict"] for i in (1, 2, 3)] == ["reproduced"] * 3
+    assert v["treatment"]["verdict"] == "does not hold" and v["treatment"]["ratio_by_seed"][0] == pytest.approx(1.0)
+    assert _finding(v, 2)["sooner"]["verdict"] == "shown"        # homogeneous GRPO shows no sign: counted at 61
+    con = {(c["a"], c["b"]): c for c in v["contrasts"]}
+    assert con[("s-mix-sc", "s-mix-grpo")]["horizon"] == 40        # the key arm cut at the shorter arm's horizon
+    assert con[("s-mix-sc", "s-mix-grpo")]["mean"] == pytest.approx(0.45 - (0.4 + 0.2 + 0.01) / 2)
+
+
+def test_the_three_findings_can_fail() -> None:
+    v = verdicts(_study(grpo_collapses=False, sc_gain=0.0, hom_offset=[0.1, -0.1, 0.05, -0.05, 0.0]), "dense")
+    assert [_finding(v, i)["verdict"] for i in (1, 2, 3)] == ["not reproduced"] * 3
+    assert _finding(v, 3)["contrast"]["verdict"] == "inconclusive"
+    v = verdicts(_study(grpo_collapses=True, sc_gain=0.2, hom_offset=[0.1] * 5, grpo_hom_collapses=True), "dense")
+    assert _finding(v, 3)["contrast"]["verdict"] == "different" and _finding(v, 3)["verdict"] == "not reproduced"
+    # GRPO collapses on both fleets at the same update, except homogeneous seed 0 (no sign): sooner on 1 of 5 only
+    assert _finding(v, 2)["sooner"]["verdict"] == "partly shown" and _finding(v, 2)["verdict"] == "partly reproduced"
+    v = verdicts(_study(grpo_collapses=False, sc_gain=0.2, hom_offset=[0.0] * 5, grpo_hom_collapses=True), "dense")
+    assert _finding(v, 2)["sooner"]["verdict"] == "not shown" and _finding(v, 2)["verdict"] == "not reproduced"
+    assert min(_finding(v, 2)["sooner"]["diffs"]) < 0
+
+
+def test_reevaluation_replaces_the_end_only_at_the_final_version() -> None:
+    runs = _study(grpo_collapses=True, sc_gain=0.2, hom_offset=[0.0] * 5)
+    final = {"base/tiny/150": {"reward": 0.3}}
+    final |= {f"s-mix-sc_mis_topp/seed{s}": {"reward": 0.7, "version": 60} for s in range(5)}
+    final |= {f"s-hom-sc_mis_topp/seed{s}": {"reward": 0.9, "version": 60} for s in range(5)}
+    final |= {f"s-mix-grpo/seed{s}": {"reward": 0.1, "version": 60} for s in range(5)}
+    final |= {f"s-mix-sc/seed{s}": {"reward": 0.0, "version": 40} for s in range(3)}
+    v = verdicts(runs, "dense", final)
+    con = {(c["a"], c["b"]): c for c in v["contrasts"]}
+    assert con[("s-mix-sc_mis_topp", "s-hom-sc_mis_topp")]["mean"] == pytest.approx(-0.2)
+    assert con[("s-mix-sc_mis_topp", "s-hom-sc_mis_topp")]["reevaluated"]
+    assert not con[("s-mix-sc", "s-mix-grpo")]["reevaluated"]            # 40 vs 60: both from the periodic eval
+    assert con[("s-mix-sc", "s-mix-grpo")]["mean"] == pytest.approx(0.45 - 0.305)      # GRPO at v40, seeds 0-2
+    assert _finding(v, 1)["gain"] == pytest.approx(0.7 - 0.3)            # minus the base's re-evaluation
+
+
+def test_rules_are_written_in_docs() -> None:
+    doc = (ROOT / "docs" / "learning.md").read_text()
+    assert RULES in doc
+
+
+def test_treatment_ratio_per_seed() -> None:
+    runs = [_run("s-mix-grpo", s, k3_scale=4.0 if s < 2 else 2.0) for s in range(3)]
+    runs += [_run("s-hom-grpo", s) for s in range(3)] + [_run("s-hom-grpo", 3)]      # seed 3: no mixed pair
+    t = verdicts(runs, "dense")["treatment"]
+    assert t["ratio_by_seed"] == pytest.approx({0: 4.0, 1: 4.0, 2: 2.0}) and t["verdict"] == "partly holds"
+    runs = [_run("s-mix-grpo", s, k3_scale=3.0) for s in range(3)] + [_run("s-hom-grpo", s) for s in range(3)]
+    assert verdicts(runs, "dense")["treatment"]["verdict"] == "holds"
+    runs[0]["base_digest"] = "another"
+    assert sorted(verdicts(runs, "dense")["treatment"]["ratio_by_seed"]) == [1, 2]
+
+
+def test_without_runs_nothing_is_tested_yet() -> None:
+    v = verdicts([], "dense")
+    assert [f["verdict"] for f in v["findings"]] == ["not tested yet"] * 3
+    assert v["treatment"]["verdict"] == "not measured yet"
+    one = verdicts([_run(k, 0) for k in ("s-mix-sc_mis_topp", "s-mix-grpo", "s-hom-sc_mis_topp", "s-hom-grpo")],
+                   "dense")
+    assert [f["verdict"] for f in one["findings"]] == ["not tested yet"] * 3      # one seed pair is not a test
