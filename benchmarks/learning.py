@@ -42,6 +42,9 @@ policy) again on `--final-problems` x `--final-samples` episodes (`mixfleet eval
 evaluate_run.py: the run's own settings, the same problems and random draws for every policy), resumable
 (an evaluation already in the file with the same settings is kept), into benchmarks/results/learning_final_eval.json
 with per-rung mean, spread and standard error over seeds, the gain over the base, and each `--versus A:B` difference.
+`--final-split general` does the same on the task's generalisation split (problems training never shows: guess's
+held-out range 1..2N with targets above N, calc's operands above the training range; runner/rollout/tasks/base.py)
+into *_general.json beside it.
 """
 
 from __future__ import annotations
@@ -455,7 +458,8 @@ def final_eval(rungs: list[str], seeds: list[int], args: argparse.Namespace, out
     path = Path(args.final_results)
     doc = read_earlier(path) or {}
     evals: dict[str, Any] = doc.get("evaluations", {})
-    want = {"problems": args.final_problems, "k": args.final_samples, "seed": args.final_seed}
+    want = {"problems": args.final_problems, "k": args.final_samples, "seed": args.final_seed,
+            "split": args.final_split}           # evaluations recorded before the split existed were of "eval"
     todo: list[tuple[str, Path, dict[str, Any], dict[str, Any]]] = []    # (key, path, overrides, meta)
     bases: dict[tuple[str, int], dict[str, Any]] = {}
     for key in rungs:
@@ -480,13 +484,14 @@ def final_eval(rungs: list[str], seeds: list[int], args: argparse.Namespace, out
                         {"rung": "base", "seed": None, "model": model, "pretrain_steps": steps}))
     for key, folder, overrides, meta in todo:
         have = evals.get(key)
-        if have and have.get("source") == str(folder) and all(have["settings"].get(k) == v for k, v in want.items()) \
+        if have and have.get("source") == str(folder) \
+                and all(have["settings"].get(k, "eval" if k == "split" else None) == v for k, v in want.items()) \
                 and (meta["rung"] == "base" or have.get("version") == meta["version"]):
             log(f"  {key}: evaluated before with these settings; kept")
             continue
         t0 = time.perf_counter()
         res = evaluate_policy(folder, problems=args.final_problems, k=args.final_samples, seed=args.final_seed,
-                              **overrides)
+                              **{**overrides, "split": args.final_split})
         evals[key] = {**meta, **res.to_dict(),                # the version is the one evaluated
                       "command": " ".join(["python", "benchmarks/learning.py", *sys.argv[1:]])}
         log(f"  {key}: v{res.version} held-out reward {res.reward:.3f} +- {res.reward_se:.3f} "
@@ -651,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--final-problems", type=int, default=512)
     ap.add_argument("--final-samples", type=int, default=2)
     ap.add_argument("--final-seed", type=int, default=0)
+    ap.add_argument("--final-split", choices=("eval", "general"), default="eval",
+                    help="the task split of the re-evaluation: eval (the held-out seeds) or general (problems unlike "
+                    "training's: guess's held-out range, calc's unseen operands); general writes *_general.json")
     ap.add_argument("--final-results", default=None,
                     help=f"default {FINAL_RESULTS.name} ({STUDY_FINAL_RESULTS.name} with --study)")
     ap.add_argument("--versus", type=_pairs, default=[], help="A:B[,C:D]: rung differences to report")
@@ -663,7 +671,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.list and not args.study:
         ap.error("--list: allowed only with --study")
     args.results = args.results or str(STUDY_RESULTS if args.study else RESULTS)
-    args.final_results = args.final_results or str(STUDY_FINAL_RESULTS if args.study else FINAL_RESULTS)
+    if not args.final_results:
+        path = STUDY_FINAL_RESULTS if args.study else FINAL_RESULTS
+        args.final_results = str(path if args.final_split == "eval" else path.with_name(f"{path.stem}_general.json"))
     rungs = [s.strip() for s in args.rungs.split(",") if s.strip()]
     for key in rungs:
         if key not in RUNGS:
