@@ -63,6 +63,7 @@ import numpy as np
 from mixfleet.costmodel.jsonsafe import json_safe
 from mixfleet.studies.ablation import variant
 from mixfleet.studies.learning_study import ARMS, STUDY, TREATMENT_NOISE, estimate_s, study_order, verdicts
+from mixfleet.studies.learning_study import markdown as study_markdown
 
 # the loss variants as plan overrides, from the ablation's one table of them (studies/ablation.py)
 SC_MIS_TOPP = variant("sc_mis_topp").overrides()   # SC + MIS, top-p 0.95 sampling with mask replay
@@ -623,18 +624,7 @@ def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
                               "every": STUDY_EVAL["every"], "temperature": 1.0, "precision": "bf16", "split": "eval"},
                "rules": RULES, "summary": summarize(runs), "verdicts": v, "runs": runs}
     _write_json_atomically(Path(args.results), results)
-    t = v["treatment"]
-    log(f"treatment (mixed / homogeneous GRPO run k3, updates 2-6): "
-        f"{', '.join(f'seed {s} {x:.2f}x' for s, x in t['ratio_by_seed'].items()) or 'no pairs yet'}: {t['verdict']}")
-    for row in v["arms"]:
-        log(f"{row['arm']:>26}: {len(row['seeds'])} of {len(row['seeds_planned'])} seeds, held-out "
-            f"{row['heldout_start']:.3f} -> {row['heldout_end']:.3f}, {row['collapsed']} collapsed, "
-            f"{row['stable']} stable: {row['verdict']}")
-    for c in v["contrasts"]:
-        log(f"{c['a']} - {c['b']} at {c['horizon']}: {c['mean']:+.3f} [{c['lo']:+.3f}, {c['hi']:+.3f}] "
-            f"({c['pairs']} pairs): {c['verdict']}")
-    for f in v["findings"]:
-        log(f"{f['finding']}: {f['verdict']}")
+    log(study_markdown(v))
     log(f"wrote {args.results}")
     return 0
 

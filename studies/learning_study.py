@@ -414,3 +414,41 @@ def verdicts(runs: Sequence[Mapping[str, Any]], study: str,
                       _runs_at(runs, arms[hom_g], arms[hom_g].updates, None))
     return {"rules_fixed": RULES_FIXED, "treatment": treat, "arms": rows, "contrasts": contrasts,
             "findings": findings}
+
+
+def _range(xs: Sequence[float], fmt: str) -> str:
+    xs = [x for x in xs if math.isfinite(x)]
+    if not xs:
+        return "-"
+    lo, hi = format(min(xs), fmt), format(max(xs), fmt)
+    return lo if lo == hi else f"{lo}..{hi}"
+
+
+def markdown(v: Mapping[str, Any]) -> str:
+    """The study's table (each arm: reward start -> end with the seed spread, KL and gradient-norm growth,
+    no-tool-call share, verdict), its paired contrasts and the three findings, from `verdicts`' output."""
+    t = v["treatment"]
+    lines = [f"Treatment (mixed / homogeneous GRPO run k3, updates 2-6): "
+             f"{', '.join(f'seed {s} {x:.2f}x' for s, x in t['ratio_by_seed'].items()) or 'no seed pair yet'}: "
+             f"{t['verdict']}.", "",
+             "| arm | loss | fleet | seeds (of) | held-out start -> end (end min..max) | KL growth | grad-norm growth "
+             "| no-tool-call share, last update | collapsed / stable | verdict |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in v["arms"]:
+        ends = "-" if not r["seeds"] else (f"{r['heldout_start']:.3f} -> {r['heldout_end']:.3f} "
+                                           f"({r['heldout_end_min']:.3f}..{r['heldout_end_max']:.3f})")
+        lines.append(f"| {r['arm']} | {LABELS[r['variant']]} | {r['fleet']} | {len(r['seeds'])} "
+                     f"({len(r['seeds_planned'])}) | {ends} | x{_range(r['kl_growth'], '.2f')} | "
+                     f"x{_range(r['grad_norm_growth'], '.2f')} | "
+                     f"{_range([100 * x for x in r['no_tool_call_last']], '.0f')} % "
+                     f"| {r['collapsed']} / {r['stable']} | {r['verdict']} |")
+    lines += ["", "Growth: the last 5 updates' mean over updates 2-6's, per seed (min..max over seeds); held-out: the "
+              "64 x 2 periodic evaluation at the arm's last update, or the 512 x 2 re-evaluation (minus the base's "
+              "for the start) where there is one.",
+              "", "| contrast A - B | at update | pairs | mean | 95 % interval | verdict |",
+              "|---|---|---|---|---|---|"]
+    for c in v["contrasts"]:
+        lines.append(f"| {c['a']} - {c['b']} | {c['horizon']}{' (512 x 2)' if c['reevaluated'] else ''} | "
+                     f"{c['pairs']} | {c['mean']:+.3f} | [{c['lo']:+.3f}, {c['hi']:+.3f}] | {c['verdict']} |")
+    lines += [""] + [f"- {f['finding']}: **{f['verdict']}**" for f in v["findings"]]
+    return "\n".join(lines)

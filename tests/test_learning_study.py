@@ -287,3 +287,16 @@ def test_without_runs_nothing_is_tested_yet() -> None:
     one = verdicts([_run(k, 0) for k in ("s-mix-sc_mis_topp", "s-mix-grpo", "s-hom-sc_mis_topp", "s-hom-grpo")],
                    "dense")
     assert [f["verdict"] for f in one["findings"]] == ["not tested yet"] * 3      # one seed pair is not a test
+
+
+def test_markdown_has_a_row_per_arm_and_the_findings() -> None:
+    from mixfleet.studies.learning_study import markdown
+
+    v = verdicts(_study(grpo_collapses=True, sc_gain=0.2, hom_offset=[0.01, -0.01, 0.0, 0.005, -0.005]), "dense")
+    text = markdown(v)
+    rows = [line for line in text.splitlines() if line.startswith("| s-")]
+    assert len(rows) == len(STUDY["dense"]) + len(v["contrasts"])
+    grpo = next(line for line in rows if line.startswith("| s-mix-grpo |"))
+    assert "| 5 (5) |" in grpo and "x10.00 |" in grpo and "x3.00 |" in grpo and "90 %" in grpo
+    assert grpo.endswith("| 5 / 0 | collapses |")
+    assert text.count("**reproduced**") == 3
