@@ -598,10 +598,16 @@ def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
         return 0
     order = study_order(args.study)
     if not args.report_only:
-        from mixfleet.studies.runs import StudySettings, run_study
+        from mixfleet.studies.runs import StudySettings, run_state, run_study
 
+        todo = [(a, s) for a, s in order if run_state(out / a.key / f"seed{s}", a.updates) != "finished"]
+        done = len(order) - len(todo)
+        if args.max_runs is not None:       # a session's share: the next runs in the study's order
+            todo = todo[:args.max_runs]
+        log(f"study {args.study}: {done} of {len(order)} runs finished; running now: "
+            f"{', '.join(f'{a.key}/seed{s}' for a, s in todo) or 'none'}")
         runs = [study_run(a.key, s, a.updates, STUDY_EVAL["every"], STUDY_EVAL["problems"], STUDY_EVAL["samples"],
-                          out) for a, s in order]
+                          out) for a, s in todo]
         run_study(runs, manifest_path=out / f"study-{args.study}.json",
                   manifest_extra={"format": "mixfleet-learning-study", "study": args.study, "model": model,
                                   "pretrain_steps": steps, "rules": RULES,
@@ -655,6 +661,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--study", choices=sorted(STUDY), help="the study of issue 41 (studies/learning_study.py): "
                     "its arms, seeds, updates and evaluation are its own (--rungs, --seeds, --updates, --eval-* "
                     "are ignored); with --resume, --report-only, --final-eval or --list")
+    ap.add_argument("--max-runs", type=int, default=None, help="with --study: run at most this many of its "
+                    "unfinished runs, the next ones in its order (a session's share)")
     ap.add_argument("--list", action="store_true", help="with --study: print its runs in order with their "
                     "estimated CPU time and their state in --out; runs nothing")
     args = ap.parse_args(argv)

@@ -443,8 +443,8 @@ def markdown(v: Mapping[str, Any]) -> str:
                      f"{_range([100 * x for x in r['no_tool_call_last']], '.0f')} % "
                      f"| {r['collapsed']} / {r['stable']} | {r['verdict']} |")
     lines += ["", "Growth: the last 5 updates' mean over updates 2-6's, per seed (min..max over seeds); held-out: the "
-              "64 x 2 periodic evaluation at the arm's last update, or the 512 x 2 re-evaluation (minus the base's "
-              "for the start) where there is one.",
+              "64 x 2 periodic evaluation at versions 0 and the arm's last update; where the final policies were "
+              "re-evaluated on 512 x 2, the base's and the final policy's re-evaluation.",
               "", "| contrast A - B | at update | pairs | mean | 95 % interval | verdict |",
               "|---|---|---|---|---|---|"]
     for c in v["contrasts"]:

@@ -300,3 +300,25 @@ def test_markdown_has_a_row_per_arm_and_the_findings() -> None:
     assert "| 5 (5) |" in grpo and "x10.00 |" in grpo and "x3.00 |" in grpo and "90 %" in grpo
     assert grpo.endswith("| 5 / 0 | collapses |")
     assert text.count("**reproduced**") == 3
+
+
+def test_resume_runs_the_next_unfinished_runs_in_order(learning, tmp_path: Path, monkeypatch, capsys) -> None:
+    import mixfleet.studies.runs as study_runs
+
+    started: list = []
+    monkeypatch.setattr(study_runs, "run_study", lambda runs, **kw: started.append((runs, kw)))
+    monkeypatch.setattr(learning, "base_policy", lambda model, steps: f"base-{model}-{steps}")
+    _log(tmp_path / "s-mix-sc_mis_topp" / "seed0", 60, "finished")
+    res = tmp_path / "study.json"
+    assert learning.main(["--study", "dense", "--resume", "--max-runs", "2", "--out", str(tmp_path),
+                          "--results", str(res), "--final-results", str(tmp_path / "final.json")]) == 0
+    (runs, kw), = started
+    assert [r.name for r in runs] == ["s-mix-grpo/seed0", "s-hom-sc_mis_topp/seed0"]
+    assert [r.run["updates"] for r in runs] == [60, 60] and kw["base_policy"] == "base-tiny-150"
+    assert runs[0].overrides["groups.cpu-fp8.weight_noise"] == 0.5 and runs[0].overrides["trainer.loss"] == "grpo"
+    assert "groups.cpu-fp8.weight_noise" not in runs[1].overrides and runs[1].plan == "learning-homog-bf16"
+    assert runs[0].overrides["embedded.lr"] == 1.5e-4 and runs[0].overrides["embedded.eval_problems"] == 64
+    assert kw["manifest_path"] == tmp_path / "study-dense.json" and kw["settings"].resume
+    doc = json.loads(res.read_text())
+    assert [r["rung"] for r in doc["runs"]] == ["s-mix-sc_mis_topp"] and doc["rules"] == RULES
+    assert "1 of 32 runs finished" in capsys.readouterr().out
