@@ -4,6 +4,13 @@
     python benchmarks/learning.py --report-only --out runs/learning       # re-read the logs, write the results
     python benchmarks/learning.py --final-eval --rungs d-b300-c,d-c300 --versus d-c300:d-b300-c   # final policies,
                                                                           # 512 x 2 held-out episodes each
+    python benchmarks/learning.py --study dense --list           # the study of issue 41: its runs, est. CPU, state
+    python benchmarks/learning.py --study dense --resume [--max-runs N]   # run (continue) the next of them
+    python benchmarks/learning.py --study dense --final-eval [--final-split general]   # 512 x 2 re-evaluation
+    python benchmarks/learning.py --study dense --report-only    # learning_study.json with the verdicts, the table
+
+The study (studies/learning_study.py: its arms as data, the verdict rules fixed before its runs) is a set of rungs
+here (keys s-..., m-...) with its own seeds, horizons and evaluation, run in its own order.
 
 Rungs (docs/learning.md), each a real run with a reward curve and held-out evaluations:
     a0          synchronous on-policy GRPO in one process (runner/orchestration/onpolicy.py: engine + trainer, no Ray)
