@@ -14,7 +14,8 @@ Two kinds of check:
 Facts come from benchmarks/results/learning.json (the ladder), learning_b-lr_same_base.json (b-lr re-run from
 c-grpo-lr's base), learning_final_eval.json (final policies on 512 x 2 episodes), tour_learning.json (the README
 tour's runs). The verdict rules and the
-collapse signs are defined once, below (FINDINGS_RULES, collapse_signs), and applied by code.
+collapse signs are defined once (FINDINGS_RULES below; collapse_signs and t_interval in studies/learning_study.py,
+which the study's verdicts use too), and applied by code.
 """
 
 from __future__ import annotations
@@ -29,7 +30,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from scipy.special import stdtrit  # the t distribution's quantile (scipy.stats imports twice as slowly)
+from mixfleet.studies.ablation import LABELS
+from mixfleet.studies.learning_study import (  # the collapse signs and the interval: one definition, the study's
+    EQUIVALENCE_MARGIN,
+    RULES,
+    RUN_OVERHEAD_S,
+    STUDY,
+    collapse_signs,
+    estimate_s,
+    mean5,
+    t_interval,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -41,8 +52,6 @@ TREAT = "learning_treatment.json"           # the treatment fleet t-grpo / t-c b
 ABLATIONS = ("moe", "moe-base300")          # docs/ablation/<dir>/verdicts.json, the MoE ablation reports quoted
 DOC = "docs/learning.md"
 README = "README.md"
-EQUIVALENCE_MARGIN = 0.05          # the seed's "within 0.05"
-CONFIDENCE = 0.95
 
 FINDINGS_RULES = """\
 Verdict rules (applied by code, benchmarks/check_learning_docs.py): an interval is the 95 % t-interval over seeds
@@ -79,44 +88,6 @@ def runs_of(doc: dict[str, Any], rung: str) -> list[dict[str, Any]]:
                   key=lambda r: r["seed"])
 
 
-def t_interval(values: list[float]) -> tuple[float, float, float, float]:
-    """(mean, se, low, high): the 95 % t-interval over the values (seeds)."""
-    m = statistics.fmean(values)
-    se = statistics.stdev(values) / math.sqrt(len(values))
-    h = float(stdtrit(len(values) - 1, 0.5 + CONFIDENCE / 2)) * se
-    return m, se, m - h, m + h
-
-
-def _mean5(xs: list[float], i: int) -> float:
-    return statistics.fmean(xs[i:i + 5])
-
-
-@dataclass(frozen=True)
-class Signs:
-    """A run's collapse signs (FINDINGS_RULES): update numbers are 1-based; None = never."""
-    k3_peak_x: float          # the largest k3 over its level at updates 2-6
-    k3_3x: int | None         # the first update with k3 above 3x that level
-    ntc_50: int | None        # the first update with more than half the episodes ending without a tool call
-    ntc_max_pct: float
-    halved: int | None        # the last update of the first 5-update window whose mean is < half the first 5's
-    train_first5: float
-    train_last5: float
-
-    @property
-    def collapsed(self) -> bool:
-        return self.k3_3x is not None and self.ntc_50 is not None and self.halved is not None
-
-
-def collapse_signs(run: dict[str, Any]) -> Signs:
-    k3, ntc, tr = run["kl_k3"], run["no_tool_call_share"], run["train_reward"]
-    level = statistics.fmean(k3[1:6])
-    k3_3x = next((i + 1 for i, k in enumerate(k3) if k > 3 * level), None)
-    ntc_50 = next((i + 1 for i, s in enumerate(ntc) if s > 0.5), None)
-    start = _mean5(tr, 0)
-    halved = next((i + 5 for i in range(len(tr) - 4) if _mean5(tr, i) < start / 2), None)
-    return Signs(max(k3) / level, k3_3x, ntc_50, 100 * max(ntc), halved, start, _mean5(tr, len(tr) - 5))
-
-
 def facts(data: dict[str, Any]) -> dict[str, float]:
     """Every figure a claim may quote, by name: `RUNG.start|end|min|max|gain` (means over seeds of the held-out
     reward), `RUNG.sS.vV` (seed S at version V), `RUNG.sS.ntc_last` (%), `RUNG.sS.k3_3x` etc.; `b-lr@same.*` from
@@ -138,17 +109,17 @@ def facts(data: dict[str, Any]) -> dict[str, float]:
                     f[f"{s}.v{e['version']}"] = e["reward"]
                 f[f"{s}.ntc_last"] = 100 * r["no_tool_call_share"][-1]
                 k3, tr = r["kl_k3"], r["train_reward"]
-                f[f"{s}.k3_growth"] = _mean5(k3, len(k3) - 5) / _mean5(k3, 0)
+                f[f"{s}.k3_growth"] = mean5(k3, len(k3) - 5) / mean5(k3, 0)
                 if f"{s}.v10" in f:
                     f[f"{s}.gain10"] = f[f"{s}.v10"] - f[f"{s}.v0"]
                 f[f"{s}.k3_max"], f[f"{s}.k3_max20"], f[f"{s}.k3_min20"] = max(k3), max(k3[:20]), min(k3[1:20])
                 f[f"{s}.ntc_max"] = 100 * max(r["no_tool_call_share"])
                 for i, (k, t) in enumerate(zip(k3, tr, strict=True)):
                     f[f"{s}.k3.u{i + 1}"], f[f"{s}.tr.u{i + 1}"] = k, t
-                f[f"{s}.k3_first5"], f[f"{s}.k3_last5"] = _mean5(k3, 0), _mean5(k3, len(k3) - 5)
+                f[f"{s}.k3_first5"], f[f"{s}.k3_last5"] = mean5(k3, 0), mean5(k3, len(k3) - 5)
                 for g, gk in r.get("kl_k3_by_group", {}).items():
                     f[f"{s}.grp.{g}.u1"] = gk[0]
-                    f[f"{s}.grp.{g}.first5"], f[f"{s}.grp.{g}.last5"] = _mean5(gk, 0), _mean5(gk, len(gk) - 5)
+                    f[f"{s}.grp.{g}.first5"], f[f"{s}.grp.{g}.last5"] = mean5(gk, 0), mean5(gk, len(gk) - 5)
                 zero = next((i for i in range(len(tr)) if not any(tr[i:])), None)
                 if zero is not None:
                     f[f"{s}.tr_zero_from"] = zero + 1
@@ -169,11 +140,11 @@ def facts(data: dict[str, Any]) -> dict[str, float]:
                 f[f"{name}.staleness"] = statistics.fmean(x for r in rs for x in r["staleness_mean"])
             long = [r for r in rs if len(r["train_reward"]) >= 10]
             if long:
-                f[f"{name}.tr_first5"] = statistics.fmean(_mean5(r["train_reward"], 0) for r in long)
-                f[f"{name}.tr_last5"] = statistics.fmean(_mean5(r["train_reward"], len(r["train_reward"]) - 5)
+                f[f"{name}.tr_first5"] = statistics.fmean(mean5(r["train_reward"], 0) for r in long)
+                f[f"{name}.tr_last5"] = statistics.fmean(mean5(r["train_reward"], len(r["train_reward"]) - 5)
                                                           for r in long)
-                first5 = [_mean5(r["train_reward"], 0) for r in long]
-                last5 = [_mean5(r["train_reward"], len(r["train_reward"]) - 5) for r in long]
+                first5 = [mean5(r["train_reward"], 0) for r in long]
+                last5 = [mean5(r["train_reward"], len(r["train_reward"]) - 5) for r in long]
                 f[f"{name}.tr_first5_min"], f[f"{name}.tr_first5_max"] = min(first5), max(first5)
                 f[f"{name}.tr_last5_min"], f[f"{name}.tr_last5_max"] = min(last5), max(last5)
             for v in sorted({e["version"] for r in rs for e in r["evals"]}):
@@ -182,7 +153,7 @@ def facts(data: dict[str, Any]) -> dict[str, float]:
                     f[f"{name}.v{v}"] = statistics.fmean(vals)
     f.update({k: v for k, v in data["ladder"]["summary"].items() if not isinstance(v, dict)})  # end differences
     for tag, rungs in (("topp", ("b-c", "b-c-drain", "c")), ("top1", ("a", "a-lr", "b"))):   # the top-p note
-        first5 = [_mean5(r["train_reward"], 0) for g in rungs for r in runs_of(data["ladder"], g)]
+        first5 = [mean5(r["train_reward"], 0) for g in rungs for r in runs_of(data["ladder"], g)]
         f[f"x.{tag}_first5_min"], f[f"x.{tag}_first5_max"] = min(first5), max(first5)
     fin = data["final"]
     for name, s in fin["summary"].items():
@@ -410,8 +381,38 @@ def block_findings(data: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n\n" + FINDINGS_RULES
 
 
+def block_study_arms(data: dict[str, Any]) -> str:
+    """The study's arms (studies/learning_study.py STUDY) with their estimated CPU time from the ladder's runs."""
+    lines = ["| study | arm (rung) | loss | fleet (plan) | seeds | updates | base | est. CPU per run "
+             "| est. CPU, all seeds |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    totals = {}
+    for study, arms in STUDY.items():
+        for a in arms:
+            est = estimate_s(a, data["ladder"])
+            totals[study] = totals.get(study, 0.0) + est * len(a.seeds)
+            lines.append(f"| {study} | {a.key} | {LABELS[a.variant]} | {a.fleet} ({a.plan}) | "
+                         f"{','.join(map(str, a.seeds))} | {a.updates} | {a.model}, {a.pretrain_steps} steps | "
+                         f"{est / 60:.0f} min | {est * len(a.seeds) / 3600:.1f} h |")
+    t = data["treat"]["runs"]
+    walls = {k: statistics.median(r["wall_s"] for r in t if r["rung"] in k) for k in (("t-grpo", "t-c"), ("b-lr",))}
+    ratio = walls[("t-grpo", "t-c")] / walls[("b-lr",)]
+    lines.append("")
+    lines.append(f"Estimated CPU in all: {' + '.join(f'{v / 3600:.1f} h ({k})' for k, v in totals.items())}, one "
+                 f"run at a time, plus each finished run's 512 x 2 re-evaluation. The estimate is the median wall "
+                 f"per update of the like ladder rungs in learning.json (mixed: c-lr, c-grpo-lr; homogeneous: those "
+                 f"and b-lr, b-c-lr; MoE: d-c300 and its kin) x the updates + {RUN_OVERHEAD_S:.0f} s start-up. The "
+                 f"treatment's kernel noise is not in those rungs: over the same first 6 updates its runs took "
+                 f"{ratio:.2f}x b-lr's wall (median, learning_treatment.json), so the mixed arms may take longer.")
+    return "\n".join(lines)
+
+
+def block_study_rules(data: dict[str, Any]) -> str:
+    return RULES
+
+
 BLOCKS = {"learning-table": block_ladder, "learning-signs": block_signs, "learning-final-eval": block_final,
-          "learning-findings": block_findings}
+          "learning-findings": block_findings, "study-arms": block_study_arms, "study-rules": block_study_rules}
 BLOCK_RE = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end -->)", re.S)
 
 

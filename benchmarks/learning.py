@@ -4,6 +4,13 @@
     python benchmarks/learning.py --report-only --out runs/learning       # re-read the logs, write the results
     python benchmarks/learning.py --final-eval --rungs d-b300-c,d-c300 --versus d-c300:d-b300-c   # final policies,
                                                                           # 512 x 2 held-out episodes each
+    python benchmarks/learning.py --study dense --list           # the study of issue 41: its runs, est. CPU, state
+    python benchmarks/learning.py --study dense --resume [--max-runs N]   # run (continue) the next of them
+    python benchmarks/learning.py --study dense --final-eval [--final-split general]   # 512 x 2 re-evaluation
+    python benchmarks/learning.py --study dense --report-only    # learning_study.json with the verdicts, the table
+
+The study (studies/learning_study.py: its arms as data, the verdict rules fixed before its runs) is a set of rungs
+here (keys s-..., m-...) with its own seeds, horizons and evaluation, run in its own order.
 
 Rungs (docs/learning.md), each a real run with a reward curve and held-out evaluations:
     a0          synchronous on-policy GRPO in one process (runner/orchestration/onpolicy.py: engine + trainer, no Ray)
@@ -42,6 +49,9 @@ policy) again on `--final-problems` x `--final-samples` episodes (`mixfleet eval
 evaluate_run.py: the run's own settings, the same problems and random draws for every policy), resumable
 (an evaluation already in the file with the same settings is kept), into benchmarks/results/learning_final_eval.json
 with per-rung mean, spread and standard error over seeds, the gain over the base, and each `--versus A:B` difference.
+`--final-split general` does the same on the task's generalisation split (problems training never shows: guess's
+held-out range 1..2N with targets above N, calc's operands above the training range; runner/rollout/tasks/base.py)
+into *_general.json beside it.
 """
 
 from __future__ import annotations
@@ -59,6 +69,8 @@ from typing import Any
 import numpy as np
 from mixfleet.costmodel.jsonsafe import json_safe
 from mixfleet.studies.ablation import variant
+from mixfleet.studies.learning_study import ARMS, STUDY, TREATMENT_NOISE, estimate_s, study_order, verdicts
+from mixfleet.studies.learning_study import markdown as study_markdown
 
 # the loss variants as plan overrides, from the ablation's one table of them (studies/ablation.py)
 SC_MIS_TOPP = variant("sc_mis_topp").overrides()   # SC + MIS, top-p 0.95 sampling with mask replay
@@ -68,16 +80,13 @@ GRPO = variant("grpo").overrides()                 # plain GRPO over the full vo
 # the rungs measured at it pin it, so that they run as they ran whatever the plans carry
 RECIPE_LR_3E4 = {"lr": 3e-4}
 
-# The treatment (issue 41): tiny-cpu's fp8 / nvfp4 groups alone are barely further from the trainer than one fp32
-# group two versions behind (the mixed / homogeneous k3 of c-grpo-lr / b-lr: 0.89-1.38x). The embedded engine's
-# emulated kernel error on those two groups makes the mixed fleet's mismatch exceed the homogeneous one's, as
-# the seed's did (~4.7x); its size is measured, not assumed (benchmarks/results/learning_treatment.json).
-TREATMENT_NOISE = {"groups.cpu-fp8.weight_noise": 0.5, "groups.cpu-nvfp4.weight_noise": 0.9}
-
 RESULTS = Path(__file__).resolve().parent / "results" / "learning.json"
 FINAL_RESULTS = Path(__file__).resolve().parent / "results" / "learning_final_eval.json"
+STUDY_RESULTS = Path(__file__).resolve().parent / "results" / "learning_study.json"
+STUDY_FINAL_RESULTS = Path(__file__).resolve().parent / "results" / "learning_study_final_eval.json"
 FIGURES = Path(__file__).resolve().parents[1] / "docs" / "img"
 INPROCESS_FILE = "onpolicy_result.json"
+GROUP_SERIES = ("kl_k3", "extreme_share", "masked_share")     # per-group series read_run keeps (groups table)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -155,6 +164,14 @@ RUNGS: dict[str, Rung] = {r.key: r for r in (
          settings={"lr": 1.5e-4}),
 )}
 
+# The study of issue 41 (studies/learning_study.py STUDY): each arm is a rung under its own key, never one of the
+# ladder's (earlier results are kept by (rung, seed))
+_clash = sorted(set(ARMS) & set(RUNGS))
+if _clash:
+    raise RuntimeError(f"study arms {_clash} reuse ladder rung keys; allowed: keys not in RUNGS")
+RUNGS.update({a.key: Rung(key=a.key, label=a.label, plan=a.plan, model=a.model, overrides=a.overrides,
+                          settings=a.settings, pretrain_steps=a.pretrain_steps) for a in ARMS.values()})
+
 
 def base_policy(model: str, steps: int) -> str:
     """The cached `mixfleet pretrain` base (built once per model and step count; later calls reuse it)."""
@@ -209,22 +226,25 @@ def run_inprocess(key: str, out: Path, seeds: list[int], args: argparse.Namespac
         (folder / INPROCESS_FILE).write_text(json.dumps(res.to_dict(), indent=1))
 
 
-def study_runs(rungs: list[str], seeds: list[int], args: argparse.Namespace, out: Path) -> list[Any]:
+def study_run(key: str, seed: int, updates: int, eval_every: int, eval_problems: int, eval_samples: int,
+              out: Path) -> Any:
+    """One runner run of a rung (studies/runs.py StudyRun) in OUT/<rung>/seed<S>."""
     from mixfleet.studies.runs import StudyRun
 
-    runs = []
-    for key in rungs:
-        r = RUNGS[key]
-        for seed in seeds:
-            runs.append(StudyRun(
-                name=f"{key}/seed{seed}", out_dir=out / key / f"seed{seed}", plan=r.plan,
-                overrides={**r.overrides, "seed": seed, "embedded.eval_every": args.eval_every,
-                           "embedded.eval_at_start": True, "embedded.eval_problems": args.eval_problems,
-                           "embedded.pass_k": args.eval_samples,
-                           **{f"embedded.{k}": v for k, v in r.settings.items()}},   # the plan's run settings
-                run_file="learning_run.json", run={"updates": args.updates, "seed": seed, "mode": r.mode},
-                meta={"rung": key, "label": r.label, "model": r.model, "seed": seed}))
-    return runs
+    r = RUNGS[key]
+    return StudyRun(
+        name=f"{key}/seed{seed}", out_dir=out / key / f"seed{seed}", plan=r.plan,
+        overrides={**r.overrides, "seed": seed, "embedded.eval_every": eval_every,
+                   "embedded.eval_at_start": True, "embedded.eval_problems": eval_problems,
+                   "embedded.pass_k": eval_samples,
+                   **{f"embedded.{k}": v for k, v in r.settings.items()}},   # the plan's run settings
+        run_file="learning_run.json", run={"updates": updates, "seed": seed, "mode": r.mode},
+        meta={"rung": key, "label": r.label, "model": r.model, "seed": seed})
+
+
+def study_runs(rungs: list[str], seeds: list[int], args: argparse.Namespace, out: Path) -> list[Any]:
+    return [study_run(key, seed, args.updates, args.eval_every, args.eval_problems, args.eval_samples, out)
+            for key in rungs for seed in seeds]
 
 
 def _eval_curve(events: Any) -> list[dict[str, float]]:
@@ -247,30 +267,48 @@ def read_run(folder: Path, rung: str, seed: int) -> dict[str, Any] | None:
                 "train_reward": [u["reward"] for u in res["updates"]],
                 "no_tool_call_share": [u["no_tool_call_share"] for u in res["updates"]],
                 "kl_k3": [u["k3"] for u in res["updates"]], "entropy": [u["entropy"] for u in res["updates"]],
+                "grad_norm": [u.get("grad_norm", math.nan) for u in res["updates"]],
                 "evals": res["evals"], "wall_s": res["wall_s"], "config": res["config"],
                 "base_checkpoint": res["base_checkpoint"], "base_digest": weights_digest(res["base_checkpoint"]),
                 "pretrain_steps": RUNGS[rung].pretrain_steps,
                 "eval_top_p": float(res["config"].get("eval_top_p", 1.0))}
     if not (folder / "run.json").exists():
         return None
-    from mixfleet.costmodel.records.runlog import RunLog
+    from mixfleet.costmodel.records.runlog import RunLog, extreme_shares
 
     log = RunLog.open(folder)
     u = log.updates.sort_values("version")
+    versions = [int(v) for v in u["version"]]
     tr = log.trajectories
     trained = tr[tr["trained_version"] >= 1] if len(tr) else tr
-    ntc = trained.groupby("trained_version")["finish_reason"].apply(lambda s: float((s == "no_tool_call_3x").mean()))
-    groups: dict[str, list[float]] = {}
+    by_update = trained.groupby("trained_version")
+    ntc = by_update["finish_reason"].apply(lambda s: float((s == "no_tool_call_3x").mean()))
+    turns, gen = by_update["turns"].mean(), by_update["generated_tokens"].mean()
+    groups: dict[str, dict[str, list[float]]] = {m: {} for m in GROUP_SERIES}
     if len(log.groups):
-        for name, rows in log.groups.sort_values("version").groupby("group"):
-            groups[str(name)] = [float(x) for x in rows["kl_k3"]]
+        for name, rows in log.groups.groupby("group"):
+            at = rows.drop_duplicates("version", keep="last").set_index("version")
+            for m in GROUP_SERIES:      # one entry per update (NaN where the group had no row in that update)
+                groups[m][str(name)] = [float(at[m].get(v, math.nan)) for v in versions]
     evals = _eval_curve(log.events)
     init = str(log.header.get("runner", {}).get("init_checkpoint") or "")
+
+    def per_update(series: Any) -> list[float]:
+        return [float(series.get(v, math.nan)) for v in versions]
+
     return {"rung": rung, "seed": seed, "status": log.header.get("status"), "updates": int(len(u)),
             "base_checkpoint": init, "base_digest": weights_digest(init),
             "train_reward": [float(x) for x in u["reward_mean"]],
-            "no_tool_call_share": [float(ntc.get(int(v), math.nan)) for v in u["version"]],
-            "kl_k3": [float(x) for x in u["kl_k3"]], "kl_k3_by_group": groups,
+            "no_tool_call_share": per_update(ntc),
+            "kl_k3": [float(x) for x in u["kl_k3"]], "kl_k3_by_group": groups["kl_k3"],
+            # what the seed's diagnosis rests on, per update (issue 41): the trainer's gradient norm and entropy,
+            # the share of tokens the correction masked and of extreme ratios (outside [0.2, 5]), per group too,
+            # and the episode length (assistant turns, generated tokens) of the batch trained on
+            "grad_norm": [float(x) for x in u["grad_norm"]], "entropy": [float(x) for x in u["entropy"]],
+            "masked_share": [float(x) for x in u["masked_share"]],
+            "extreme_share": [float(x) for x in extreme_shares(u)],
+            "extreme_share_by_group": groups["extreme_share"], "masked_share_by_group": groups["masked_share"],
+            "episode_turns": per_update(turns), "episode_generated_tokens": per_update(gen),
             "staleness_mean": [float(x) for x in u["staleness_mean"]], "evals": evals,
             "wall_s": float(u["end_s"].max()) if len(u) else math.nan, "plan": log.header.get("plan", {}).get("name"),
             "pretrain_steps": RUNGS[rung].pretrain_steps, "eval_top_p": evals[-1]["top_p"] if evals else 1.0}
@@ -428,7 +466,8 @@ def final_eval(rungs: list[str], seeds: list[int], args: argparse.Namespace, out
     path = Path(args.final_results)
     doc = read_earlier(path) or {}
     evals: dict[str, Any] = doc.get("evaluations", {})
-    want = {"problems": args.final_problems, "k": args.final_samples, "seed": args.final_seed}
+    want = {"problems": args.final_problems, "k": args.final_samples, "seed": args.final_seed,
+            "split": args.final_split}           # evaluations recorded before the split existed were of "eval"
     todo: list[tuple[str, Path, dict[str, Any], dict[str, Any]]] = []    # (key, path, overrides, meta)
     bases: dict[tuple[str, int], dict[str, Any]] = {}
     for key in rungs:
@@ -453,13 +492,14 @@ def final_eval(rungs: list[str], seeds: list[int], args: argparse.Namespace, out
                         {"rung": "base", "seed": None, "model": model, "pretrain_steps": steps}))
     for key, folder, overrides, meta in todo:
         have = evals.get(key)
-        if have and have.get("source") == str(folder) and all(have["settings"].get(k) == v for k, v in want.items()) \
+        if have and have.get("source") == str(folder) \
+                and all(have["settings"].get(k, "eval" if k == "split" else None) == v for k, v in want.items()) \
                 and (meta["rung"] == "base" or have.get("version") == meta["version"]):
             log(f"  {key}: evaluated before with these settings; kept")
             continue
         t0 = time.perf_counter()
         res = evaluate_policy(folder, problems=args.final_problems, k=args.final_samples, seed=args.final_seed,
-                              **overrides)
+                              **{**overrides, "split": args.final_split})
         evals[key] = {**meta, **res.to_dict(),                # the version is the one evaluated
                       "command": " ".join(["python", "benchmarks/learning.py", *sys.argv[1:]])}
         log(f"  {key}: v{res.version} held-out reward {res.reward:.3f} +- {res.reward_se:.3f} "
@@ -515,6 +555,93 @@ def _pairs(text: str) -> list[tuple[str, str]]:
     return out
 
 
+def study_listing(study: str, out: Path, ladder: dict[str, Any]) -> tuple[list[str], float, float]:
+    """The study's runs in the order they run, each with its estimated CPU wall (studies/learning_study.py
+    estimate_s, from the measured runs of `ladder`) and its state in OUT; and the estimated seconds done / left."""
+    from mixfleet.costmodel.records.runlog import RunLog
+    from mixfleet.studies.runs import run_state
+
+    lines, done_s, left_s = [], 0.0, 0.0
+    for i, (arm, seed) in enumerate(study_order(study), start=1):
+        folder = out / arm.key / f"seed{seed}"
+        state = run_state(folder, arm.updates)
+        est = estimate_s(arm, ladder)
+        if state == "partial":
+            try:
+                log = RunLog.open(folder)
+                at = int(log.updates["version"].max()) if len(log.updates) else 0
+            except Exception:  # noqa: BLE001 - an unreadable log counts as not started
+                at = 0
+            state = f"partial ({at} of {arm.updates} updates)"
+            done_s, left_s = done_s + est * at / arm.updates, left_s + est * (1 - at / arm.updates)
+        elif state == "finished":
+            done_s += est
+        else:
+            left_s += est
+        lines.append(f"{i:>3}  {arm.key + '/seed' + str(seed):<32} {arm.updates:>3} updates  "
+                     f"est {est / 60:5.1f} min  {state}")
+    return lines, done_s, left_s
+
+
+def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
+    """--study: list, run (resumable), re-evaluate or report the study of issue 41 (studies/learning_study.py)."""
+    from mixfleet.studies.learning_study import MODELS, RULES, STUDY_EVAL
+
+    arms = STUDY[args.study]
+    model, steps = MODELS[args.study]
+    if args.list:
+        lines, done_s, left_s = study_listing(args.study, out, read_earlier(RESULTS))
+        log(f"study {args.study}: {len(lines)} runs on {model} from one {steps}-step base, in this order "
+            f"(estimate: the measured wall per update of like ladder rungs in {RESULTS.name} x updates + start-up; "
+            f"state from {out}):")
+        for line in lines:
+            log(line)
+        log(f"estimated CPU hours: {(done_s + left_s) / 3600:.1f} in all, {done_s / 3600:.1f} done, "
+            f"{left_s / 3600:.1f} left (plus the 512 x 2 re-evaluation of each finished run)")
+        return 0
+    keys, seeds = [a.key for a in arms], sorted({s for a in arms for s in a.seeds})
+    if args.final_eval:
+        final_eval(keys, seeds, args, out, log)     # runs not finished (or not in the study) are skipped, named
+        return 0
+    order = study_order(args.study)
+    if not args.report_only:
+        from mixfleet.studies.runs import StudySettings, run_state, run_study
+
+        todo = [(a, s) for a, s in order if run_state(out / a.key / f"seed{s}", a.updates) != "finished"]
+        done = len(order) - len(todo)
+        if args.max_runs is not None:       # a session's share: the next runs in the study's order
+            todo = todo[:args.max_runs]
+        log(f"study {args.study}: {done} of {len(order)} runs finished; running now: "
+            f"{', '.join(f'{a.key}/seed{s}' for a, s in todo) or 'none'}")
+        runs = [study_run(a.key, s, a.updates, STUDY_EVAL["every"], STUDY_EVAL["problems"], STUDY_EVAL["samples"],
+                          out) for a, s in todo]
+        run_study(runs, manifest_path=out / f"study-{args.study}.json",
+                  manifest_extra={"format": "mixfleet-learning-study", "study": args.study, "model": model,
+                                  "pretrain_steps": steps, "rules": RULES,
+                                  "order": [f"{a.key}/seed{s}" for a, s in order]},
+                  base_policy=base_policy(model, steps), log=log,
+                  settings=StudySettings(resume=args.resume, start_gap_s=5.0, run_timeout_s=5400.0))
+    runs = [r for a, s in order if (r := read_run(out / a.key / f"seed{s}", a.key, s)) is not None]
+    command = " ".join(["python", "benchmarks/learning.py", *sys.argv[1:]])
+    earlier = read_earlier(Path(args.results))
+    made_by = recorded_commands(earlier) if args.report_only else {}
+    for r in runs:
+        r["command"] = made_by.get((r["rung"], r["seed"]), command)
+    runs, kept = merge_earlier(runs, earlier)
+    if kept:
+        log(f"kept {kept} earlier run(s) of {args.results} that this command did not read")
+    final = read_earlier(Path(args.final_results)).get("evaluations", {})
+    v = verdicts(runs, args.study, final)
+    results = {"generated_unix_s": time.time(), "command": command, "study": args.study,
+               "evaluation": {"problems": STUDY_EVAL["problems"], "samples_per_problem": STUDY_EVAL["samples"],
+                              "every": STUDY_EVAL["every"], "temperature": 1.0, "precision": "bf16", "split": "eval"},
+               "rules": RULES, "summary": summarize(runs), "verdicts": v, "runs": runs}
+    _write_json_atomically(Path(args.results), results)
+    log(study_markdown(v))
+    log(f"wrote {args.results}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rungs", default="a0,a,b,c", help=f"comma-separated, of {', '.join(RUNGS)}")
@@ -526,15 +653,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="runs/learning")
     ap.add_argument("--resume", action="store_true", help="continue unfinished runs from their checkpoints")
     ap.add_argument("--report-only", action="store_true", help="only read the logs and write the results")
-    ap.add_argument("--results", default=str(RESULTS))
+    ap.add_argument("--results", default=None, help=f"default {RESULTS.name} ({STUDY_RESULTS.name} with --study)")
     ap.add_argument("--final-eval", action="store_true", help="evaluate the finished runs' last policies again on "
                     "--final-problems x --final-samples held-out episodes (no training)")
     ap.add_argument("--final-problems", type=int, default=512)
     ap.add_argument("--final-samples", type=int, default=2)
     ap.add_argument("--final-seed", type=int, default=0)
-    ap.add_argument("--final-results", default=str(FINAL_RESULTS))
+    ap.add_argument("--final-split", choices=("eval", "general"), default="eval",
+                    help="the task split of the re-evaluation: eval (the held-out seeds) or general (problems unlike "
+                    "training's: guess's held-out range, calc's unseen operands); general writes *_general.json")
+    ap.add_argument("--final-results", default=None,
+                    help=f"default {FINAL_RESULTS.name} ({STUDY_FINAL_RESULTS.name} with --study)")
     ap.add_argument("--versus", type=_pairs, default=[], help="A:B[,C:D]: rung differences to report")
+    ap.add_argument("--study", choices=sorted(STUDY), help="the study of issue 41 (studies/learning_study.py): "
+                    "its arms, seeds, updates and evaluation are its own (--rungs, --seeds, --updates, --eval-* "
+                    "are ignored); with --resume, --report-only, --final-eval or --list")
+    ap.add_argument("--max-runs", type=int, default=None, help="with --study: run at most this many of its "
+                    "unfinished runs, the next ones in its order (a session's share)")
+    ap.add_argument("--list", action="store_true", help="with --study: print its runs in order with their "
+                    "estimated CPU time and their state in --out; runs nothing")
     args = ap.parse_args(argv)
+    if args.list and not args.study:
+        ap.error("--list: allowed only with --study")
+    args.results = args.results or str(STUDY_RESULTS if args.study else RESULTS)
+    if not args.final_results:
+        path = STUDY_FINAL_RESULTS if args.study else FINAL_RESULTS
+        args.final_results = str(path if args.final_split == "eval" else path.with_name(f"{path.stem}_general.json"))
     rungs = [s.strip() for s in args.rungs.split(",") if s.strip()]
     for key in rungs:
         if key not in RUNGS:
@@ -548,6 +692,8 @@ def main(argv: list[str] | None = None) -> int:
     def log(msg: str) -> None:
         print(msg, flush=True)
 
+    if args.study:
+        return run_learning_study(args, out, log)
     if args.final_eval:
         final_eval(rungs, seeds, args, out, log)
         return 0

@@ -28,7 +28,7 @@ from typing import Any
 from mixfleet.costmodel.errors import SpecError
 from mixfleet.runner.rollout.evaluation import EvalConfig, EvalResult, pass_at_k_eval
 
-SETTINGS = ("task", "task_options", "temperature", "top_p", "max_new_tokens", "max_turns", "precision")
+SETTINGS = ("task", "task_options", "temperature", "top_p", "max_new_tokens", "max_turns", "precision", "split")
 MAX_EPISODES = 4_096                         # problems x k of one call: bounded (one engine holds them all at once)
 
 
@@ -159,9 +159,9 @@ def paired_difference(a: PolicyEvaluation | dict[str, Any], b: PolicyEvaluation 
     """a's mean reward minus b's over the same problems and random draws, with the standard error of the
     per-problem differences (smaller than the two standard errors combined when the draws are shared)."""
     ra, rb = (x.to_dict() if isinstance(x, PolicyEvaluation) else x for x in (a, b))
-    if ra["settings"] != rb["settings"]:
-        diff = {k: (ra["settings"].get(k), rb["settings"].get(k)) for k in ra["settings"]
-                if ra["settings"].get(k) != rb["settings"].get(k)}
+    sa, sb = ({"split": "eval", **r["settings"]} for r in (ra, rb))   # recorded before "split": the eval split
+    if sa != sb:
+        diff = {k: (sa.get(k), sb.get(k)) for k in sa | sb if sa.get(k) != sb.get(k)}
         raise ValueError(f"paired_difference: the evaluations differ in their settings {json.dumps(diff)}; "
                          "a paired difference needs the same problems, k, seed and sampling")
     d = [x - y for x, y in zip(ra["problem_rewards"], rb["problem_rewards"], strict=True)]

@@ -29,6 +29,7 @@ class EvalConfig:
     task: str = "guess"
     task_options: dict[str, Any] = field(default_factory=dict)
     problems: int = 8                      # held-out problems (seeds of the eval split, from its start)
+    split: str = "eval"                    # "general": the problems unlike training's (runner/rollout/tasks/base.py)
     k: int = 4                             # samples per problem
     max_turns: int | None = None
     max_new_tokens: int = 48
@@ -46,6 +47,8 @@ class EvalConfig:
                 raise ValueError(f"EvalConfig.{name} = {v!r}; allowed: an integer >= 1")
         if not self.temperature > 0:
             raise ValueError(f"EvalConfig.temperature = {self.temperature!r}; allowed: > 0")
+        if self.split not in ("eval", "general"):
+            raise ValueError(f"EvalConfig.split = {self.split!r}; allowed: eval, general")
         if not valid_top_p(self.top_p):
             raise ValueError(f"EvalConfig.top_p = {self.top_p!r}; allowed: {TOP_P_ALLOWED}")
 
@@ -82,7 +85,7 @@ async def pass_at_k_eval(checkpoint: str | Path, config: EvalConfig | None = Non
     thread = threading.Thread(target=engine.run_forever, args=(stop,), name="mixfleet-eval-engine", daemon=True)
     thread.start()
     generate = engine_generate(engine)
-    seeds = split_seeds("eval", config.problems)
+    seeds = split_seeds(config.split, config.problems)
     agent = AgentConfig(context_length=engine.context_length, max_turns=config.max_turns,
                         sampling=SamplingParams(max_new_tokens=config.max_new_tokens, temperature=config.temperature,
                                                 top_p=config.top_p))

@@ -16,6 +16,7 @@ from mixfleet.runner.rollout.tasks.base import (
     StepResult,
     Task,
     ToolCall,
+    is_general,
     split_of,
     split_seeds,
     unknown_tool_message,
@@ -64,5 +65,5 @@ register_task(CalcTask)
 register_task(RepoTask)
 
 __all__ = ["EVAL_SEED_START", "SPLITS", "TASKS", "CalcTask", "GuessTask", "RepoTask", "StepResult", "Task", "ToolCall",
-           "make_task", "register_task", "split_of", "split_seeds", "task_config", "task_names",
+           "is_general", "make_task", "register_task", "split_of", "split_seeds", "task_config", "task_names",
            "unknown_tool_message"]

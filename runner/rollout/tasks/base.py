@@ -51,7 +51,10 @@ A real repository task fits the same interface (sketch, not shipped):
 Seeds and splits: every problem is a pure function of its seed. Seeds in [0, EVAL_SEED_START) are
 for training; seeds from EVAL_SEED_START on are the held-out evaluation split (`split_seeds`). For
 tasks with a small problem space (guess's N targets) held-out seeds can still draw problems seen in
-training: held out means unseen seeds, not necessarily unseen problems.
+training: held out means unseen seeds, not necessarily unseen problems. The "general" split (seeds from
+GENERAL_SEED_START on, `is_general`) tests generalisation: a task draws its problems there from outside its
+training distribution (guess: a range 1..2N with the target in N+1..2N; calc: every operand above the training
+range), so that no general problem occurs in training (issue 41). The eval split's problems are unchanged.
 """
 
 from __future__ import annotations
@@ -60,9 +63,13 @@ import abc
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-SPLITS: tuple[str, ...] = ("train", "eval")
+SPLITS: tuple[str, ...] = ("train", "eval", "general")
 EVAL_SEED_START = 1_000_000_000          # first seed of the held-out evaluation split
 EVAL_SEED_COUNT = 1_000_000              # size of the evaluation seed range
+GENERAL_SEED_START = 2_000_000_000       # first seed of the generalisation split (problems unlike training's)
+GENERAL_SEED_COUNT = 1_000_000
+_SPLIT_RANGES = {"train": (0, EVAL_SEED_START), "eval": (EVAL_SEED_START, EVAL_SEED_COUNT),
+                 "general": (GENERAL_SEED_START, GENERAL_SEED_COUNT)}      # split -> (first seed, seeds)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -144,17 +151,21 @@ def split_seeds(split: str, n: int, *, offset: int = 0) -> list[int]:
         raise ValueError(f"split: {split!r} is not one of {', '.join(SPLITS)}")
     if n < 0 or offset < 0:
         raise ValueError(f"n, offset: ({n}, {offset}) must be >= 0")
-    size = EVAL_SEED_START if split == "train" else EVAL_SEED_COUNT
+    start, size = _SPLIT_RANGES[split]
     if offset + n > size:
         raise ValueError(f"offset + n: {offset + n} exceeds the {split} split's {size} seeds")
-    start = 0 if split == "train" else EVAL_SEED_START
     return list(range(start + offset, start + offset + n))
 
 
 def split_of(seed: int) -> str:
     """Which split a seed belongs to."""
-    if 0 <= seed < EVAL_SEED_START:
-        return "train"
-    if EVAL_SEED_START <= seed < EVAL_SEED_START + EVAL_SEED_COUNT:
-        return "eval"
-    raise ValueError(f"seed: {seed} is outside both splits [0, {EVAL_SEED_START + EVAL_SEED_COUNT})")
+    for split, (start, size) in _SPLIT_RANGES.items():
+        if start <= seed < start + size:
+            return split
+    raise ValueError(f"seed: {seed} is outside the splits [0, {EVAL_SEED_START + EVAL_SEED_COUNT}) and "
+                     f"[{GENERAL_SEED_START}, {GENERAL_SEED_START + GENERAL_SEED_COUNT})")
+
+
+def is_general(seed: int) -> bool:
+    """Whether a seed is of the generalisation split (its problem is drawn from outside training's)."""
+    return GENERAL_SEED_START <= seed < GENERAL_SEED_START + GENERAL_SEED_COUNT

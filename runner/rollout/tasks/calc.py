@@ -4,6 +4,9 @@ Two tools, two turns for a good policy: `calc EXPR` returns the value (computed 
 + - *, parentheses), `answer N` submits and ends the episode. Reward 1 if the submitted answer
 equals the expression's value. A policy that answers without the calculator is right only when its
 own arithmetic is, which a tiny byte-level model's seldom is: that is the gap RL can close.
+
+The "general" split (base.py `is_general`) draws every operand from (max_operand, 2 * max_operand]: expressions
+training never shows.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import ast
 import random
 from dataclasses import dataclass
 
-from mixfleet.runner.rollout.tasks.base import StepResult, Task, ToolCall, unknown_tool_message
+from mixfleet.runner.rollout.tasks.base import StepResult, Task, ToolCall, is_general, unknown_tool_message
 
 MAX_EXPR_CHARS = 64
 MAX_ABS_VALUE = 10**12
@@ -37,13 +40,15 @@ class CalcConfig:
             raise ValueError(f"calc.max_turns: {self.max_turns!r} must be an integer in [1, 1000]")
 
 
-def make_expression(rng: random.Random, config: CalcConfig) -> str:
-    """A random expression like `12*7+3` (no spaces; left-to-right text, usual precedence)."""
+def make_expression(rng: random.Random, config: CalcConfig, *, general: bool = False) -> str:
+    """A random expression like `12*7+3` (no spaces; left-to-right text, usual precedence); `general`: operands
+    in (max_operand, 2 * max_operand] instead of [1, max_operand]."""
+    lo, hi = (config.max_operand + 1, 2 * config.max_operand) if general else (1, config.max_operand)
     n = rng.randint(config.min_operands, config.max_operands)
-    parts = [str(rng.randint(1, config.max_operand))]
+    parts = [str(rng.randint(lo, hi))]
     for _ in range(n - 1):
         parts.append(rng.choice(_OPS))
-        parts.append(str(rng.randint(1, config.max_operand)))
+        parts.append(str(rng.randint(lo, hi)))
     return "".join(parts)
 
 
@@ -89,7 +94,7 @@ class CalcTask(Task):
         self.submitted = False
 
     def reset(self, seed: int) -> str:
-        self.expression = make_expression(random.Random(seed), self.config)
+        self.expression = make_expression(random.Random(seed), self.config, general=is_general(seed))
         self.value = evaluate(self.expression)
         self.answered = None
         self.submitted = False

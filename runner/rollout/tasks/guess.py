@@ -6,6 +6,9 @@ turn cap. Reward 1 if the number is found within the cap, else 0.
 
 Tool: `guess K` -> "higher" (the hidden number is higher than K), "lower", or "correct" (done).
 A guess that is not an integer in [1, N] gets an error output and uses a turn like any guess.
+
+The "general" split (base.py `is_general`) holds out a range: its problems are 1..2N with the hidden number in
+N+1..2N, a prompt and targets training never shows (binary search needs at most one guess more).
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from mixfleet.runner.rollout.tasks.base import StepResult, Task, ToolCall, unknown_tool_message
+from mixfleet.runner.rollout.tasks.base import StepResult, Task, ToolCall, is_general, unknown_tool_message
 
 MAX_N = 1_000_000
 
@@ -41,14 +44,19 @@ class GuessTask(Task):
         self.config = config or GuessConfig()
         self.max_turns = self.config.max_turns
         self.target: int | None = None
+        self.n = self.config.n_max            # this episode's range 1..n (2 * n_max on the general split)
         self.found = False
         self.guesses: list[int] = []
 
     def reset(self, seed: int) -> str:
-        self.target = random.Random(seed).randint(1, self.config.n_max)
+        n = self.config.n_max
+        if is_general(seed):        # a held-out range and targets (module docstring)
+            self.n, self.target = 2 * n, random.Random(seed).randint(n + 1, 2 * n)
+        else:                       # train / eval: unchanged (existing results depend on these problems)
+            self.n, self.target = n, random.Random(seed).randint(1, n)
         self.found = False
         self.guesses = []
-        return f"Find the hidden number in 1..{self.config.n_max}. Tool: guess K."
+        return f"Find the hidden number in 1..{self.n}. Tool: guess K."
 
     def step(self, call: ToolCall) -> StepResult:
         if self.target is None:
@@ -59,8 +67,8 @@ class GuessTask(Task):
             k = int(call.args.strip())
         except ValueError:
             k = 0
-        if not 1 <= k <= self.config.n_max:
-            return StepResult(output=f"error: guess takes one integer in 1..{self.config.n_max}")
+        if not 1 <= k <= self.n:
+            return StepResult(output=f"error: guess takes one integer in 1..{self.n}")
         self.guesses.append(k)
         if k == self.target:
             self.found = True
