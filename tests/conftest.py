@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import shutil
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -35,3 +37,32 @@ def state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     d = tmp_path / "state"
     monkeypatch.setenv("MIXFLEET_STATE_DIR", str(d))
     return d
+
+
+@pytest.fixture(scope="session")
+def killed_resumed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One real run of tests/test_run_resume.py's plan (its child, tests/run_child.py), read by test_run_resume.py
+    and test_fidelity_resume.py, which each started their own before (5 process starts, now 3; issue 43):
+    started for 4 updates and SIGKILLed after update 2 ("killed"), resumed to 4 ("resumed": the folder as it was
+    then is kept in "resumed_copy"), then continued to 5 ("continued", in "out"). Each step is kept as (its exit
+    code, None when killed; its stdout lines; its stderr's end), and orchestrator.json after the kill and after
+    the resume ("killed_state", "resumed_state"): the tests check them, nothing is checked here."""
+    from runplans import run_files
+    from test_run_resume import PLAN, _run, _state
+
+    root = tmp_path_factory.mktemp("killed-resumed")
+    init, plan = run_files(root, PLAN)
+    out = root / "out"
+    runs: dict[str, Any] = {"out": out, "resumed_copy": root / "resumed-copy"}
+
+    def step(name: str, argv: list[str], **kw: Any) -> None:
+        code, lines = _run([str(plan), str(out), str(init), *argv], root, name, **kw)
+        runs[name] = (code, lines, (root / f"{name}.err").read_text()[-2000:])
+
+    step("killed", ["4"], kill_after=2)
+    runs["killed_state"] = _state(out) if (out / "trainer_state").exists() else None
+    step("resumed", ["4", "--resume"])
+    runs["resumed_state"] = _state(out) if (out / "trainer_state").exists() else None
+    shutil.copytree(out, runs["resumed_copy"], symlinks=True)
+    step("continued", ["5", "--resume"])
+    return runs

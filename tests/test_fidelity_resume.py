@@ -124,19 +124,16 @@ def test_the_fidelity_note_says_what_the_resumed_runs_summary_counts(tmp_path: P
 
 
 @pytest.mark.slow
-def test_a_real_run_killed_and_resumed(tmp_path: Path) -> None:
-    """The honest reproduction: a real run (tests/test_run_resume.py's plan and child) killed after update 2 of 4
-    and resumed to 4. On the old code its trainer idle share read negative (-0.34 here, 2026-12-01)."""
-    from runplans import run_files
-    from test_run_resume import PLAN as RESUME_PLAN
-    from test_run_resume import _run
-
-    init, plan = run_files(tmp_path, RESUME_PLAN)
-    out = tmp_path / "out"
-    code, lines = _run([str(plan), str(out), str(init), "4"], tmp_path, "first", kill_after=2)
+def test_a_real_run_killed_and_resumed(killed_resumed_run: dict) -> None:
+    """The honest reproduction: a real run (tests/test_run_resume.py's plan and child, conftest.py's
+    `killed_resumed_run`, which tests/test_run_resume.py reads too) killed after update 2 of 4 and resumed to 4,
+    read as it was then (before that test's continuation). On the old code its trainer idle share read negative
+    (-0.34 here, 2026-12-01)."""
+    code, lines, err = killed_resumed_run["killed"]
     assert code is None and lines[-1].startswith("UPDATE 2"), lines
-    code, lines = _run([str(plan), str(out), str(init), "4", "--resume"], tmp_path, "resumed")
-    assert code == 0 and lines[-1].startswith("UPDATE 4"), (lines, (tmp_path / "resumed.err").read_text()[-2000:])
+    code, lines, err = killed_resumed_run["resumed"]
+    assert code == 0 and lines[-1].startswith("UPDATE 4"), (lines, err)
+    out = killed_resumed_run["resumed_copy"]
     m, s, c = run_metrics(out), summarize(out), loop_clock(out)
     assert c.segments == 2 and (c.intervals > 0).all(), c
     assert 0.0 <= m["trainer_idle_share"] <= 1.0, m

@@ -1,12 +1,13 @@
 """A sampler group none of whose replicas can start fails the run, or (allowed) is left out and reported.
 
-Real runs (tiny model, Ray actors, Megatron-core trainer): the plan's second group is started from a
-truncated checkpoint (the `SamplerFleet.start_launch` hook), so its engine refuses it for real at every
-start. Before this check the run logged a "crash" per try, restarted it forever and finished with exit
-code 0 without that group. Now: `MAX_START_FAILURES` failed starts in a row with none up fail the run with
-`RunFailed` naming the group (run log closed "failed"), or, with `allow_group_loss`, the group is given
-up (event "group_lost", no more restarts), the run finishes on the other group and its summary and
-run.json name the lost group (`mixfleet run` then exits 3).
+Real runs (tiny model, Ray actors, Megatron-core trainer) through `mixfleet run`, one per case, shared by the
+tests: the plan's second group is started from a truncated checkpoint (the fleet's start hook,
+`sampler_fleet._same_launch`), so its engine refuses it for real at every start. Before this check the run
+logged a "crash" per try, restarted it forever and finished with exit code 0 without that group. Now:
+`MAX_START_FAILURES` failed starts in a row with none up fail the run with `RunFailed` naming the group (run log
+closed "failed", `mixfleet run` exits 1), or, with `--allow-group-loss`, the group is given up (event
+"group_lost", no more restarts), the run finishes on the other group and its summary and run.json name the
+lost group (`mixfleet run` then exits 3).
 """
 
 from __future__ import annotations
@@ -18,8 +19,6 @@ from pathlib import Path
 
 import pytest
 from mixfleet.costmodel.records.runlog import RunLog
-from mixfleet.policies.plan import load_plan
-from mixfleet.runner.orchestration.orchestrator import RunConfig, RunFailed, run_plan
 from mixfleet.runner.orchestration.sampler_fleet import MAX_START_FAILURES
 from mixfleet.runner.sampler.replica import ReplicaLaunch
 from runplans import CPU_BF16, CPU_FP8, FIXED_EVERY_1S, run_files, run_plan_toml
@@ -36,30 +35,43 @@ PLAN = run_plan_toml(
 @pytest.fixture(scope="module")
 def setup_files(tmp_path_factory: pytest.TempPathFactory) -> dict:
     root = tmp_path_factory.mktemp("group-start")
-    init, plan_path = run_files(root, PLAN)
+    init, _ = run_files(root, PLAN)
     broken = root / "broken"
     shutil.copytree(init, broken)
     for f in broken.glob("*.safetensors"):
         f.write_bytes(f.read_bytes()[:64])            # cut: the engine refuses to load it
-    return {"root": root, "init": str(init), "broken": str(broken), "plan": load_plan(plan_path)}
+    return {"root": root, "init": str(init), "broken": str(broken)}
 
 
-def _run(files: dict, name: str, **cfg: object) -> tuple[Path, dict | BaseException]:
-    out = files["root"] / name
-    config = RunConfig(out_dir=out, updates=1, init_checkpoint=files["init"], ray_num_cpus=2, **cfg)
+def _broken_start(files: dict):  # noqa: ANN202
+    def broken_start(launch: ReplicaLaunch) -> ReplicaLaunch:   # installed as every fleet's default hook
+        if launch.group != "cpu-broken":
+            return launch
+        return dataclasses.replace(launch, model_path=files["broken"], weights=None)
 
-    def setup(orch) -> None:  # noqa: ANN001
-        def broken_start(launch: ReplicaLaunch) -> ReplicaLaunch:
-            if launch.group != "cpu-broken":
-                return launch
-            return dataclasses.replace(launch, model_path=files["broken"], weights=None)
+    return broken_start
 
-        orch.fleet.start_launch = broken_start
 
-    try:
-        return out, run_plan(files["plan"], config, setup=setup)
-    except RunFailed as e:
-        return out, e
+@pytest.fixture(scope="module")
+def cli_runs(setup_files: dict) -> dict[str, tuple[Path, int, str]]:
+    """The two runs every test here reads, each started once through `mixfleet run` (the CLI calls `run_plan`):
+    "fails" (the group cannot start) and "allowed" (--allow-group-loss); name -> (run folder, exit code,
+    output). Before issue 43 each test started its own runs (4 runs for 2 cases, ~40 s more)."""
+    from mixfleet.runner.orchestration import sampler_fleet
+    from mixfleet.ui.cli import app
+    from typer.testing import CliRunner
+
+    plan = str(setup_files["root"] / "plan.toml")
+    base = ["run", plan, "--updates", "1", "--init", setup_files["init"], "--eval-every", "0", "--quiet"]
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sampler_fleet, "_same_launch", _broken_start(setup_files))
+        for name, extra in (("fails", []), ("allowed", ["--allow-group-loss"])):
+            out = setup_files["root"] / name
+            r = CliRunner().invoke(app, [*base, "--out", str(out), *extra])
+            print(f"\n{name}:", r.output[-600:])
+            runs[name] = (out, r.exit_code, r.output)
+    return runs
 
 
 def _start_failures(out: Path, group: str) -> int:
@@ -68,25 +80,22 @@ def _start_failures(out: Path, group: str) -> int:
     return int(crash["detail"].str.startswith("start failed").sum())
 
 
-def test_a_group_that_cannot_start_fails_the_run(setup_files: dict) -> None:
-    out, res = _run(setup_files, "fails")
-    assert isinstance(res, RunFailed), f"the run went on without the group: {res}"
-    msg = str(res)
-    print("\nRunFailed:", msg)
-    assert "'cpu-broken' cannot start" in msg and "--allow-group-loss" in msg
+def test_a_group_that_cannot_start_fails_the_run(cli_runs: dict) -> None:
+    out, code, output = cli_runs["fails"]
+    assert code == 1, f"the run went on without the group: {output}"
+    assert "'cpu-broken' cannot start" in output and "--allow-group-loss" in output   # RunFailed's message
     assert json.loads((out / "run.json").read_text())["status"] == "failed"
     assert _start_failures(out, "cpu-broken") == MAX_START_FAILURES
     assert _start_failures(out, "cpu-good") == 0
 
 
-def test_an_allowed_group_loss_is_reported(setup_files: dict) -> None:
-    out, res = _run(setup_files, "allowed", allow_group_loss=True)
-    assert isinstance(res, dict), res
-    assert res["version"] == 1
-    assert set(res["lost_groups"]) == {"cpu-broken"}
+def test_an_allowed_group_loss_is_reported(cli_runs: dict) -> None:
+    out, code, output = cli_runs["allowed"]
+    assert code == 3, output
     header = json.loads((out / "run.json").read_text())
     assert header["status"] == "finished" and set(header["lost_groups"]) == {"cpu-broken"}
     log = RunLog.open(out)
+    assert log.updates["version"].tolist() == [1]
     lost = log.events[log.events["kind"] == "group_lost"]
     assert list(lost["group"]) == ["cpu-broken"]
     assert json.loads(lost["detail"].iloc[0])["starts_failed"] == MAX_START_FAILURES
@@ -95,25 +104,12 @@ def test_an_allowed_group_loss_is_reported(setup_files: dict) -> None:
     assert set(traj[traj["trained_version"] == 1]["group"]) == {"cpu-good"}
 
 
-def test_mixfleet_run_exit_codes(setup_files: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_mixfleet_run_exit_codes(cli_runs: dict) -> None:
     """`mixfleet run`: 1 and the reason when the group cannot start; 3 and a warning when it was allowed."""
-    from mixfleet.runner.orchestration import sampler_fleet
-    from mixfleet.ui.cli import app
-    from typer.testing import CliRunner
+    _, code, output = cli_runs["fails"]
+    assert code == 1, output
+    assert "the run failed: sampler group 'cpu-broken' cannot start" in output
+    _, code, output = cli_runs["allowed"]
+    assert code == 3, output
+    assert "done: version 1" in output and "'cpu-broken' never started and was left out" in output
 
-    def broken_start(launch: ReplicaLaunch) -> ReplicaLaunch:  # installed as every fleet's default hook
-        if launch.group != "cpu-broken":
-            return launch
-        return dataclasses.replace(launch, model_path=setup_files["broken"], weights=None)
-
-    monkeypatch.setattr(sampler_fleet, "_same_launch", broken_start)
-    plan = str(setup_files["root"] / "plan.toml")
-    base = ["run", plan, "--updates", "1", "--init", setup_files["init"], "--eval-every", "0", "--quiet"]
-    r = CliRunner().invoke(app, [*base, "--out", str(setup_files["root"] / "cli-fails")])
-    print("\n", r.output[-600:])
-    assert r.exit_code == 1, r.output
-    assert "the run failed: sampler group 'cpu-broken' cannot start" in r.output
-    r = CliRunner().invoke(app, [*base, "--out", str(setup_files["root"] / "cli-allowed"), "--allow-group-loss"])
-    print(r.output[-600:])
-    assert r.exit_code == 3, r.output
-    assert "done: version 1" in r.output and "'cpu-broken' never started and was left out" in r.output

@@ -3,10 +3,11 @@ SIGKILL at the staleness bound, and of a finished run continued to more updates 
 
 With `max_staleness = 0, stale = "wait"` the batcher admits prompt n only while n < (v + 1) x ppu, and the
 run sits at that bound whenever the trainer is the bottleneck (its normal steady state): at the checkpoint
-of update 1, 2 x ppu prompts have started. Before the fix, a resume restored that count although those
+of update v, (v + 1) x ppu prompts have started. Before the fix, a resume restored that count although those
 prompts died with the killed run, so nothing was ever admitted and the run idled after "ready"; the same
 held for a finished run continued to more updates. Each run is a child process (tests/run_child.py) so that
-a hang is a failed test, not a hung suite.
+a hang is a failed test, not a hung suite; the run is conftest.py's `killed_resumed_run`, which
+tests/test_fidelity_resume.py reads too.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from typing import Any
 
 import pytest
 from mixfleet.costmodel.records.runlog import RunLog
-from runplans import CPU_BF16, run_files, run_plan_toml
+from runplans import CPU_BF16, run_plan_toml
 
 pytestmark = pytest.mark.slow
 
@@ -87,22 +88,20 @@ def _check_log(out: Path, n: int, resumes: int) -> None:
     assert counts == dict(zip(log.updates["version"], log.updates["trajectories"], strict=True))
 
 
-def test_resume_after_kill_at_the_staleness_bound_and_continue_a_finished_run(tmp_path: Path) -> None:
-    init, plan = run_files(tmp_path, PLAN)
-    out = tmp_path / "out"
-    code, lines = _run([str(plan), str(out), str(init), "3"], tmp_path, "first", kill_after=1)
-    assert code is None and lines[-1].startswith("UPDATE 1"), (lines, (tmp_path / "first.err").read_text()[-2000:])
-    st = _state(out)
-    assert st["version"] == 1 and st["started_prompts"] == (1 + 0 + 1) * PPU     # killed at the bound
+def test_resume_after_kill_at_the_staleness_bound_and_continue_a_finished_run(killed_resumed_run: dict) -> None:
+    """conftest.py's `killed_resumed_run`: killed after update 2 of 4, resumed to 4, continued to 5."""
+    runs = killed_resumed_run
+    code, lines, err = runs["killed"]
+    assert code is None and lines[-1].startswith("UPDATE 2"), (lines, err)
+    st = runs["killed_state"]
+    assert st["version"] == 2 and st["started_prompts"] == (2 + 0 + 1) * PPU     # killed at the bound
 
-    code, lines = _run([str(plan), str(out), str(init), "2", "--resume"], tmp_path, "resumed")
-    tail = (tmp_path / "resumed.err").read_text()[-2000:]
-    assert code == 0, f"the resumed run did not finish in {RUN_TIMEOUT_S} s: {lines[-3:]}; stderr ends:\n{tail}"
-    assert lines[-1].startswith("UPDATE 2")
-    _check_log(out, 2, resumes=1)
-    assert _state(out)["started_prompts"] >= 3 * PPU                             # a finished run at its bound
+    code, lines, err = runs["resumed"]
+    assert code == 0, f"the resumed run did not finish in {RUN_TIMEOUT_S} s: {lines[-3:]}; stderr ends:\n{err}"
+    assert lines[-1].startswith("UPDATE 4")
+    _check_log(runs["resumed_copy"], 4, resumes=1)
+    assert runs["resumed_state"]["started_prompts"] >= 5 * PPU                    # a finished run at its bound
 
-    code, lines = _run([str(plan), str(out), str(init), "3", "--resume"], tmp_path, "continued")
-    tail = (tmp_path / "continued.err").read_text()[-2000:]
-    assert code == 0, f"the continued run did not finish in {RUN_TIMEOUT_S} s: {lines[-3:]}; stderr ends:\n{tail}"
-    _check_log(out, 3, resumes=2)
+    code, lines, err = runs["continued"]
+    assert code == 0, f"the continued run did not finish in {RUN_TIMEOUT_S} s: {lines[-3:]}; stderr ends:\n{err}"
+    _check_log(runs["out"], 5, resumes=2)
