@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import shutil
 import sys
 from pathlib import Path
@@ -66,3 +67,19 @@ def killed_resumed_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, An
     shutil.copytree(out, runs["resumed_copy"], symlinks=True)
     step("continued", ["5", "--resume"])
     return runs
+
+
+def _load_script(name: str) -> Any:
+    """benchmarks/NAME.py as a module (the benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).resolve().parents[1] / "benchmarks" /
+                                                  f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod                # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="session")
+def benchmark_script() -> Any:
+    """A loader of benchmarks/ scripts: `benchmark_script("learning")` is benchmarks/learning.py as a module."""
+    return _load_script

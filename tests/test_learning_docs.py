@@ -7,9 +7,7 @@ and on a copy of the pages with one figure changed, which must fail, naming the 
 
 from __future__ import annotations
 
-import importlib.util
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,12 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def check():
-    spec = importlib.util.spec_from_file_location("check_learning_docs", ROOT / "benchmarks" / "check_learning_docs.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def check(benchmark_script):
+    return benchmark_script("check_learning_docs")
 
 
 def _copy_pages(tmp_path: Path) -> Path:

@@ -7,10 +7,8 @@ the listing's run logs are written with the real RunLogWriter. Nothing here trai
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,12 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def learning():
-    spec = importlib.util.spec_from_file_location("learning", ROOT / "benchmarks" / "learning.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def learning(benchmark_script):
+    return benchmark_script("learning")
 
 
 # ---------------------------------------------------------------------------------------------- the table
