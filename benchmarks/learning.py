@@ -609,6 +609,12 @@ def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
 
         todo = [(a, s) for a, s in order if run_state(out / a.key / f"seed{s}", a.updates) != "finished"]
         done = len(order) - len(todo)
+        if args.arms:                       # only these arms (e.g. those a pending decision does not touch)
+            unknown = sorted(set(args.arms) - {a.key for a in arms})
+            if unknown:
+                raise SystemExit(f"--arms: {', '.join(unknown)} not in study {args.study}; allowed: "
+                                 f"{', '.join(a.key for a in arms)}")
+            todo = [(a, s) for a, s in todo if a.key in args.arms]
         if args.max_runs is not None:       # a session's share: the next runs in the study's order
             todo = todo[:args.max_runs]
         log(f"study {args.study}: {done} of {len(order)} runs finished; running now: "
@@ -670,6 +676,8 @@ def main(argv: list[str] | None = None) -> int:
                     "are ignored); with --resume, --report-only, --final-eval or --list")
     ap.add_argument("--max-runs", type=int, default=None, help="with --study: run at most this many of its "
                     "unfinished runs, the next ones in its order (a session's share)")
+    ap.add_argument("--arms", type=lambda t: [x for x in t.split(",") if x], default=[],
+                    help="with --study --resume: run only these arms (comma-separated), in the study's order")
     ap.add_argument("--list", action="store_true", help="with --study: print its runs in order with their "
                     "estimated CPU time and their state in --out; runs nothing")
     args = ap.parse_args(argv)

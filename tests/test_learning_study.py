@@ -316,3 +316,18 @@ def test_resume_runs_the_next_unfinished_runs_in_order(learning, tmp_path: Path,
     doc = json.loads(res.read_text())
     assert [r["rung"] for r in doc["runs"]] == ["s-mix-sc_mis_topp"] and doc["rules"] == RULES
     assert "1 of 32 runs finished" in capsys.readouterr().out
+
+
+def test_arms_picks_the_runs_of_those_arms_in_order(learning, tmp_path: Path, monkeypatch) -> None:
+    import mixfleet.studies.runs as study_runs
+
+    started: list = []
+    monkeypatch.setattr(study_runs, "run_study", lambda runs, **kw: started.append(runs))
+    monkeypatch.setattr(learning, "base_policy", lambda model, steps: "base")
+    args = ["--study", "dense", "--resume", "--out", str(tmp_path), "--results", str(tmp_path / "s.json"),
+            "--final-results", str(tmp_path / "f.json")]
+    assert learning.main([*args, "--arms", "s-hom-grpo,s-hom-sc_mis_topp", "--max-runs", "3"]) == 0
+    assert [r.name for r in started[0]] == ["s-hom-sc_mis_topp/seed0", "s-hom-grpo/seed0", "s-hom-sc_mis_topp/seed1"]
+    with pytest.raises(SystemExit, match="--arms: t-grpo not in study dense"):
+        learning.main([*args, "--arms", "t-grpo"])
+
