@@ -38,6 +38,7 @@ from mixfleet.studies.learning_study import (  # the collapse signs and the inte
     STUDY,
     collapse_signs,
     estimate_s,
+    k3_level,
     mean5,
     t_interval,
 )
@@ -293,8 +294,7 @@ def findings(data: dict[str, Any]) -> tuple[list[tuple[str, str, str, str]], dic
     within_row("replay", "d-c300-replay minus d-c300, 512 x 2", [rep[s]["difference"] for s in sorted(rep)],
                finding="(beside 3) routing replayed does as well as free on the mixed MoE fleet (within 0.05)")
 
-    kr = [statistics.fmean(a["kl_k3"][1:6]) / statistics.fmean(h["kl_k3"][1:6])
-          for a, h in zip(runs_of(lad, "c-grpo-lr"), runs_of(same, "b-lr"), strict=True)]
+    kr = [k3_level(a) / k3_level(h) for a, h in zip(runs_of(lad, "c-grpo-lr"), runs_of(same, "b-lr"), strict=True)]
     fx.update({"f.kl_ratio.min": min(kr), "f.kl_ratio.max": max(kr)})
     rows.append(("the treatment: the mixed fleet's mismatch exceeds the homogeneous one's", "c-grpo-lr vs b-lr, "
                  "same base: run k3, mean of updates 2-6", f"mixed / homogeneous {min(kr):.2f}-{max(kr):.2f}x per seed",
@@ -303,7 +303,7 @@ def findings(data: dict[str, Any]) -> tuple[list[tuple[str, str, str, str]], dic
     pairs = [(t, h) for t in runs_of(tre, "t-grpo") for h in runs_of(tre, "b-lr") if t["seed"] == h["seed"]]
     same_base = bool(pairs) and all(t.get("base_digest") and t["base_digest"] == h.get("base_digest")
                                     for t, h in pairs)
-    kt = [statistics.fmean(t["kl_k3"][1:6]) / statistics.fmean(h["kl_k3"][1:6]) for t, h in pairs]
+    kt = [k3_level(t) / k3_level(h) for t, h in pairs]
     if kt:
         m, _, lo, hi = t_interval(kt) if len(kt) > 1 else (kt[0], math.nan, math.nan, math.nan)
         fx.update({"f.treat.min": min(kt), "f.treat.max": max(kt), "f.treat.mean": m, "f.treat.lo": lo,

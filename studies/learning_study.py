@@ -220,9 +220,14 @@ class Signs:
         return self.k3_3x is None and self.ntc_50 is None and self.halved is None
 
 
+def k3_level(run: Mapping[str, Any]) -> float:
+    """A run's k3 level (RULES): the mean of updates 2-6 (update 1 is on-policy)."""
+    return statistics.fmean(run["kl_k3"][1:6])
+
+
 def collapse_signs(run: Mapping[str, Any]) -> Signs:
     k3, ntc, tr = run["kl_k3"], run["no_tool_call_share"], run["train_reward"]
-    level = statistics.fmean(k3[1:6])
+    level = k3_level(run)
     k3_3x = next((i + 1 for i, k in enumerate(k3) if k > 3 * level), None)
     ntc_50 = next((i + 1 for i, s in enumerate(ntc) if s > 0.5), None)
     start = mean5(tr, 0)
@@ -343,7 +348,7 @@ def treatment(mixed: Mapping[int, Mapping[str, Any]], homog: Mapping[int, Mappin
     for s in sorted(set(mixed) & set(homog)):
         da, db = mixed[s].get("base_digest"), homog[s].get("base_digest")
         if (da is None or db is None or da == db) and len(mixed[s]["kl_k3"]) >= 6 and len(homog[s]["kl_k3"]) >= 6:
-            ratios[s] = statistics.fmean(mixed[s]["kl_k3"][1:6]) / statistics.fmean(homog[s]["kl_k3"][1:6])
+            ratios[s] = k3_level(mixed[s]) / k3_level(homog[s])
     k = sum(r >= 3 for r in ratios.values())
     verdict = "not measured yet" if not ratios else \
         "holds" if k == len(ratios) else ("partly holds" if k else "does not hold")
