@@ -144,3 +144,19 @@ def test_a_cut_trainer_state_is_one_line_through_the_command(tmp_path: Path) -> 
     assert "Traceback" not in out and "[rank" not in out, out[-3000:]
     said = [ln for ln in out.splitlines() if ln.startswith("error:")]
     assert len(said) == 1 and f"{state}: cut or corrupt" in said[0], out[-3000:]
+
+
+def test_the_general_split_is_chosen_on_the_command_line(tmp_path: Path) -> None:
+    """Issue 41: `mixfleet evaluate --split general` evaluates on the problems training never shows; the result
+    and the printed line say which split; another value is refused naming the allowed ones."""
+    from sampler_helpers import make_checkpoint
+
+    ck = make_checkpoint(tmp_path / "ck", seed=1, weight_version="v0")
+    args = ["evaluate", str(ck), "--problems", "2", "--k", "1", "--max-turns", "1", "--max-new-tokens", "4"]
+    r = runner.invoke(app, [*args, "--split", "general", "--json"])
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["settings"]["split"] == "general"
+    r = runner.invoke(app, args)
+    assert r.exit_code == 0 and "(eval split)" in r.output, r.output
+    bad = runner.invoke(app, [*args, "--split", "train"])
+    assert bad.exit_code == 2 and "'--split' = 'train'" in bad.output and "eval, general" in bad.output

@@ -1,4 +1,4 @@
-"""`mixfleet evaluate PATH`: a run's last policy (or a checkpoint) on the held-out split, as many problems as asked.
+"""`mixfleet evaluate PATH`: a run's last policy (or a checkpoint) on a held-out split, as many problems as asked.
 
 The library is `mixfleet.runner.orchestration.evaluate_run` (module doc: settings, common random numbers). Bad input
 (not a run folder nor a checkpoint, a run without a checkpoint, an out-of-range problem count, an `--out` that exists
@@ -20,7 +20,7 @@ def register_evaluate(app: typer.Typer) -> None:
     def evaluate_cmd(
         path: Path = typer.Argument(..., help="A run folder (mixfleet run --out: its last checkpoint) or a Hugging "
                                     "Face layout checkpoint (e.g. a `mixfleet pretrain` base)."),
-        problems: int = typer.Option(256, "--problems", help="Held-out problems (the eval split's first N seeds)."),
+        problems: int = typer.Option(256, "--problems", help="Held-out problems (the split's first N seeds)."),
         k: int = typer.Option(2, "--k", help="Samples per problem (pass@k counts a problem solved by any)."),
         seed: int = typer.Option(0, "--seed", help="Sampling seed: the same seed gives two policies the same "
                                  "random draws (a paired comparison)."),
@@ -28,6 +28,9 @@ def register_evaluate(app: typer.Typer) -> None:
         top_p: float = typer.Option(None, "--top-p", help="Default: the run's own evaluation's (1: full vocabulary)."),
         max_turns: int = typer.Option(None, "--max-turns", help="Default: the run's own evaluation's."),
         max_new_tokens: int = typer.Option(None, "--max-new-tokens", help="Default: the run's own evaluation's."),
+        split: str = typer.Option("eval", "--split", help="Which held-out problems: eval (the run's own periodic "
+                                  "evaluation's) or general (problems unlike any in training: guess's targets "
+                                  "51..100, calc's larger operands; runner/rollout/tasks/base.py)."),
         task_set: Path = typer.Option(None, "--task-set", help="Evaluate on this task set (a folder of repository "
                                       "tasks, docs/tasks.md) with the repo task; prints the outcome per task. "
                                       "Default: the run's own task."),
@@ -48,8 +51,10 @@ def register_evaluate(app: typer.Typer) -> None:
             if out is not None:                 # checked before anything is built: never replaced, never in a run
                 prepare_output_file(out, where="mixfleet evaluate", force=force)
             on_set = {} if task_set is None else {"task": "repo", "task_options": {"task_set": str(task_set)}}
+            if split not in ("eval", "general"):
+                raise SpecError("evaluate", "--split", split, "eval, general")
             res = evaluate_policy(path, problems=problems, k=k, seed=seed, temperature=temperature, top_p=top_p,
-                                  max_turns=max_turns, max_new_tokens=max_new_tokens, **on_set)
+                                  max_turns=max_turns, max_new_tokens=max_new_tokens, split=split, **on_set)
         except (SpecError, ValueError, FileNotFoundError) as e:
             typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from None
@@ -65,8 +70,8 @@ def register_evaluate(app: typer.Typer) -> None:
         s = res.settings
         typer.echo(f"{path} ({res.kind}, version {res.version}): held-out reward {res.reward:.3f} "
                    f"+- {res.reward_se:.3f} (standard error), pass@{s['k']} {res.pass_at_k:.3f}; {s['problems']} "
-                   f"problems x {s['k']}, T = {s['temperature']}, top-p {s['top_p']}, seed {s['seed']}, "
-                   f"{res.wall_s:.0f} s")
+                   f"problems x {s['k']} ({s['split']} split), T = {s['temperature']}, top-p {s['top_p']}, "
+                   f"seed {s['seed']}, {res.wall_s:.0f} s")
         if (s.get("task_options") or {}).get("task_set"):     # a task set's tasks by name (docs/tasks.md)
             rows = res.by_task()
             width = max(len(r["task"]) for r in rows)
