@@ -50,6 +50,7 @@ SAME_BASE = "learning_b-lr_same_base.json"
 FINAL = "learning_final_eval.json"
 TOUR = "tour_learning.json"                 # the README tour's runs (benchmarks/tour_learning.py)
 TREAT = "learning_treatment.json"           # the treatment fleet t-grpo / t-c beside b-lr (benchmarks/learning.py)
+TREAT_BF16 = "learning_treatment_bf16.json"  # the study's homogeneous bf16 GRPO arm, first 6 updates (the pilot)
 ABLATIONS = ("moe", "moe-base300")          # docs/ablation/<dir>/verdicts.json, the MoE ablation reports quoted
 DOC = "docs/learning.md"
 README = "README.md"
@@ -69,7 +70,8 @@ wholly outside (beyond +0.05 or below -0.05); otherwise not shown, and not refut
 
 def load(results: Path = RESULTS) -> dict[str, Any]:
     out = {}
-    for key, name in (("ladder", LADDER), ("same", SAME_BASE), ("final", FINAL), ("tour", TOUR), ("treat", TREAT)):
+    for key, name in (("ladder", LADDER), ("same", SAME_BASE), ("final", FINAL), ("tour", TOUR), ("treat", TREAT),
+                      ("treat_bf16", TREAT_BF16)):
         path = results / name
         try:
             out[key] = json.loads(path.read_text())
@@ -317,6 +319,21 @@ def findings(data: dict[str, Any]) -> tuple[list[tuple[str, str, str, str]], dic
                      f"[{lo:.2f}, {hi:.2f}] ({len(kt)} seeds)",
                      "not shown (two bases)" if not same_base else
                      _verdict_count(sum(k >= 3 for k in kt), len(kt)) + " (>= 3x per seed)"))
+        hom = {r["seed"]: r for r in runs_of(data["treat_bf16"], "s-hom-grpo")}
+        bp = [(t, hom[t["seed"]]) for t in runs_of(tre, "t-grpo") if t["seed"] in hom]
+        if bp:   # against the study's homogeneous fleet (bf16 x 3), the rule *Treatment* of the study
+            kb = [k3_level(t) / k3_level(h) for t, h in bp]
+            same = all(t.get("base_digest") and t["base_digest"] == h.get("base_digest") for t, h in bp)
+            fx.update({f"f.treat_bf16.s{t['seed']}": k for (t, _), k in zip(bp, kb, strict=True)})
+            fx.update({"f.treat_bf16.min": min(kb), "f.treat_bf16.max": max(kb), "f.treat_bf16.n": len(kb),
+                       "f.treat_bf16.at3": sum(k >= 3 for k in kb)})
+            rows.append(("the treatment: the mixed fleet's mismatch exceeds the homogeneous one's",
+                         "t-grpo vs the study's bf16 fleet (s-hom-grpo, first 6 updates, the pilot), "
+                         + ("same base" if same else "two bases") + ": run k3, mean of updates 2-6",
+                         "mixed / homogeneous " + ", ".join(f"{k:.2f}x" for k in kb) + " (seeds "
+                         + ", ".join(str(t["seed"]) for t, _ in bp) + ")",
+                         "not shown (two bases)" if not same else
+                         _verdict_count(sum(k >= 3 for k in kb), len(kb)) + " (>= 3x per seed)"))
         growth = {rung: [r["kl_k3"][-1] / r["kl_k3"][0] for r in runs_of(tre, rung)] for rung in ("t-grpo", "t-c")}
         fx.update({f"f.treat.{rung}.growth_{x}": f(g) for rung, g in growth.items()
                    for x, f in (("min", min), ("max", max))})
@@ -656,6 +673,8 @@ CLAIMS: list[Claim] = [
       "f.d-c300-grpo.collapsed", "d-c300-grpo.start", "d-c300-grpo.end", file=README),
     q("the mixed fleet's KL at the start is {}-{}x the homogeneous one's", "f.kl_ratio.min", "f.kl_ratio.max",
       file=README),
+    q("first 6 updates, same base; benchmarks/results/learning_treatment_bf16.json), is {}x, {}x and {}x on seeds "
+      "0, 1 and 2", "f.treat_bf16.s0", "f.treat_bf16.s1", "f.treat_bf16.s2"),
     q("on its fp8 / nvfp4 groups (the treatment fleet, same base) it is {}-{}x (mean {}x, {} seeds",
       "f.treat.min", "f.treat.max", "f.treat.mean", "f.treat.n", file=README),
     # README: the measured-figures rows
