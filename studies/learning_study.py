@@ -386,8 +386,12 @@ def verdicts(runs: Sequence[Mapping[str, Any]], study: str,
     for ka, kb in pairs:
         h = min(arms[ka].updates, arms[kb].updates)
         fin = final if arms[ka].updates == arms[kb].updates == h else None    # both at their final version, or neither
-        contrasts.append({"a": ka, "b": kb, "horizon": h, "reevaluated": fin is not None,
-                          **paired(_runs_at(runs, arms[ka], h, fin), _runs_at(runs, arms[kb], h, fin))})
+        ra, rb = _runs_at(runs, arms[ka], h, fin), _runs_at(runs, arms[kb], h, fin)
+        pair = paired(ra, rb)
+        used = [r for x in (ra, rb) for s, r in x.items() if s in pair["seeds"]]
+        # "re-evaluated" only when every run the contrast used has its 512 x 2 re-evaluation (and the base its own)
+        contrasts.append({"a": ka, "b": kb, "horizon": h,
+                          "reevaluated": bool(used) and all(r.get("reevaluated") for r in used), **pair})
     con = {(c["a"], c["b"]): c for c in contrasts}
     findings = []
     h = arms[mix_c].updates

@@ -256,6 +256,12 @@ def test_reevaluation_replaces_the_end_only_at_the_final_version() -> None:
     assert not con[("s-mix-sc", "s-mix-grpo")]["reevaluated"]            # 40 vs 60: both from the periodic eval
     assert con[("s-mix-sc", "s-mix-grpo")]["mean"] == pytest.approx(0.45 - 0.305)      # GRPO at v40, seeds 0-2
     assert _finding(v, 1)["gain"] == pytest.approx(0.7 - 0.3)            # minus the base's re-evaluation
+    # without re-evaluations (none yet, or not every seed's), the contrast is the periodic one's and says so
+    plain = {(c["a"], c["b"]): c for c in verdicts(runs, "dense", {})["contrasts"]}
+    assert not plain[("s-mix-sc_mis_topp", "s-hom-sc_mis_topp")]["reevaluated"]
+    del final["s-hom-sc_mis_topp/seed4"]
+    part = {(c["a"], c["b"]): c for c in verdicts(runs, "dense", final)["contrasts"]}
+    assert not part[("s-mix-sc_mis_topp", "s-hom-sc_mis_topp")]["reevaluated"]
 
 
 def test_rules_are_written_in_docs() -> None:
