@@ -39,8 +39,10 @@ from mixfleet.studies.learning_study import (  # the collapse signs and the inte
     collapse_signs,
     estimate_s,
     k3_level,
+    markdown,
     mean5,
     t_interval,
+    verdicts,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,6 +52,8 @@ SAME_BASE = "learning_b-lr_same_base.json"
 FINAL = "learning_final_eval.json"
 TOUR = "tour_learning.json"                 # the README tour's runs (benchmarks/tour_learning.py)
 TREAT = "learning_treatment.json"           # the treatment fleet t-grpo / t-c beside b-lr (benchmarks/learning.py)
+STUDY_RESULTS = "learning_study.json"       # the dense study's runs (benchmarks/learning.py --study dense)
+STUDY_FINAL = "learning_study_final_eval.json"   # its 512 x 2 re-evaluations (--final-eval)
 TREAT_BF16 = "learning_treatment_bf16.json"  # the study's homogeneous bf16 GRPO arm, first 6 updates (the pilot)
 ABLATIONS = ("moe", "moe-base300")          # docs/ablation/<dir>/verdicts.json, the MoE ablation reports quoted
 DOC = "docs/learning.md"
@@ -75,6 +79,12 @@ def load(results: Path = RESULTS) -> dict[str, Any]:
         path = results / name
         try:
             out[key] = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as e:
+            raise SystemExit(f"{path}: cannot read the results file the docs quote ({e})") from e
+    for key, name in (("study", STUDY_RESULTS), ("study_final", STUDY_FINAL)):   # absent until the study runs
+        path = results / name
+        try:
+            out[key] = json.loads(path.read_text()) if path.exists() else None
         except (OSError, json.JSONDecodeError) as e:
             raise SystemExit(f"{path}: cannot read the results file the docs quote ({e})") from e
     for name in ABLATIONS:
@@ -428,8 +438,24 @@ def block_study_rules(data: dict[str, Any]) -> str:
     return RULES
 
 
+def block_study_state(data: dict[str, Any]) -> str:
+    """The dense study so far: its verdicts by RULES recomputed from the runs in learning_study.json (and the
+    re-evaluations where made), with the runs done and left."""
+    doc = data.get("study")
+    runs = [r for r in (doc or {}).get("runs", []) if r.get("status") == "finished"]
+    if not runs:
+        return "No run of the study has finished yet."
+    final = (data.get("study_final") or {}).get("evaluations", {})
+    planned = sum(len(a.seeds) for a in STUDY["dense"])
+    done = sorted(f"{r['rung']}/seed{r['seed']}" for r in runs)
+    return (f"The dense study after {len(runs)} of its {planned} runs ({', '.join(done)}; "
+            f"benchmarks/results/learning_study.json, the verdicts recomputed from its runs by the rules below):\n\n"
+            + markdown(verdicts(runs, "dense", final)))
+
+
 BLOCKS = {"learning-table": block_ladder, "learning-signs": block_signs, "learning-final-eval": block_final,
-          "learning-findings": block_findings, "study-arms": block_study_arms, "study-rules": block_study_rules}
+          "learning-findings": block_findings, "study-arms": block_study_arms, "study-rules": block_study_rules,
+          "study-state": block_study_state}
 BLOCK_RE = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end -->)", re.S)
 
 

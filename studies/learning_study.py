@@ -457,7 +457,9 @@ def markdown(v: Mapping[str, Any]) -> str:
               "", "| contrast A - B | at update | pairs | mean | 95 % interval | verdict |",
               "|---|---|---|---|---|---|"]
     for c in v["contrasts"]:
+        sig = (lambda x: "-" if x is None or not math.isfinite(x) else f"{x:+.3f}")  # noqa: E731
+        span = "-" if sig(c["lo"]) == "-" else f"[{sig(c['lo'])}, {sig(c['hi'])}]"
         lines.append(f"| {c['a']} - {c['b']} | {c['horizon']}{' (512 x 2)' if c['reevaluated'] else ''} | "
-                     f"{c['pairs']} | {c['mean']:+.3f} | [{c['lo']:+.3f}, {c['hi']:+.3f}] | {c['verdict']} |")
+                     f"{c['pairs']} | {sig(c['mean'])} | {span} | {c['verdict']} |")
     lines += [""] + [f"- {f['finding']}: **{f['verdict']}**" for f in v["findings"]]
     return "\n".join(lines)
