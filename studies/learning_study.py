@@ -461,5 +461,24 @@ def markdown(v: Mapping[str, Any]) -> str:
         span = "-" if sig(c["lo"]) == "-" else f"[{sig(c['lo'])}, {sig(c['hi'])}]"
         lines.append(f"| {c['a']} - {c['b']} | {c['horizon']}{' (512 x 2)' if c['reevaluated'] else ''} | "
                      f"{c['pairs']} | {sig(c['mean'])} | {span} | {c['verdict']} |")
-    lines += [""] + [f"- {f['finding']}: **{f['verdict']}**" for f in v["findings"]]
+    lines += [""] + [f"- {f['finding']}: **{f['verdict']}** ({_decided_by(f)})" for f in v["findings"]]
     return "\n".join(lines)
+
+
+def _decided_by(f: Mapping[str, Any]) -> str:
+    """The figures a finding's verdict rests on (RULES), in words."""
+    def iv(c: Mapping[str, Any]) -> str:
+        if not c.get("pairs"):
+            return "no pair yet"
+        lo, hi = c.get("lo"), c.get("hi")
+        span = "no interval" if lo is None or not math.isfinite(lo) else f"95 % [{lo:+.3f}, {hi:+.3f}]"
+        return f"{c['mean']:+.3f}, {span}, {c['pairs']} pair{'s' if c['pairs'] != 1 else ''}"
+    if "gain" in f:
+        g = "no seed yet" if not f["seeds"] else (
+            f"gain {f['gain']:+.3f}, 95 % [{f['gain_lo']:+.3f}, {f['gain_hi']:+.3f}], {f['seeds']} seeds"
+            if f["seeds"] > 1 else "gain: 1 seed, no interval")
+        return f"{g}; minus GRPO {iv(f['versus_grpo'])}"
+    if "mixed_grpo" in f:
+        return (f"mixed GRPO {f['mixed_grpo']} ({f['collapsed']} of {f['seeds']} seeds collapsed), homogeneous GRPO "
+                f"{f['homogeneous_grpo']}; sooner on mixed: {f['sooner']['verdict']}")
+    return f"mixed minus homogeneous {iv(f['contrast'])}"

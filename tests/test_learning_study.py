@@ -337,3 +337,18 @@ def test_arms_picks_the_runs_of_those_arms_in_order(learning, tmp_path: Path, mo
     with pytest.raises(SystemExit, match="--arms: t-grpo not in study dense"):
         learning.main([*args, "--arms", "t-grpo"])
 
+
+
+def test_the_table_says_what_decided_each_finding() -> None:
+    """The study's markdown names the figures behind each finding's verdict (RULES: "with the figures that
+    decided"), and an interval the data cannot give yet reads as missing, not as nan."""
+    from mixfleet.studies.learning_study import markdown
+
+    runs = _study(grpo_collapses=True, sc_gain=0.2, hom_offset=[0.0] * 5)
+    text = markdown(verdicts(runs, "dense"))
+    f1 = next(ln for ln in text.splitlines() if ln.startswith("- 1."))
+    g = _finding(verdicts(runs, "dense"), 1)
+    assert f"gain {g['gain']:+.3f}, 95 % [{g['gain_lo']:+.3f}, {g['gain_hi']:+.3f}], 5 seeds" in f1
+    assert "minus GRPO" in f1 and "pairs)" in f1
+    one = markdown(verdicts([r for r in runs if r["seed"] == 0], "dense"))
+    assert "nan" not in one and "no interval, 1 pair" in one
