@@ -457,12 +457,20 @@ def markdown(v: Mapping[str, Any]) -> str:
               "", "| contrast A - B | at update | pairs | mean | 95 % interval | verdict |",
               "|---|---|---|---|---|---|"]
     for c in v["contrasts"]:
-        sig = (lambda x: "-" if x is None or not math.isfinite(x) else f"{x:+.3f}")  # noqa: E731
-        span = "-" if sig(c["lo"]) == "-" else f"[{sig(c['lo'])}, {sig(c['hi'])}]"
+        span = f"[{_signed(c['lo'])}, {_signed(c['hi'])}]" if _finite(c["lo"]) else "-"
         lines.append(f"| {c['a']} - {c['b']} | {c['horizon']}{' (512 x 2)' if c['reevaluated'] else ''} | "
-                     f"{c['pairs']} | {sig(c['mean'])} | {span} | {c['verdict']} |")
+                     f"{c['pairs']} | {_signed(c['mean'])} | {span} | {c['verdict']} |")
     lines += [""] + [f"- {f['finding']}: **{f['verdict']}** ({_decided_by(f)})" for f in v["findings"]]
     return "\n".join(lines)
+
+
+def _finite(x: Any) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def _signed(x: Any) -> str:
+    """A difference as +0.123, or '-' where the data cannot give it yet."""
+    return f"{x:+.3f}" if _finite(x) else "-"
 
 
 def _decided_by(f: Mapping[str, Any]) -> str:
@@ -470,9 +478,8 @@ def _decided_by(f: Mapping[str, Any]) -> str:
     def iv(c: Mapping[str, Any]) -> str:
         if not c.get("pairs"):
             return "no pair yet"
-        lo, hi = c.get("lo"), c.get("hi")
-        span = "no interval" if lo is None or not math.isfinite(lo) else f"95 % [{lo:+.3f}, {hi:+.3f}]"
-        return f"{c['mean']:+.3f}, {span}, {c['pairs']} pair{'s' if c['pairs'] != 1 else ''}"
+        span = f"95 % [{_signed(c['lo'])}, {_signed(c['hi'])}]" if _finite(c.get("lo")) else "no interval"
+        return f"{_signed(c['mean'])}, {span}, {c['pairs']} pair{'s' if c['pairs'] != 1 else ''}"
     if "gain" in f:
         g = "no seed yet" if not f["seeds"] else (
             f"gain {f['gain']:+.3f}, 95 % [{f['gain_lo']:+.3f}, {f['gain_hi']:+.3f}], {f['seeds']} seeds"

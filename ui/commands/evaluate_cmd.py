@@ -51,8 +51,6 @@ def register_evaluate(app: typer.Typer) -> None:
             if out is not None:                 # checked before anything is built: never replaced, never in a run
                 prepare_output_file(out, where="mixfleet evaluate", force=force)
             on_set = {} if task_set is None else {"task": "repo", "task_options": {"task_set": str(task_set)}}
-            if split not in ("eval", "general"):
-                raise SpecError("evaluate", "--split", split, "eval, general")
             res = evaluate_policy(path, problems=problems, k=k, seed=seed, temperature=temperature, top_p=top_p,
                                   max_turns=max_turns, max_new_tokens=max_new_tokens, split=split, **on_set)
         except (SpecError, ValueError, FileNotFoundError) as e:
