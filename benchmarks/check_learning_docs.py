@@ -42,6 +42,7 @@ from mixfleet.studies.learning_study import (  # the collapse signs and the inte
     markdown,
     mean5,
     t_interval,
+    treatment,
     verdicts,
 )
 
@@ -74,17 +75,12 @@ wholly outside (beyond +0.05 or below -0.05); otherwise not shown, and not refut
 
 def load(results: Path = RESULTS) -> dict[str, Any]:
     out = {}
+    optional = {"study", "study_final"}                  # absent until the study runs (None then)
     for key, name in (("ladder", LADDER), ("same", SAME_BASE), ("final", FINAL), ("tour", TOUR), ("treat", TREAT),
-                      ("treat_bf16", TREAT_BF16)):
+                      ("treat_bf16", TREAT_BF16), ("study", STUDY_RESULTS), ("study_final", STUDY_FINAL)):
         path = results / name
         try:
-            out[key] = json.loads(path.read_text())
-        except (OSError, json.JSONDecodeError) as e:
-            raise SystemExit(f"{path}: cannot read the results file the docs quote ({e})") from e
-    for key, name in (("study", STUDY_RESULTS), ("study_final", STUDY_FINAL)):   # absent until the study runs
-        path = results / name
-        try:
-            out[key] = json.loads(path.read_text()) if path.exists() else None
+            out[key] = None if key in optional and not path.exists() else json.loads(path.read_text())
         except (OSError, json.JSONDecodeError) as e:
             raise SystemExit(f"{path}: cannot read the results file the docs quote ({e})") from e
     for name in ABLATIONS:
@@ -329,21 +325,20 @@ def findings(data: dict[str, Any]) -> tuple[list[tuple[str, str, str, str]], dic
                      f"[{lo:.2f}, {hi:.2f}] ({len(kt)} seeds)",
                      "not shown (two bases)" if not same_base else
                      _verdict_count(sum(k >= 3 for k in kt), len(kt)) + " (>= 3x per seed)"))
-        hom = {r["seed"]: r for r in runs_of(data["treat_bf16"], "s-hom-grpo")}
-        bp = [(t, hom[t["seed"]]) for t in runs_of(tre, "t-grpo") if t["seed"] in hom]
-        if bp:   # against the study's homogeneous fleet (bf16 x 3), the rule *Treatment* of the study
-            kb = [k3_level(t) / k3_level(h) for t, h in bp]
-            same = all(t.get("base_digest") and t["base_digest"] == h.get("base_digest") for t, h in bp)
-            fx.update({f"f.treat_bf16.s{t['seed']}": k for (t, _), k in zip(bp, kb, strict=True)})
-            fx.update({"f.treat_bf16.min": min(kb), "f.treat_bf16.max": max(kb), "f.treat_bf16.n": len(kb),
-                       "f.treat_bf16.at3": sum(k >= 3 for k in kb)})
+        # against the study's homogeneous fleet (bf16 x 3): the study's own rule *Treatment* (same-base pairs only)
+        tb = treatment({r["seed"]: r for r in runs_of(tre, "t-grpo")},
+                       {r["seed"]: r for r in runs_of(data["treat_bf16"], "s-hom-grpo")})
+        kb = tb["ratio_by_seed"]
+        if kb:
+            fx.update({f"f.treat_bf16.s{s}": k for s, k in kb.items()})
+            fx.update({"f.treat_bf16.min": min(kb.values()), "f.treat_bf16.max": max(kb.values()),
+                       "f.treat_bf16.n": tb["seeds"], "f.treat_bf16.at3": tb["at_least_3x"]})
             rows.append(("the treatment: the mixed fleet's mismatch exceeds the homogeneous one's",
-                         "t-grpo vs the study's bf16 fleet (s-hom-grpo, first 6 updates, the pilot), "
-                         + ("same base" if same else "two bases") + ": run k3, mean of updates 2-6",
-                         "mixed / homogeneous " + ", ".join(f"{k:.2f}x" for k in kb) + " (seeds "
-                         + ", ".join(str(t["seed"]) for t, _ in bp) + ")",
-                         "not shown (two bases)" if not same else
-                         _verdict_count(sum(k >= 3 for k in kb), len(kb)) + " (>= 3x per seed)"))
+                         "t-grpo vs the study's bf16 fleet (s-hom-grpo, first 6 updates, the pilot), same base: "
+                         "run k3, mean of updates 2-6",
+                         "mixed / homogeneous " + ", ".join(f"{k:.2f}x" for k in kb.values()) + " (seeds "
+                         + ", ".join(map(str, kb)) + ")",
+                         _verdict_count(tb["at_least_3x"], tb["seeds"]) + " (>= 3x per seed)"))
         growth = {rung: [r["kl_k3"][-1] / r["kl_k3"][0] for r in runs_of(tre, rung)] for rung in ("t-grpo", "t-c")}
         fx.update({f"f.treat.{rung}.growth_{x}": f(g) for rung, g in growth.items()
                    for x, f in (("min", min), ("max", max))})
