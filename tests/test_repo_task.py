@@ -32,7 +32,7 @@ from mixfleet.runner.rollout.tasks.repo import (
     load_task_set,
     split_kinds,
 )
-from mixfleet.runner.rollout.tasks.repo.generator import MODULE, TEMPLATES, TEST_FILE
+from mixfleet.runner.rollout.tasks.repo.generator import MODULE, TEMPLATES, TEST_FILE, Site, sites_of, split_sites
 from mixfleet.runner.sampler.engine_api import SamplingParams
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "data" / "tasksets" / "example"
@@ -96,8 +96,25 @@ def test_held_out_split_has_unseen_names_and_bug_sites() -> None:
     eval_names, eval_sites = seen("eval")
     assert train_names and eval_names and not train_names & eval_names
     assert train_sites and eval_sites and not train_sites & eval_sites
-    assert len(train_sites) == len(eval_sites) == len(TEMPLATES)   # every template's site of each split drawn
-    assert set(split_kinds("eval")) <= set(BUG_KINDS) and len(split_kinds("train")) == len(BUG_KINDS)
+    for split, drawn in (("train", train_sites), ("eval", eval_sites)):   # every site of each split is drawn
+        assert drawn == {(t.key, i) for t in TEMPLATES for i in split_sites(t, split)}
+    assert len(train_sites) >= 20 and len(eval_sites) >= 15
+    # a held-out bug is a kind of change seen in training, at a place never seen there
+    assert set(split_kinds("eval")) <= set(split_kinds("train")) and len(split_kinds("train")) == len(BUG_KINDS)
+
+
+def test_mutation_sites_are_exposed_and_name_a_unique_text() -> None:
+    for t in TEMPLATES:
+        sites = sites_of(t)
+        assert len(sites) >= len(t.sites) >= 2 and sites[:len(t.sites)] == t.sites
+        bodies = set()
+        for site in sites:
+            assert t.body.count(site.original) == 1, (t.key, site)
+            buggy = t.body.replace(site.original, site.buggy, 1)
+            assert buggy.count(site.buggy) == 1 and buggy not in bodies, (t.key, site)
+            bodies.add(buggy)
+    # the operators add places: e.g. sign's `x > 0` -> `x >= 0` (sign(0) returns 1)
+    assert Site("wrong_operator", "x > 0:", "x >= 0:") in sites_of(next(t for t in TEMPLATES if t.key == "sign"))
     assert EVAL_SEED_START == split_seeds("eval", 1)[0]
 
 

@@ -36,7 +36,7 @@ from typing import Any
 from mixfleet.costmodel.specs.model import ModelSpec, load_model_spec
 from mixfleet.runner.orchestration.config import run_settings, task_of
 from mixfleet.runner.rollout.agent import AgentConfig, Episode, engine_generate, run_episode
-from mixfleet.runner.rollout.demos import DEMO_REPLY_TOKENS, DemoConfig, demo_stats, generate_demos
+from mixfleet.runner.rollout.demos import DEMO_FORMAT, DEMO_REPLY_TOKENS, DemoConfig, demo_stats, generate_demos
 from mixfleet.runner.rollout.tasks import make_task, split_seeds
 from mixfleet.runner.sampler.engine_api import SamplingParams
 
@@ -95,6 +95,8 @@ def cache_key(config: PretrainConfig) -> str:
     spec = config.spec()
     resolved = dataclasses.replace(config, row_tokens=config.row_tokens or spec.max_context)
     payload = {"format": CACHE_FORMAT, "spec": spec.to_dict(), "config": dataclasses.asdict(resolved)}
+    if config.demos.task in DEMO_FORMAT:
+        payload["demo_format"] = DEMO_FORMAT[config.demos.task]
     payload["config"].pop("model")        # the content counts, not the name or path it was read from
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:24]

@@ -20,7 +20,8 @@ policy starts with a reward that is clearly nonzero but improvable:
   then the tests, and half of those episodes submit right away: reward 0).
 - all: with probability `no_call_rate` a reply is a short remark without a tool call (the loop
   then nudges, and the next reply calls a tool), so the base policy knows how to recover.
-Every draw comes from one seeded RNG: the same DemoConfig gives the same episodes.
+Every draw comes from seeded RNGs (one for guess / calc, one per episode for repo): the same DemoConfig
+gives the same episodes.
 """
 
 from __future__ import annotations
@@ -237,10 +238,21 @@ def demonstrator_generate(config: DemoConfig, rng: random.Random, task: Any = No
     return generate
 
 
+DEMO_CONCURRENCY = 4    # episode demonstrations in flight (their sandbox commands overlap; each has its own RNG)
+# demonstration format per task, part of the pretrain cache key where set (a task's entry is bumped when its
+# demonstrations change meaning; tasks without one keep the keys of the bases already made)
+DEMO_FORMAT: dict[str, int] = {"repo": 2}   # 2: mutation-operator bug sites, concurrent episodes
+
+
 async def agenerate_demos(config: DemoConfig, *, agent: AgentConfig | None = None,
                           on_episode: Callable[[int, int], Any] | None = None) -> list[Episode]:
     """`config.num_episodes` demonstration episodes on seeds drawn from the train split; `on_episode(done,
-    total)` after each (progress: the repo task's take about a second each on a CPU)."""
+    total)` after each (progress: the repo task's take about half a second each on a CPU).
+
+    guess / calc: one RNG, episodes one after another (their bases' digests depend on the order). Episode
+    demonstrators (repo): each episode draws from its own RNG (`random.Random(f"{seed}:{i}")`) and
+    DEMO_CONCURRENCY of them run at once, so their sandbox commands overlap; the episodes come back in seed order,
+    the same for the same config."""
     rng = random.Random(config.seed)
     first = rng.randrange(0, 10**8)
     seeds = split_seeds("train", config.num_episodes, offset=first)
@@ -248,18 +260,30 @@ async def agenerate_demos(config: DemoConfig, *, agent: AgentConfig | None = Non
     agent = agent or AgentConfig()
     if agent.sampling.max_new_tokens < DEMO_REPLY_TOKENS.get(config.task, 0):
         agent = replace(agent, sampling=replace(agent.sampling, max_new_tokens=DEMO_REPLY_TOKENS[config.task]))
-    episodes = []
-    for i, seed in enumerate(seeds):   # sequential: one RNG, reproducible order
+    done = 0
+
+    async def one(i: int, seed: int, episode_rng: random.Random) -> Episode:
+        nonlocal done
         task = make_task(config.task, **options)
-        generate = demonstrator_generate(config, rng, task)
+        generate = demonstrator_generate(config, episode_rng, task)
         ep = await run_episode(task, seed, generate, config=agent,
                                session_id=f"demo-{config.task}-{i}", clock=lambda: 0.0)
         if ep.finish_reason == "error":
             raise RuntimeError(f"demonstration {i} (seed {seed}) failed: {ep.error}")
-        episodes.append(ep)
+        done += 1
         if on_episode is not None:
-            on_episode(i + 1, len(seeds))
-    return episodes
+            on_episode(done, len(seeds))
+        return ep
+
+    if config.task not in EPISODE_DEMONSTRATORS:
+        return [await one(i, seed, rng) for i, seed in enumerate(seeds)]   # sequential: one RNG
+    gate = asyncio.Semaphore(DEMO_CONCURRENCY)
+
+    async def gated(i: int, seed: int) -> Episode:
+        async with gate:
+            return await one(i, seed, random.Random(f"{config.seed}:{i}"))
+
+    return list(await asyncio.gather(*[gated(i, seed) for i, seed in enumerate(seeds)]))
 
 
 def generate_demos(config: DemoConfig, *, agent: AgentConfig | None = None,

@@ -5,19 +5,24 @@ A generated repository is two files, stdlib only:
   that a `cat` fits the tiny models' ~1k-token context), exactly one of them with one injected bug;
 - `test_lib.py`: unittest cases for every function, run with `python3 -m unittest -q` (well under a second).
 
-Each function template carries its bug sites: (kind, original text, buggy text), the original text
-occurring exactly once in the template. Bug kinds (`BUG_KINDS`): off_by_one, wrong_operator,
-swapped_arguments, wrong_constant, missing_case, wrong_variable. The issue text reports one failing call
-as a user would ("clamp(5, 0, 3) returns 5, expected 3."), never the fix.
+Each function template carries a few hand-written bug sites (kind, original text, buggy text); the
+mutation operators (`MUTATIONS`: a comparison or arithmetic operator swapped, a `+ 1` dropped, a constant changed,
+two arguments swapped) add one site for every place in its body where they apply and a test case exposes the
+change. A site's texts are the smallest run of whole words around the change that occurs once in the body, so an
+edit names a few words, not a line. Bug kinds (`BUG_KINDS`): off_by_one, wrong_operator, swapped_arguments,
+wrong_constant, missing_case, wrong_variable. The issue text reports one failing call as a user would
+("clamp(5, 0, 3) returns 5, expected 3."), never the fix.
 
 Splits (seeds as base.split_seeds: train below EVAL_SEED_START, held out from it on):
 - function NAMES: every template has four names; names 0-1 are train names, names 2-3 held-out names;
   every function of a repository (the buggy one and the distractors) takes a name of its seed's split;
-- bug SITES: every template's sites are split by index: even-indexed sites are train sites, odd-indexed
-  sites held-out sites (every template has at least two, so both splits have a site in every template).
-So no held-out repository contains a function name or a (template, site) bug seen in any training
-repository; the templates (the functions' shapes) are shared, and so are the bug kinds (a kind's sites
-exist in both splits for most kinds; `split_kinds()` lists which).
+- bug SITES: all sites of all templates, in a fixed order, are dealt alternately to train and held out within
+  each kind (`site_split`), so every kind with two or more sites has sites in both splits, and no (template,
+  site) is in both.
+So no held-out repository contains a function name or a (template, site) bug seen in any training repository;
+the templates (the functions' shapes) and the kinds of change (the mutation operators) are shared: fixing a
+held-out bug is undoing a kind of change seen in training at a place never seen there (`split_kinds()` lists
+each split's kinds).
 
 Every repository is a pure function of (seed, distractors): `generate(seed)` draws from random.Random(seed).
 The reference fix (`RepoProblem.buggy_text` -> `fix_text` in `lib.py`) is the generator's ground truth: the
@@ -26,7 +31,9 @@ scripted demonstrator reads it, the model never sees it.
 
 from __future__ import annotations
 
+import functools
 import random
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,7 +59,7 @@ class Template:
     key: str
     names: tuple[str, str, str, str]     # 0-1 train, 2-3 held out
     body: str                            # "def {n}(...):\n    ..." (no single quotes, no tabs)
-    sites: tuple[Site, ...]              # even index: train, odd index: held out
+    sites: tuple[Site, ...]              # the hand-written sites (`sites_of`: these + the mutations')
     cases: tuple[tuple[Any, ...], ...]   # argument tuples the tests call it with
 
 
@@ -131,13 +138,107 @@ def split_names(template: Template, split: str) -> tuple[str, ...]:
     return template.names[:2] if split == "train" else template.names[2:]
 
 
+# (kind, pattern, replacement): applied at each match in a template's body (the def line excepted)
+MUTATIONS: tuple[tuple[str, str, str], ...] = (
+    ("wrong_operator", r" > ", " >= "), ("wrong_operator", r" >= ", " > "), ("wrong_operator", r" < ", " <= "),
+    ("wrong_operator", r" <= ", " < "), ("wrong_operator", r" == ", " != "), ("wrong_operator", r" != ", " == "),
+    ("wrong_operator", r" \+ ", " - "), ("wrong_operator", r" - ", " + "), ("wrong_operator", r" / ", " // "),
+    ("wrong_operator", r" \* ", " + "),
+    ("off_by_one", r" \+ 1\b", ""), ("off_by_one", r"\brange\((\w+), (\w+)\)", r"range(\1, \2 - 1)"),
+    ("wrong_constant", r"(?<![\w.])([1-9]\d*|0)(?![\w.])", "CONST"),
+    ("swapped_arguments", r"\((\w+), (\w+)([,)])", r"(\2, \1\3"),
+)
+
+
+def _const(m: re.Match[str]) -> str:
+    n = int(m.group(1))
+    return str(n + 1) if n < 10 else str(n // 10)
+
+
+def _window(before: str, after: str, body: str, changed: str) -> tuple[str, str] | None:
+    """The smallest run of whole words around the difference of two lines (one word of context each side when
+    there is one) whose original text occurs once in `body` and whose changed text once in `changed`."""
+    a, b = before.split(" "), after.split(" ")
+    lo = 0
+    while lo < min(len(a), len(b)) and a[lo] == b[lo]:
+        lo += 1
+    hi = 0
+    while hi < min(len(a), len(b)) - lo and a[-1 - hi] == b[-1 - hi]:
+        hi += 1
+    for pad in range(1, max(len(a), len(b))):
+        i, ja, jb = max(lo - pad, 0), len(a) - max(hi - pad, 0), len(b) - max(hi - pad, 0)
+        while i < lo and a[i] == "":                      # no window that starts in the indentation
+            i += 1
+        orig, bug = " ".join(a[i:ja]), " ".join(b[i:jb])
+        if orig and bug and body.count(orig) == 1 and changed.count(bug) == 1:
+            return orig, bug
+    return None
+
+
+def _exposed(template: Template, buggy_body: str) -> bool:
+    """Whether some test case of the template returns a different value (or raises) with the buggy body."""
+    try:
+        ref, bug = _compile(template.body.replace("{n}", "f"), "f"), _compile(buggy_body.replace("{n}", "f"), "f")
+    except SyntaxError:
+        return False
+    return any(_call(ref, args) != _call(bug, args) for args in template.cases)
+
+
+def sites_of(template: Template) -> tuple[Site, ...]:
+    """The template's bug sites: its hand-written ones, then one per place a mutation operator applies and a test
+    case exposes (duplicates of an earlier site's buggy body dropped). Deterministic: a pure function of the
+    template and MUTATIONS (computed once per template)."""
+    if template.key not in _SITES:
+        _SITES[template.key] = _find_sites(template)
+    return _SITES[template.key]
+
+
+_SITES: dict[str, tuple[Site, ...]] = {}
+
+
+def _find_sites(template: Template) -> tuple[Site, ...]:
+    sites = list(template.sites)
+    bodies = {template.body.replace(s.original, s.buggy, 1) for s in sites}
+    head, _, rest = template.body.partition("\n")
+    offset = len(head) + 1
+    for kind, pattern, repl in MUTATIONS:
+        for m in re.finditer(pattern, rest):
+            new = _const(m) if repl == "CONST" else m.expand(repl)
+            line_start = rest.rfind("\n", 0, m.start()) + 1
+            line_end = rest.find("\n", m.end())
+            line = rest[line_start:line_end]
+            changed_line = line[:m.start() - line_start] + new + line[m.end() - line_start:]
+            buggy_body = template.body[:offset + line_start] + changed_line + template.body[offset + line_end:]
+            if buggy_body in bodies or not _exposed(template, buggy_body):
+                continue
+            window = _window(line, changed_line, template.body, buggy_body)
+            if window is None:
+                continue
+            bodies.add(buggy_body)
+            sites.append(Site(kind, *window))
+    return tuple(sites)
+
+
+@functools.cache
+def site_split() -> dict[tuple[str, int], str]:
+    """(template key, site index) -> "train" | "eval": within each kind, the sites in template order then site
+    order are dealt alternately, the first to train."""
+    by_kind: dict[str, list[tuple[str, int]]] = {}
+    for t in TEMPLATES:
+        for i, site in enumerate(sites_of(t)):
+            by_kind.setdefault(site.kind, []).append((t.key, i))
+    return {key: ("train" if j % 2 == 0 else "eval") for keys in by_kind.values() for j, key in enumerate(keys)}
+
+
 def split_sites(template: Template, split: str) -> tuple[int, ...]:
-    return tuple(i for i in range(len(template.sites)) if (i % 2 == 0) == (split == "train"))
+    """Indices (into `sites_of(template)`) of the template's sites in `split` ("train" or "eval")."""
+    want = "train" if split == "train" else "eval"
+    return tuple(i for i in range(len(sites_of(template))) if site_split()[(template.key, i)] == want)
 
 
 def split_kinds(split: str) -> tuple[str, ...]:
     """The bug kinds that occur in a split."""
-    return tuple(sorted({t.sites[i].kind for t in TEMPLATES for i in split_sites(t, split)}))
+    return tuple(sorted({sites_of(t)[i].kind for t in TEMPLATES for i in split_sites(t, split)}))
 
 
 def _call(fn: Any, args: tuple[Any, ...]) -> tuple[bool, Any]:
@@ -178,10 +279,11 @@ def generate(seed: int, *, distractors: int = 1) -> RepoProblem:
 
 
 def _draw(seed: int, rng: random.Random, split: str, distractors: int) -> RepoProblem | None:
-    picked = rng.sample(range(len(TEMPLATES)), 1 + distractors)
+    first = rng.choice([i for i, t in enumerate(TEMPLATES) if split_sites(t, split)])
+    picked = [first, *rng.sample([i for i in range(len(TEMPLATES)) if i != first], distractors)]
     buggy_t = TEMPLATES[picked[0]]
     site_i = rng.choice(split_sites(buggy_t, split))
-    site = buggy_t.sites[site_i]
+    site = sites_of(buggy_t)[site_i]
     funcs = []   # (template, name, reference source, shipped source)
     for k, ti in enumerate(picked):
         t = TEMPLATES[ti]
