@@ -1,7 +1,9 @@
-"""Where mixfleet's shipped data lives (data/ in the source tree, mixfleet/data when installed)."""
+"""Where mixfleet's shipped data lives (data/ in the source tree, mixfleet/data when installed), and where it
+keeps what it makes for itself (`cache_root`)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -11,6 +13,17 @@ from typing import Any
 def data_dir() -> Path:
     """The folder holding accelerators.toml, precisions.toml, models/, workloads/, plans/."""
     return Path(str(resources.files("mixfleet.data")))
+
+
+def cache_root(part: str = "") -> Path:
+    """Where mixfleet keeps what it makes between runs (`part`: `base` for base policies, `twin-checks`, `ray` for
+    local Ray records, `ui` for the app's key): under `$MIXFLEET_CACHE`, else `$XDG_CACHE_HOME/mixfleet`, else
+    `~/.cache/mixfleet`. (The twin checks' `$MIXFLEET_CACHE_DIR` and the Ray records' and app key's
+    `$MIXFLEET_STATE_DIR` move those parts alone: twin/checks.py, runner/orchestration/local_ray.py.)"""
+    if os.environ.get("MIXFLEET_CACHE"):
+        return Path(os.environ["MIXFLEET_CACHE"]) / part
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "mixfleet" / part
 
 
 def data_path(*parts: str) -> Path:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from mixfleet.planner.config import PlannerConfig
 from mixfleet.planner.search import plan_mix, sequential_map
-from mixfleet.twin.checks import cached_map, default_map, job_digest, local_map, twin_check
+from mixfleet.twin.checks import cache_dir, cached_map, default_map, job_digest, local_map, twin_check
 
 CFG = PlannerConfig(model="tiny", workload="tiny-cpu", accelerators=("H100", "A100-80GB"),
                     max_gpus={"H100": 4, "A100-80GB": 2}, trainer_accelerator="H100", trainer_gpus=1,
@@ -84,3 +84,23 @@ def test_an_unwritable_cache_only_costs_the_speed(tmp_path: Path, monkeypatch: p
 
     got, info = cached_map(lambda f, jobs: sequential_map(f, jobs))(fn, [(1,), (2,)])
     assert got == [{"x": 2}, {"x": 4}] and calls == [1, 2] and info["cached"] == 0
+
+
+def test_one_cache_folder_moves_every_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`$MIXFLEET_CACHE` moves the base policies, the twin checks and the Ray records together; the older
+    per-part variables still move their part alone."""
+    from mixfleet.runner.orchestration.local_ray import records_dir
+    from mixfleet.runner.orchestration.pretrain import default_cache_dir
+
+    for name in ("MIXFLEET_CACHE_DIR", "MIXFLEET_STATE_DIR", "MIXFLEET_NO_CACHE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("MIXFLEET_CACHE", str(tmp_path / "c"))
+    assert (default_cache_dir(), cache_dir(), records_dir()) == (
+        tmp_path / "c" / "base", tmp_path / "c" / "twin-checks", tmp_path / "c" / "ray")
+    monkeypatch.setenv("MIXFLEET_CACHE_DIR", str(tmp_path / "t"))
+    monkeypatch.setenv("MIXFLEET_STATE_DIR", str(tmp_path / "s"))
+    assert (default_cache_dir(), cache_dir(), records_dir()) == (
+        tmp_path / "c" / "base", tmp_path / "t" / "twin-checks", tmp_path / "s" / "ray")
+    monkeypatch.delenv("MIXFLEET_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert default_cache_dir() == tmp_path / "x" / "mixfleet" / "base"

@@ -12,7 +12,8 @@ in any process. So
   compiled core included), and of the contents of any spec file the plan names by path. `mixfleet plan` run
   twice, or the app's Plan page asked the same question again, reads the checks instead of re-simulating them.
 
-The cache lives under `$MIXFLEET_CACHE_DIR` (default `$XDG_CACHE_HOME/mixfleet` or `~/.cache/mixfleet`), in
+The cache lives under `$MIXFLEET_CACHE_DIR` if set, else mixfleet's cache folder (`costmodel.paths.cache_root`:
+`$MIXFLEET_CACHE`, default `$XDG_CACHE_HOME/mixfleet` or `~/.cache/mixfleet`), in
 `twin-checks/`, one small JSON file per check; `MIXFLEET_NO_CACHE=1` turns it off (reads and writes). A file
 that cannot be read or written is ignored (the check is then run), so a read-only home costs only the speed.
 """
@@ -30,6 +31,7 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from mixfleet.costmodel.paths import cache_root
 from mixfleet.policies.plan import plan_from_dict
 
 Job = tuple[Any, ...]
@@ -99,9 +101,8 @@ def cache_dir() -> Path | None:
     """Where the checks are kept, or None when `MIXFLEET_NO_CACHE` is set."""
     if os.environ.get("MIXFLEET_NO_CACHE", "") not in ("", "0"):
         return None
-    base = os.environ.get("MIXFLEET_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "mixfleet")
-    return Path(base) / "twin-checks"
+    own = os.environ.get("MIXFLEET_CACHE_DIR")        # this part alone (the others stay in cache_root)
+    return Path(own) / "twin-checks" if own else cache_root("twin-checks")
 
 
 @functools.cache

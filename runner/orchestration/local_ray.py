@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from mixfleet.costmodel.paths import cache_root
+
 LOOPBACK = "127.0.0.1"
 LOOPBACK_ADDRESSES = ("127.0.0.1", "::1", "::ffff:127.0.0.1")
 _CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
@@ -78,7 +80,10 @@ def marking(token: str) -> Iterator[None]:
 
 
 def state_dir() -> Path:
-    return Path(os.environ.get("MIXFLEET_STATE_DIR") or Path.home() / ".cache" / "mixfleet")
+    """The folder of the local Ray records (`ray/`) and the app's key (`ui/`): `$MIXFLEET_STATE_DIR` if set, else
+    mixfleet's cache folder (costmodel.paths.cache_root)."""
+    own = os.environ.get("MIXFLEET_STATE_DIR")
+    return Path(own) if own else cache_root()
 
 
 def records_dir() -> Path:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mixfleet.costmodel.paths import cache_root
 from mixfleet.costmodel.specs.model import ModelSpec, load_model_spec
 from mixfleet.runner.orchestration.config import run_settings, task_of
 from mixfleet.runner.rollout.agent import AgentConfig, Episode, engine_generate, run_episode
@@ -46,9 +47,8 @@ PAD_SEGMENT = -1
 
 
 def default_cache_dir() -> Path:
-    """`$MIXFLEET_CACHE/base` if set, else `~/.cache/mixfleet/base`."""
-    root = os.environ.get("MIXFLEET_CACHE")
-    return (Path(root) if root else Path.home() / ".cache" / "mixfleet") / "base"
+    """`base/` under mixfleet's cache (costmodel.paths.cache_root: `$MIXFLEET_CACHE` or `~/.cache/mixfleet`)."""
+    return cache_root("base")
 
 
 @dataclass(frozen=True, kw_only=True)
