@@ -277,12 +277,13 @@ class RewardReport:
     wall_s: float
 
 
-def measure_reward(checkpoint: str | Path, *, task: str = "guess", task_options: dict[str, Any] | None = None,
-                   episodes: int = 64, split: str = "eval", offset: int = 0, precision: str = "bf16",
-                   temperature: float = 1.0, seed: int = 0, max_new_tokens: int | None = None) -> RewardReport:
-    """Mean reward of the checkpoint's policy over `episodes` problems of a split, sampled concurrently
-    with the embedded engine (full vocabulary at `temperature`; per-request seeds, so repeatable). `max_new_tokens`
-    per reply: None = 48, or the task's demonstrations' reply cap when larger (demos.DEMO_REPLY_TOKENS: repo 128)."""
+def sample_episodes(checkpoint: str | Path, *, task: str = "guess", task_options: dict[str, Any] | None = None,
+                    episodes: int = 64, split: str = "eval", offset: int = 0, precision: str = "bf16",
+                    temperature: float = 1.0, seed: int = 0, max_new_tokens: int | None = None) -> list[Episode]:
+    """`episodes` episodes of the checkpoint's policy on problems of a split (seeds `split_seeds(split, episodes,
+    offset)`, in that order), sampled concurrently with the embedded engine (full vocabulary at `temperature`;
+    per-request seeds, so repeatable). `max_new_tokens` per reply: None = 48, or the task's demonstrations' reply
+    cap when larger (demos.DEMO_REPLY_TOKENS: repo 128). An episode that failed is a RuntimeError."""
     from mixfleet.runner.sampler.engine import Engine
 
     engine = Engine(checkpoint, precision=precision, kernel="fp32" if precision == "fp32" else None, seed=seed,
@@ -305,19 +306,30 @@ def measure_reward(checkpoint: str | Path, *, task: str = "guess", task_options:
                                                                    sampling_seed=seed * 1_000_003 + i * 101)))
             for i, s in enumerate(seeds)]))
 
-    t0 = time.perf_counter()
     try:
         eps = asyncio.run(run_all())
     finally:
         stop.set()
         thread.join(timeout=10)
+    errors = [e.error for e in eps if e.finish_reason == "error"]
+    if errors:
+        raise RuntimeError(f"{len(errors)} of {len(eps)} evaluation episodes failed; first: {errors[0]}")
+    return eps
+
+
+def measure_reward(checkpoint: str | Path, *, task: str = "guess", task_options: dict[str, Any] | None = None,
+                   episodes: int = 64, split: str = "eval", offset: int = 0, precision: str = "bf16",
+                   temperature: float = 1.0, seed: int = 0, max_new_tokens: int | None = None) -> RewardReport:
+    """Mean reward of the checkpoint's policy over `episodes` problems of a split (`sample_episodes`), with the
+    finish reasons, turns and tokens per episode."""
+    t0 = time.perf_counter()
+    eps = sample_episodes(checkpoint, task=task, task_options=task_options, episodes=episodes, split=split,
+                          offset=offset, precision=precision, temperature=temperature, seed=seed,
+                          max_new_tokens=max_new_tokens)
     n = len(eps)
     reasons: dict[str, float] = {}
     for e in eps:
         reasons[e.finish_reason] = reasons.get(e.finish_reason, 0.0) + 1.0 / n
-    errors = [e.error for e in eps if e.finish_reason == "error"]
-    if errors:
-        raise RuntimeError(f"{len(errors)} of {n} evaluation episodes failed; first: {errors[0]}")
     return RewardReport(task=task, episodes=n, reward=sum(e.reward for e in eps) / n, finish_reasons=reasons,
                         mean_turns=sum(e.num_turns for e in eps) / n,
                         mean_generated_tokens=sum(e.num_generated for e in eps) / n,
