@@ -38,6 +38,11 @@ def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
     return (max(0.0, mid - half), min(1.0, mid + half))
 
 
+def window_means(xs: list[float], width: int = 200) -> list[float]:
+    """Means of consecutive windows of `width` values (the last one may be shorter)."""
+    return [sum(xs[i:i + width]) / len(xs[i:i + width]) for i in range(0, len(xs), width)]
+
+
 def actions(text: str) -> dict[str, bool]:
     """What an episode's replies did: looked at lib.py, ran the tests, edited lib.py, submitted."""
     calls = _CALL_RE.findall(text)
@@ -78,11 +83,16 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "repo_base.json"))
     args = ap.parse_args()
     res = pretrain(PretrainConfig(demos=DemoConfig(task="repo"), steps=args.steps))
-    print(f"base {res.key} ({'cached' if res.reused else 'trained now'}), final SFT loss "
-          f"{res.meta.get('final_loss', float('nan')):.3f}, demonstration reward {res.meta.get('demo_reward')}")
-    out = {"command": f"python benchmarks/repo_base.py --steps {args.steps} --episodes {args.episodes}",
-           "base": {"key": res.key, "steps": args.steps, "final_loss": res.meta.get("final_loss"),
-                    "train_s": res.meta.get("train_s"), "demo_reward": res.meta.get("demo_reward")},
+    meta = res.meta
+    base = {"key": res.key, "steps": args.steps, "final_loss": meta["losses"][-1],
+            "final_token_accuracy": meta["token_accuracy"][-1], "epochs": meta["epochs"],
+            "demos_s": meta["demos_s"], "train_s": meta["train_s"], "demo_reward": meta["demo_stats"]["reward"],
+            # the per-step figures are noisy (rows of different episodes): their means over 200-step windows
+            "loss_per_200_steps": window_means(meta["losses"]),
+            "token_accuracy_per_200_steps": window_means(meta["token_accuracy"])}
+    print(f"base {res.key} ({'cached' if res.reused else 'trained now'}): final SFT loss {base['final_loss']:.3f}, "
+          f"token accuracy {base['final_token_accuracy']:.3f}, demonstration reward {base['demo_reward']:.3f}")
+    out = {"command": f"python benchmarks/repo_base.py --steps {args.steps} --episodes {args.episodes}", "base": base,
            "temperature": 1.0, "precision": "bf16", "splits": {}}
     for split in ("train", "eval"):
         rep = split_report(res.path, split, args.episodes)
