@@ -34,6 +34,7 @@ from __future__ import annotations
 import functools
 import random
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,21 +139,23 @@ def split_names(template: Template, split: str) -> tuple[str, ...]:
     return template.names[:2] if split == "train" else template.names[2:]
 
 
-# (kind, pattern, replacement): applied at each match in a template's body (the def line excepted)
-MUTATIONS: tuple[tuple[str, str, str], ...] = (
+def _const(m: re.Match[str]) -> str:
+    """A changed constant: one more for a digit, a tenth for a larger number (100 -> 10, 400 -> 40)."""
+    n = int(m.group(1))
+    return str(n + 1) if n < 10 else str(n // 10)
+
+
+# (kind, pattern, replacement: a template for re's expand, or a function of the match): applied at each match in a
+# template's body (the def line excepted)
+MUTATIONS: tuple[tuple[str, str, str | Callable[[re.Match[str]], str]], ...] = (
     ("wrong_operator", r" > ", " >= "), ("wrong_operator", r" >= ", " > "), ("wrong_operator", r" < ", " <= "),
     ("wrong_operator", r" <= ", " < "), ("wrong_operator", r" == ", " != "), ("wrong_operator", r" != ", " == "),
     ("wrong_operator", r" \+ ", " - "), ("wrong_operator", r" - ", " + "), ("wrong_operator", r" / ", " // "),
     ("wrong_operator", r" \* ", " + "),
     ("off_by_one", r" \+ 1\b", ""), ("off_by_one", r"\brange\((\w+), (\w+)\)", r"range(\1, \2 - 1)"),
-    ("wrong_constant", r"(?<![\w.])([1-9]\d*|0)(?![\w.])", "CONST"),
+    ("wrong_constant", r"(?<![\w.])([1-9]\d*|0)(?![\w.])", _const),
     ("swapped_arguments", r"\((\w+), (\w+)([,)])", r"(\2, \1\3"),
 )
-
-
-def _const(m: re.Match[str]) -> str:
-    n = int(m.group(1))
-    return str(n + 1) if n < 10 else str(n // 10)
 
 
 def _window(before: str, after: str, body: str, changed: str) -> tuple[str, str] | None:
@@ -188,22 +191,19 @@ def sites_of(template: Template) -> tuple[Site, ...]:
     """The template's bug sites: its hand-written ones, then one per place a mutation operator applies and a test
     case exposes (duplicates of an earlier site's buggy body dropped). Deterministic: a pure function of the
     template and MUTATIONS (computed once per template)."""
-    if template.key not in _SITES:
-        _SITES[template.key] = _find_sites(template)
-    return _SITES[template.key]
+    return _sites(template.key)
 
 
-_SITES: dict[str, tuple[Site, ...]] = {}
-
-
-def _find_sites(template: Template) -> tuple[Site, ...]:
+@functools.cache
+def _sites(key: str) -> tuple[Site, ...]:
+    template = next(t for t in TEMPLATES if t.key == key)   # (a Template holds lists: not hashable itself)
     sites = list(template.sites)
     bodies = {template.body.replace(s.original, s.buggy, 1) for s in sites}
     head, _, rest = template.body.partition("\n")
     offset = len(head) + 1
     for kind, pattern, repl in MUTATIONS:
         for m in re.finditer(pattern, rest):
-            new = _const(m) if repl == "CONST" else m.expand(repl)
+            new = repl(m) if callable(repl) else m.expand(repl)
             line_start = rest.rfind("\n", 0, m.start()) + 1
             line_end = rest.find("\n", m.end())
             line = rest[line_start:line_end]
