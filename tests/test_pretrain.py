@@ -140,3 +140,15 @@ def test_cli_pretrain(micro: str, tmp_path: Path) -> None:
     assert res2.exit_code == 0 and first_json(res2.output)["reused"] is True
     bad = runner.invoke(app, ["pretrain", "--task", "chess", "--cache-dir", str(tmp_path)])
     assert bad.exit_code == 2 and "demos.task: 'chess' is not one of calc, guess" in bad.output
+
+
+def test_a_tasks_demonstration_format_keys_only_its_own_bases(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bumping the repo demonstrations' format (demos.DEMO_FORMAT) gives repo bases a new cache key and leaves the
+    keys of guess / calc bases (the ones runs record by digest) as they were."""
+    from mixfleet.runner.orchestration.pretrain import PretrainConfig
+    from mixfleet.runner.rollout import demos
+
+    guess, repo = PretrainConfig(), PretrainConfig(demos=DemoConfig(task="repo"))
+    before = cache_key(guess), cache_key(repo)
+    monkeypatch.setitem(demos.DEMO_FORMAT, "repo", demos.DEMO_FORMAT["repo"] + 1)
+    assert cache_key(guess) == before[0] and cache_key(repo) != before[1]
