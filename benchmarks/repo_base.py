@@ -14,18 +14,16 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
 import time
 from collections import Counter
 from pathlib import Path
 
 from mixfleet.runner.orchestration.pretrain import PretrainConfig, pretrain, sample_episodes
-from mixfleet.runner.rollout.agent import decode_plain
+from mixfleet.runner.rollout.agent import Episode
 from mixfleet.runner.rollout.demos import DemoConfig
 from mixfleet.runner.rollout.tasks.repo import generate
 
 ROOT = Path(__file__).resolve().parents[1]
-_CALL_RE = re.compile(r"<\|call\|>(\w+) ?(.*?)<\|endcall\|>", re.S)
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -43,14 +41,15 @@ def window_means(xs: list[float], width: int = 200) -> list[float]:
     return [sum(xs[i:i + width]) / len(xs[i:i + width]) for i in range(0, len(xs), width)]
 
 
-def actions(text: str) -> dict[str, bool]:
-    """What an episode's replies did: looked at lib.py, ran the tests, edited lib.py, submitted."""
-    calls = _CALL_RE.findall(text)
-    bash = [args for name, args in calls if name == "bash"]
+def actions(ep: Episode) -> dict[str, bool]:
+    """What an episode's replies did (its tool calls as the agent loop parsed them): looked at lib.py, ran the
+    tests, edited lib.py, submitted."""
+    calls = [t.call for t in ep.turns if t.call is not None]
+    bash = [c.args for c in calls if c.name == "bash"]
     return {"looked": any(("cat lib.py" in a or "grep" in a) for a in bash),
             "tested": any("unittest" in a for a in bash),
             "edited": any(("sed -i" in a or "open('lib.py','w')" in a) for a in bash),
-            "submitted": any(name == "submit" for name, _ in calls)}
+            "submitted": any(c.name == "submit" for c in calls)}
 
 
 def split_report(checkpoint: Path, split: str, episodes: int) -> dict:
@@ -61,7 +60,7 @@ def split_report(checkpoint: Path, split: str, episodes: int) -> dict:
         p = generate(e.seed)
         rows.append({"seed": e.seed, "template": p.template, "kind": p.kind, "site": p.site, "reward": e.reward,
                      "finish": e.finish_reason, "turns": e.num_turns,
-                     **actions(decode_plain(e.tokens[e.prompt_len:]))})
+                     **actions(e)})
     k = sum(r["reward"] == 1.0 for r in rows)
     kinds: dict[str, list[int]] = {}
     for r in rows:
