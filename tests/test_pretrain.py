@@ -152,3 +152,39 @@ def test_a_tasks_demonstration_format_keys_only_its_own_bases(monkeypatch: pytes
     before = cache_key(guess), cache_key(repo)
     monkeypatch.setitem(demos.DEMO_FORMAT, "repo", demos.DEMO_FORMAT["repo"] + 1)
     assert cache_key(guess) == before[0] and cache_key(repo) != before[1]
+
+
+def test_the_optimizers_cosine_decay_schedule() -> None:
+    """decay_steps: linear warmup, then a cosine from lr to 0 at decay_steps; 0 keeps the constant schedule."""
+    from mixfleet.runner.trainer import OptimizerConfig
+
+    const = OptimizerConfig(lr=1.0, warmup_steps=4)
+    assert [const.lr_at(s) for s in (0, 3, 4, 100)] == [0.25, 1.0, 1.0, 1.0]
+    cos = OptimizerConfig(lr=1.0, warmup_steps=4, decay_steps=12)
+    assert [round(cos.lr_at(s), 6) for s in (0, 3, 4, 8, 12, 50)] == [0.25, 1.0, 1.0, 0.5, 0.0, 0.0]
+    assert all(cos.lr_at(s) >= cos.lr_at(s + 1) for s in range(4, 14))
+    with pytest.raises(ValueError, match="decay_steps = 4; allowed: 0 .* > warmup_steps"):
+        OptimizerConfig(warmup_steps=4, decay_steps=4)
+
+
+def test_a_base_goes_on_training_from_another(micro: str, tmp_path: Path) -> None:
+    """init_from starts from an earlier base's weights (its key goes into the new key, its folder does not) with
+    the cosine schedule; the two new settings at their defaults leave earlier bases' keys alone."""
+    first = pretrain(micro_config(micro), cache_dir=tmp_path)
+    assert cache_key(micro_config(micro, lr_decay=False, init_from=None)) == first.key
+    more = micro_config(micro, steps=8, lr_decay=True, init_from=str(first.path))
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(first.path, copy)
+    assert cache_key(micro_config(micro, steps=8, lr_decay=True, init_from=str(copy))) == cache_key(more)
+    assert cache_key(more) != cache_key(micro_config(micro, steps=8, lr_decay=True))
+    second = pretrain(more, cache_dir=tmp_path)
+    assert second.key != first.key and len(second.meta["losses"]) == 8
+    # it starts where the first ended (its first loss is far below a fresh init's), not from scratch
+    fresh = pretrain(micro_config(micro, steps=8, lr_decay=True), cache_dir=tmp_path)
+    assert second.meta["losses"][0] < fresh.meta["losses"][0] - 0.3
+    with pytest.raises(ValueError, match="pretrain.init_from: .* is not a base made by `mixfleet pretrain`"):
+        cache_key(micro_config(micro, init_from=str(tmp_path)))
+    with pytest.raises(ValueError, match="pretrain.lr_decay: needs steps"):
+        micro_config(micro, steps=3, warmup_steps=5, lr_decay=True)

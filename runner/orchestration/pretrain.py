@@ -64,6 +64,9 @@ class PretrainConfig:
     warmup_steps: int = 10
     weight_decay: float = 0.0
     seed: int = 0                         # model init and row order
+    lr_decay: bool = False                # cosine from lr to 0 over the steps instead of constant
+    init_from: str | None = None          # a base made by pretrain (its folder) to go on training instead of a
+                                          # fresh init (its key goes into this one's; same model spec)
 
     def __post_init__(self) -> None:
         for name, lo in (("steps", 1), ("rows_per_step", 1), ("row_tokens", 16), ("warmup_steps", 0)):
@@ -76,6 +79,23 @@ class PretrainConfig:
             raise ValueError(f"pretrain.lr: {self.lr!r} must be a number in (0, 1)")
         if not (isinstance(self.weight_decay, int | float) and self.weight_decay >= 0):
             raise ValueError(f"pretrain.weight_decay: {self.weight_decay!r} must be a number >= 0")
+        if self.lr_decay and self.steps <= self.warmup_steps:
+            raise ValueError(f"pretrain.lr_decay: needs steps ({self.steps}) > warmup_steps ({self.warmup_steps})")
+
+    def init_meta(self) -> dict[str, Any] | None:
+        """pretrain.json of the base `init_from` names (None without one); a folder that is not a base made by
+        pretrain, or one of another model spec, is a ValueError naming it."""
+        if self.init_from is None:
+            return None
+        meta_path = Path(self.init_from) / META_FILE
+        if not meta_path.exists():
+            raise ValueError(f"pretrain.init_from: {self.init_from!r} is not a base made by `mixfleet pretrain` "
+                             f"(no {META_FILE}); allowed: a folder of the base cache or a --out copy")
+        meta = json.loads(meta_path.read_text())
+        if meta.get("spec") != self.spec().to_dict():
+            raise ValueError(f"pretrain.init_from: {self.init_from!r} is a base of model {meta.get('model')!r}, "
+                             f"not of {self.model!r} (same spec needed)")
+        return meta
 
     def spec(self) -> ModelSpec:
         return load_model_spec(self.model)
@@ -98,6 +118,12 @@ def cache_key(config: PretrainConfig) -> str:
     if config.demos.task in DEMO_FORMAT:
         payload["demo_format"] = DEMO_FORMAT[config.demos.task]
     payload["config"].pop("model")        # the content counts, not the name or path it was read from
+    for name in ("lr_decay", "init_from"):   # added later: at their defaults, the keys of earlier bases hold
+        if payload["config"][name] == getattr(PretrainConfig, name):
+            payload["config"].pop(name)
+    init = config.init_meta()
+    if init is not None:
+        payload["config"]["init_from"] = init["key"]      # the starting weights, not the folder they lie in
     blob = json.dumps(payload, sort_keys=True, default=str).encode()
     return hashlib.sha256(blob).hexdigest()[:24]
 
@@ -168,9 +194,14 @@ def train_base_policy(config: PretrainConfig, out_dir: Path, *, progress: Progre
     episodes = generate_demos(config.demos, agent=agent, on_episode=demo_progress)
     stats = demo_stats(episodes)
     t_demos = time.perf_counter() - t0
-    trainer = Trainer(spec, TrainerConfig(
-        optimizer=OptimizerConfig(lr=config.lr, warmup_steps=config.warmup_steps, weight_decay=config.weight_decay),
-        build=BuildOptions(device="cpu", seed=config.seed)))
+    trainer_config = TrainerConfig(
+        optimizer=OptimizerConfig(lr=config.lr, warmup_steps=config.warmup_steps, weight_decay=config.weight_decay,
+                                  decay_steps=config.steps if config.lr_decay else 0),
+        build=BuildOptions(device="cpu", seed=config.seed))
+    if config.init_meta() is not None:
+        trainer = Trainer.from_checkpoint(config.init_from, trainer_config)      # version 0: the schedule anew
+    else:
+        trainer = Trainer(spec, trainer_config)
     rng = random.Random(config.seed)
     rows: list[dict[str, list[int]]] = []
     losses: list[float] = []

@@ -89,6 +89,7 @@ class OptimizerConfig:
     weight_decay: float = 0.0
     grad_clip_norm: float = 1.0
     warmup_steps: int = 0
+    decay_steps: int = 0        # 0: constant after warmup; else cosine from lr to 0 at this step (then 0)
 
     def __post_init__(self) -> None:
         if not (isinstance(self.lr, int | float) and self.lr > 0 and math.isfinite(self.lr)):
@@ -105,12 +106,19 @@ class OptimizerConfig:
                              "(<= 0 disables clipping)")
         if not isinstance(self.warmup_steps, int) or self.warmup_steps < 0:
             raise ValueError(f"OptimizerConfig.warmup_steps = {self.warmup_steps!r}; allowed: an integer >= 0")
+        if not isinstance(self.decay_steps, int) or isinstance(self.decay_steps, bool) or not (
+                self.decay_steps == 0 or self.decay_steps > self.warmup_steps):
+            raise ValueError(f"OptimizerConfig.decay_steps = {self.decay_steps!r}; allowed: 0 (no decay) or an "
+                             f"integer > warmup_steps ({self.warmup_steps})")
 
     def lr_at(self, step: int) -> float:
-        """Learning rate of the optimizer step that produces version step + 1."""
-        if self.warmup_steps == 0:
-            return float(self.lr)
-        return float(self.lr) * min(1.0, (step + 1) / self.warmup_steps)
+        """Learning rate of the optimizer step that produces version step + 1: linear warmup over warmup_steps,
+        then constant, or (decay_steps > 0) a cosine from lr down to 0 at step decay_steps."""
+        scale = 1.0 if self.warmup_steps == 0 else min(1.0, (step + 1) / self.warmup_steps)
+        if self.decay_steps and step >= self.warmup_steps:
+            done = min(1.0, (step - self.warmup_steps) / (self.decay_steps - self.warmup_steps))
+            scale = 0.5 * (1.0 + math.cos(math.pi * done))
+        return float(self.lr) * scale
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -9,6 +9,7 @@ the policy's mean reward, the number RL starts from.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 
@@ -32,6 +33,10 @@ def register_pretrain(app: typer.Typer) -> None:
         demos: int = typer.Option(None, "--demos", help="Demonstration episodes (default 2000)."),
         noise: float = typer.Option(None, "--noise", help="Share of noisy demonstrator replies, 0..1 (default 0.25)."),
         seed: int = typer.Option(0, "--seed", help="Seed of the demonstrations, the init and the row order."),
+        lr_decay: bool = typer.Option(False, "--lr-decay", help="Cosine learning rate from its peak to 0 over the "
+                                      "steps (default: constant after warmup)."),
+        init_from: str = typer.Option(None, "--init-from", help="Go on training this base (its folder, or its "
+                                      "cache key) instead of a fresh init: e.g. more steps with --lr-decay."),
         cache_dir: str = typer.Option(None, "--cache-dir", help="Cache root (default ~/.cache/mixfleet/base)."),
         eval_episodes: int = typer.Option(64, "--eval-episodes", help="Held-out episodes sampled to measure the "
                                           "reward (0: skip)."),
@@ -67,7 +72,12 @@ def register_pretrain(app: typer.Typer) -> None:
                 demo_kw["num_episodes"] = demos
             if noise is not None:
                 demo_kw["noise"] = noise
-            kw: dict = {"model": model, "demos": DemoConfig(**demo_kw), "seed": seed}
+            kw: dict = {"model": model, "demos": DemoConfig(**demo_kw), "seed": seed, "lr_decay": lr_decay}
+            if init_from is not None:
+                from mixfleet.runner.orchestration.pretrain import default_cache_dir
+
+                cached = (Path(cache_dir) if cache_dir else default_cache_dir()) / init_from
+                kw["init_from"] = str(cached if not Path(init_from).exists() and cached.exists() else init_from)
             if steps is not None:
                 kw["steps"] = steps
             cfg = PretrainConfig(**kw)
@@ -83,12 +93,22 @@ def register_pretrain(app: typer.Typer) -> None:
             did = bar.add_task(f"{cfg.demos.task} demonstrations", total=cfg.demos.num_episodes, loss="-")
             tid = bar.add_task(f"{cfg.demos.task} on {model} (steps)", total=cfg.steps, loss="-")
 
+            plain = not bar.console.is_terminal      # a log file: a plain line every 5 % instead of the bar
+
             def progress(step: int, total: int, m: dict) -> None:
                 bar.update(tid, completed=step, loss=f"{m['loss']:.3f}")
+                if plain and (step % max(1, total // 20) == 0 or step == total):
+                    typer.echo(f"pretrain: step {step}/{total}, loss {m['loss']:.3f}, token accuracy "
+                               f"{m['token_accuracy']:.3f}", err=True)
+
+            def demo_progress(done: int, total: int) -> None:
+                bar.update(did, completed=done)
+                if plain and (done % max(1, total // 20) == 0 or done == total):
+                    typer.echo(f"pretrain: demonstrations {done}/{total}", err=True)
 
             try:
                 result = pretrain(cfg, cache_dir=cache_dir, force=force, out=out, progress=progress,
-                                  demo_progress=lambda done, total: bar.update(did, completed=done))
+                                  demo_progress=demo_progress)
             except (SpecError, ValueError, OSError) as e:
                 _fail(e)
             if result.reused:
