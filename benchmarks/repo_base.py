@@ -7,6 +7,8 @@ Wilson interval, the finish reasons, and what the policy did (a look, a test run
 episode; success per bug kind on the held-out split. Nothing here is timed.
 
     python benchmarks/repo_base.py [--steps 1400] [--episodes 64] [--out benchmarks/results/repo_base.json]
+    python benchmarks/repo_base.py --steps 1000 --lr-decay --init-from d8fd6581990e30ff38e8cc93 \
+        --out benchmarks/results/repo_base_2400.json      # 1000 more steps of the 1400-step base, lr cosine to 0
 """
 
 from __future__ import annotations
@@ -79,11 +81,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=1400, help="pretraining steps of the base (default 1400)")
     ap.add_argument("--episodes", type=int, default=64, help="episodes per split (default 64)")
+    ap.add_argument("--lr-decay", action="store_true", help="the base's lr a cosine to 0 (pretrain --lr-decay)")
+    ap.add_argument("--init-from", default=None, help="cache key of the base the pretraining goes on from "
+                    "(pretrain --init-from)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "repo_base.json"))
     args = ap.parse_args()
-    res = pretrain(PretrainConfig(demos=DemoConfig(task="repo"), steps=args.steps))
+    init = None
+    if args.init_from:
+        from mixfleet.runner.orchestration.pretrain import default_cache_dir
+
+        init = str(default_cache_dir() / args.init_from)
+    res = pretrain(PretrainConfig(demos=DemoConfig(task="repo"), steps=args.steps, lr_decay=args.lr_decay,
+                                  init_from=init))
     meta = res.meta
-    base = {"key": res.key, "steps": args.steps, "final_loss": meta["losses"][-1],
+    base = {"key": res.key, "steps": args.steps, "lr_decay": args.lr_decay, "init_from": args.init_from,
+            "final_loss": meta["losses"][-1],
             "final_token_accuracy": meta["token_accuracy"][-1], "epochs": meta["epochs"],
             "demos_s": meta["demos_s"], "train_s": meta["train_s"], "demo_reward": meta["demo_stats"]["reward"],
             # the per-step figures are noisy (rows of different episodes): their means over 200-step windows
@@ -91,7 +103,9 @@ def main() -> None:
             "token_accuracy_per_200_steps": window_means(meta["token_accuracy"])}
     print(f"base {res.key} ({'cached' if res.reused else 'trained now'}): final SFT loss {base['final_loss']:.3f}, "
           f"token accuracy {base['final_token_accuracy']:.3f}, demonstration reward {base['demo_reward']:.3f}")
-    out = {"command": f"python benchmarks/repo_base.py --steps {args.steps} --episodes {args.episodes}", "base": base,
+    more = (" --lr-decay" if args.lr_decay else "") + (f" --init-from {args.init_from}" if args.init_from else "")
+    out = {"command": f"python benchmarks/repo_base.py --steps {args.steps}{more} --episodes {args.episodes}",
+           "base": base,
            "temperature": 1.0, "precision": "bf16", "splits": {}}
     for split in ("train", "eval"):
         rep = split_report(res.path, split, args.episodes)
