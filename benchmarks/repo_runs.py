@@ -24,6 +24,24 @@ from pathlib import Path
 from typing import Any
 
 RESULTS = Path(__file__).resolve().parent / "results" / "repo_runs.json"
+WINDOW = 10       # updates per window of the reward curve (a single update's 16 episodes are too noisy to read)
+
+
+def reward_windows(tr: Any, window: int) -> list[dict[str, Any]]:
+    """The training reward over consecutive windows of `window` updates: episodes, successes (a repo reward is 0 or
+    1) and the 95 % Wilson interval. Episodes of one prompt group are not independent, so the interval is
+    optimistic."""
+    from repo_base import wilson
+
+    out = []
+    versions = sorted(int(v) for v in tr["trained_version"].unique())
+    for i in range(0, len(versions), window):
+        vs = versions[i:i + window]
+        b = tr[tr["trained_version"].isin(vs)]
+        k, n = int((b["reward"] >= 1.0).sum()), len(b)
+        out.append({"versions": [vs[0], vs[-1]], "episodes": n, "solved": k, "success": k / n if n else None,
+                    "success_95": list(wilson(k, n)) if n else None})
+    return out
 
 
 def read_repo_run(folder: Path) -> dict[str, Any]:
@@ -62,6 +80,7 @@ def read_repo_run(folder: Path) -> dict[str, Any]:
         "tool_s_per_update_mean": sum(r["tool_s"] for r in rows) / len(rows) if rows else None,
         "reward_mean_first": rows[0]["reward_mean"] if rows else None,
         "reward_mean_last": rows[-1]["reward_mean"] if rows else None,
+        "reward_windows": reward_windows(tr, WINDOW),
         "evaluations": [{"version": int(r["version"]), "reward": float(r["reward"]), "problems": int(r["problems"])}
                         for _, r in ev.iterrows()]})
 
@@ -79,8 +98,11 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--run {item!r}: allowed LABEL:DIR")
         runs[label] = read_repo_run(Path(folder))
         r = runs[label]
-        print(f"{label}: {r['plan']} {r['status']}, {r['updates']} updates, reward {r['reward_mean_first']:.3f} -> "
-              f"{r['reward_mean_last']:.3f}, tool s per update {r['tool_s_per_update_mean']:.1f}")
+        wins = "; ".join(f"v{w['versions'][0]}-{w['versions'][1]} {w['solved']}/{w['episodes']} "
+                         f"[{w['success_95'][0]:.3f}, {w['success_95'][1]:.3f}]" for w in r["reward_windows"])
+        print(f"{label}: {r['plan']} {r['status']}, {r['updates']} updates, training reward per {WINDOW} updates: "
+              f"{wins}; held out {[e['reward'] for e in r['evaluations']]}; tool s per update "
+              f"{r['tool_s_per_update_mean']:.1f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"what": "real runs on the repo task, read from their run logs",
                                     "command": "python benchmarks/repo_runs.py " + " ".join(
