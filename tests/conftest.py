@@ -11,6 +11,21 @@ from typing import Any
 import pytest
 import torch
 
+# Files whose tests share a session fixture's real runs: one xdist group, so one worker starts those runs once.
+SHARED_RUNS = {"test_run_resume.py": "killed_resumed_run", "test_fidelity_resume.py": "killed_resumed_run"}
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Under `pytest -n N` (pyproject: --dist loadgroup) every test file is one group, as --dist loadfile would
+    make it (its module fixtures' runs start once), and the files of SHARED_RUNS share a group. Runs before
+    xdist's own hook (in each worker) reads the groups; without -n the marks do nothing."""
+    if not config.pluginmanager.hasplugin("xdist"):   # the marker is xdist's
+        return
+    for item in items:
+        name = item.path.name
+        item.add_marker(pytest.mark.xdist_group(SHARED_RUNS.get(name, name)))
+
 
 @pytest.fixture(scope="module")
 def one_torch_thread():
