@@ -20,7 +20,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
-from mixfleet.runner.orchestration.pretrain import PretrainConfig, pretrain, sample_episodes
+from mixfleet.runner.orchestration.pretrain import PretrainConfig, base_folder, pretrain, sample_episodes
 from mixfleet.runner.rollout.agent import Episode
 from mixfleet.runner.rollout.demos import DemoConfig
 from mixfleet.runner.rollout.tasks.repo import generate
@@ -86,11 +86,7 @@ def main() -> None:
                     "(pretrain --init-from)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "repo_base.json"))
     args = ap.parse_args()
-    init = None
-    if args.init_from:
-        from mixfleet.runner.orchestration.pretrain import default_cache_dir
-
-        init = str(default_cache_dir() / args.init_from)
+    init = base_folder(args.init_from) if args.init_from else None
     res = pretrain(PretrainConfig(demos=DemoConfig(task="repo"), steps=args.steps, lr_decay=args.lr_decay,
                                   init_from=init))
     meta = res.meta

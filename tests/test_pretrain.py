@@ -172,6 +172,10 @@ def test_a_base_goes_on_training_from_another(micro: str, tmp_path: Path) -> Non
     the cosine schedule; the two new settings at their defaults leave earlier bases' keys alone."""
     first = pretrain(micro_config(micro), cache_dir=tmp_path)
     assert cache_key(micro_config(micro, lr_decay=False, init_from=None)) == first.key
+    from mixfleet.runner.orchestration.pretrain import base_folder
+
+    assert base_folder(first.key, tmp_path) == str(first.path)            # a base named by its cache key
+    assert base_folder(str(first.path), tmp_path / "elsewhere") == str(first.path)
     more = micro_config(micro, steps=8, lr_decay=True, init_from=str(first.path))
     copy = tmp_path / "copy"
     import shutil

@@ -109,6 +109,12 @@ class PretrainResult:
     meta: dict[str, Any]                  # the contents of pretrain.json
 
 
+def base_folder(ref: str, cache_dir: str | Path | None = None) -> str:
+    """A base named by its folder or by its cache key (a folder of the cache, `default_cache_dir` unless given)."""
+    cached = (Path(cache_dir) if cache_dir is not None else default_cache_dir()) / ref
+    return str(cached) if not Path(ref).exists() and cached.exists() else ref
+
+
 def cache_key(config: PretrainConfig) -> str:
     """Hash of the spec's content, demonstration + training settings and the seed (24 hex chars);
     settings left to their model-dependent default hash as their resolved value."""

@@ -9,7 +9,6 @@ the policy's mean reward, the number RL starts from.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import typer
 
@@ -52,7 +51,7 @@ def register_pretrain(app: typer.Typer) -> None:
         from mixfleet.costmodel.errors import SpecError
         from mixfleet.costmodel.records.outdir import prepare_output_dir
         from mixfleet.costmodel.specs.formats import formats
-        from mixfleet.runner.orchestration.pretrain import PretrainConfig, measure_reward, pretrain
+        from mixfleet.runner.orchestration.pretrain import PretrainConfig, base_folder, measure_reward, pretrain
         from mixfleet.runner.rollout.demos import DemoConfig
         from rich.console import Console
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
@@ -74,10 +73,7 @@ def register_pretrain(app: typer.Typer) -> None:
                 demo_kw["noise"] = noise
             kw: dict = {"model": model, "demos": DemoConfig(**demo_kw), "seed": seed, "lr_decay": lr_decay}
             if init_from is not None:
-                from mixfleet.runner.orchestration.pretrain import default_cache_dir
-
-                cached = (Path(cache_dir) if cache_dir else default_cache_dir()) / init_from
-                kw["init_from"] = str(cached if not Path(init_from).exists() and cached.exists() else init_from)
+                kw["init_from"] = base_folder(init_from, cache_dir)
             if steps is not None:
                 kw["steps"] = steps
             cfg = PretrainConfig(**kw)
