@@ -91,16 +91,18 @@ def register_pretrain(app: typer.Typer) -> None:
 
             plain = not bar.console.is_terminal      # a log file: a plain line every 5 % instead of the bar
 
+            def say(done: int, total: int, what: str) -> None:
+                if plain and (done % max(1, total // 20) == 0 or done == total):
+                    typer.echo(f"pretrain: {what}", err=True)
+
             def progress(step: int, total: int, m: dict) -> None:
                 bar.update(tid, completed=step, loss=f"{m['loss']:.3f}")
-                if plain and (step % max(1, total // 20) == 0 or step == total):
-                    typer.echo(f"pretrain: step {step}/{total}, loss {m['loss']:.3f}, token accuracy "
-                               f"{m['token_accuracy']:.3f}", err=True)
+                say(step, total, f"step {step}/{total}, loss {m['loss']:.3f}, token accuracy "
+                                 f"{m['token_accuracy']:.3f}")
 
             def demo_progress(done: int, total: int) -> None:
                 bar.update(did, completed=done)
-                if plain and (done % max(1, total // 20) == 0 or done == total):
-                    typer.echo(f"pretrain: demonstrations {done}/{total}", err=True)
+                say(done, total, f"demonstrations {done}/{total}")
 
             try:
                 result = pretrain(cfg, cache_dir=cache_dir, force=force, out=out, progress=progress,
