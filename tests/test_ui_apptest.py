@@ -128,6 +128,10 @@ def test_planner_runs_with_the_defaults_and_shows_a_mix(env: Path) -> None:
     names = [t.get("name") for t in fig["data"]]
     assert "chosen mix (planner)" in names and "chosen mix (twin)" in names
     assert {"seed-mixed", "seed-homogeneous", "seed-mixed (twin)", "seed-homogeneous (twin)"} <= set(names)
+    # the plan was on the page before the seed fleets' twin dry runs ended; then their circles joined the chart
+    timing = at.session_state["plan_timing"]
+    assert 0 < timing["plan_shown_s"] < timing["complete_s"], timing
+    assert not at.session_state["plan_result"].pending_twin
     plan_toml = at.session_state["planned_plan"].toml
     from mixfleet.policies.plan import plan_from_dict
 
@@ -142,6 +146,8 @@ def test_planner_runs_with_the_defaults_and_shows_a_mix(env: Path) -> None:
         assert not again.exception, [e.value for e in again.exception]
         assert not again.error, [e.value for e in again.error]
         assert again.table[0].value.equals(mix)
+        again_names = [t.get("name") for t in json.loads(again.get("plotly_chart")[0].proto.spec)["data"]]
+        assert again_names == names                      # the cached view is the finished one
     at.switch_page("app_dryrun.py")
     at.run()  # the Dry-run page offers the planned mix as plan A, a shipped fleet as plan B
     assert not at.exception, [e.value for e in at.exception]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import threading
+import time
 import tomllib
 from collections import OrderedDict
 from pathlib import Path
@@ -40,6 +41,7 @@ from mixfleet.ui.app_common import (
 CALIBRATION_REQUEST_KEY = "plan_calibration_request"   # set by the Runs page: plan with this calibration file
 PLAN_PAGE_KEY = "planned_plan"      # session state: the chosen plan as PlanText (read by the Dry-run page)
 RESULT_KEY = "plan_result"          # session state: the last PlannerView
+TIMING_KEY = "plan_timing"          # session state: seconds from Run planner to the plan shown / the page complete
 DEFAULT_MODEL = DEFAULTS.model           # every input's default is the planner's one set (`mixfleet plan`'s)
 DEFAULT_WORKLOAD = DEFAULTS.workload
 PRECISIONS = formats().gpu_precisions   # data/precisions.toml: native on some GPU
@@ -123,11 +125,16 @@ def _plan_cached(inputs: dict[str, Any], pool: pd.DataFrame, progress: Any) -> p
             _plan_cache.move_to_end(key)
             return copy.deepcopy(hit)
     view = planner.run(pool=pool, progress=progress, **inputs)
+    _cache_put(key, view)
+    return view
+
+
+def _cache_put(key: str, view: planner.PlannerView) -> None:
     with _plan_cache_lock:
         _plan_cache[key] = copy.deepcopy(view)
+        _plan_cache.move_to_end(key)
         while len(_plan_cache) > PLAN_CACHE_ENTRIES:
             _plan_cache.popitem(last=False)
-    return view
 
 
 # ---- inputs ------------------------------------------------------------------------------------------------
@@ -375,7 +382,8 @@ def interval_text(value: Any, ci: Any, fmt: Any) -> tuple[str, bool]:
     return (f"⚠ {text}" if flagged else text), flagged
 
 
-def _show(view: planner.PlannerView) -> None:
+def _show(view: planner.PlannerView) -> Any:
+    """The chosen mix, its tables, the Pareto chart and the plan's buttons; returns the chart's slot."""
     planned = st.session_state.get(PLANNED_CAL_KEY)
     st.subheader("Chosen mix" + (" (calibrated)" if planned else ""))
     if planned:
@@ -422,8 +430,8 @@ def _show(view: planner.PlannerView) -> None:
     show_versus_seed(p, view.references, view.points, view.binds)
     if view.notes:
         st.caption(view.notes)
-    st.plotly_chart(charts.pareto(view.points, chosen=p, references=view.references, twin_points=view.twin_points),
-                    width="stretch")
+    chart = st.empty()   # drawn again when the seed fleets' twin points come (finish_twin_points)
+    _chart(chart, view)
     st.caption("Filled circles: the planner's Pareto set; star: the chosen mix; diamonds: the seed's mixed and "
                "homogeneous sampler fleets on the same model, workload, prices and trainer (all the planner's "
                "analytic steady state). Open circles: the twin's steady state of the chosen mix and of the seed's "
@@ -436,6 +444,12 @@ def _show(view: planner.PlannerView) -> None:
     from mixfleet.ui.app_launch import run_for_real
 
     run_for_real(view.plan, "pl")
+    return chart
+
+
+def _chart(slot: Any, view: planner.PlannerView) -> None:
+    slot.plotly_chart(charts.pareto(view.points, chosen=view.chosen_point, references=view.references,
+                                    twin_points=view.twin_points), width="stretch")
 
 
 def cost_split_text(p: dict[str, Any]) -> str:
@@ -539,6 +553,8 @@ def render() -> None:
     cols = pool[["use", "accelerator", "max_gpus", "usd_per_gpu_hour", "precisions"]]
     cols = cols.assign(precisions=[",".join(planner.precision_list(v)) for v in cols["precisions"]])
     go = st.button("Run planner", type="primary", key="pl_go", disabled=not planner.available())
+    clicked = time.perf_counter()
+    key = result.inputs_key(inputs, cols)
     if go:
         bar = st.progress(0.0, text="planning...")
 
@@ -555,11 +571,23 @@ def render() -> None:
         st.session_state[RESULT_KEY] = view
         st.session_state[PLANNED_CAL_KEY] = (calibration, cal_what) if calibration else None
         st.session_state[PLAN_PAGE_KEY] = view.plan
-        result.remember(result.inputs_key(inputs, cols), inputs, cols)
+        result.remember(key, inputs, cols)
     view = st.session_state.get(RESULT_KEY)
-    if view is not None:
-        result.show_inputs(result.inputs_key(inputs, cols), inputs, cols)   # marked stale when they changed
-        _show(view)
+    if view is None:
+        return
+    result.show_inputs(key, inputs, cols)   # marked stale when they changed
+    chart = _show(view)
+    if go:   # the plan is on the page (Streamlit sends each element as it is drawn): how long that took
+        st.session_state[TIMING_KEY] = {"plan_shown_s": time.perf_counter() - clicked}
+    if view.pending_twin:   # the seed fleets' twin dry runs, after the plan is shown; their circles join the chart
+        bar = st.progress(0.0, text="twin: the seed's fleets...")
+        view = planner.finish_twin_points(view, lambda f, m: bar.progress(min(max(f, 0.0), 1.0), text=m))
+        bar.empty()
+        st.session_state[RESULT_KEY] = view
+        if go:
+            _cache_put(key, view)
+            st.session_state[TIMING_KEY]["complete_s"] = time.perf_counter() - clicked
+        _chart(chart, view)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pandas as pd
@@ -67,6 +67,10 @@ class PlannerView:
     twin_points: list[dict[str, Any]] = field(default_factory=list)  # twin dry runs (chosen + seed fleets)
     notes: str = ""
     binds: str = ""                              # what keeps the chosen mix from a cheaper one (planner.binds_text)
+    # the seed fleets' twin dry runs still to make (`finish_twin_points`): (name, plan dict) each, and the
+    # (updates, seed, calibration) of every twin point
+    pending_twin: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    twin_job: tuple[int, int, Any] = (0, 0, None)
 
 
 def available() -> bool:
@@ -213,12 +217,12 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
                 "trainer.gpus": int(trainer_gpus), **{f"prices.{a}": usd for a, usd in cfg.prices.items()}})
             analytic.append({"name": ref, **_point(evaluate_plan(rp))})
             jobs.append((f"{ref} (twin)", rp.to_dict()))
-    # the chosen mix and the seed's fleets as twin checks, at once on this machine's cores and each read back from
-    # the check cache when asked before: the chosen mix's is the planner's own verification job (same plan, updates,
-    # seed and calibration), so it is read back, not simulated again
-    say(0.2, f"twin: {len(jobs)} plans x {twin_updates} updates from a warm start, on this machine's cores")
-    checks, _info = default_map(twin_check, [(d, twin_updates, seed, cfg.calibration) for _, d in jobs])
-    twin_points = [_twin_point(name, c) for (name, _), c in zip(jobs, checks, strict=True)]
+    # the chosen mix's twin point: the planner's own verification job (same plan, updates, seed and calibration),
+    # read back from the check cache, not simulated again (simulated here only when verify is 0). The seed fleets'
+    # dry runs are left to finish_twin_points, so that a page can show the plan before they end.
+    say(0.2, f"twin: the chosen mix, {twin_updates} updates from a warm start")
+    checks, _info = default_map(twin_check, [(jobs[0][1], twin_updates, seed, cfg.calibration)])
+    twin_points = [_twin_point(jobs[0][0], checks[0])]
     chosen_check = checks[0]
     types = {t.name: t for t in result.types}
     share = chosen_check.get("group_share_of_samples", {})
@@ -257,4 +261,22 @@ def run(*, model: str, workload: str, price_table: str, pool: pd.DataFrame, kv_d
         notes += " The chosen mix is trainer-bound: samplers outpace the trainer and staleness grows without bound."
     say(1.0, "done")
     return PlannerView(plan=pt, mix_table=table, chosen_point=chosen, points=points, references=analytic,
-                       twin_points=twin_points, notes=notes, binds=binds_text(result.binds, PAGE_NAMES))
+                       twin_points=twin_points, notes=notes, binds=binds_text(result.binds, PAGE_NAMES),
+                       pending_twin=jobs[1:], twin_job=(twin_updates, seed, cfg.calibration))
+
+
+def finish_twin_points(view: PlannerView, progress: Callable[[float, str], None] | None = None) -> PlannerView:
+    """`view` with the seed fleets' twin points that `run` left to make: their dry runs at once on this machine's
+    cores, each read back from the check cache when asked before. A view with none pending comes back as it is."""
+    if not view.pending_twin:
+        return view
+    from mixfleet.twin.checks import default_map, twin_check
+
+    updates, seed, calibration = view.twin_job
+    if progress is not None:
+        progress(0.0, f"twin: the seed's {len(view.pending_twin)} fleets, {updates} updates each from a warm start")
+    checks, _info = default_map(twin_check, [(d, updates, seed, calibration) for _, d in view.pending_twin])
+    points = [_twin_point(name, c) for (name, _), c in zip(view.pending_twin, checks, strict=True)]
+    if progress is not None:
+        progress(1.0, "done")
+    return replace(view, twin_points=[*view.twin_points, *points], pending_twin=[])
