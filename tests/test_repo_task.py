@@ -63,6 +63,27 @@ def _fixed(files: dict[str, str], buggy: str, fix: str) -> dict[str, str]:
     return {**files, MODULE: files[MODULE].replace(buggy, fix)}
 
 
+def test_a_demonstrations_edit_is_the_whole_buggy_line_and_fixes_it() -> None:
+    """repo_line_edit (demonstrations' format 3): the buggy line from its first non-space, once in lib.py, and that
+    line fixed, which passes the tests; where the sed edit of the whole line would not fit the reply cap (is_leap's
+    52-byte line), the bug site's own window."""
+    from mixfleet.runner.rollout.demos import DEMO_REPLY_TOKENS, _call, reply_ids, repo_line_edit
+
+    windows = 0
+    for seed in [*split_seeds("train", 120), *split_seeds("eval", 120)]:
+        p = generate(seed)
+        old, new = repo_line_edit(p)
+        module = p.files[MODULE]
+        assert module.count(old) == 1 and p.buggy_text.rstrip("\n") in old
+        assert _run_tests_in_process(_fixed(p.files, old, new)), f"seed {seed}: the line edit does not fix it"
+        line = next(ln.strip() for ln in module.splitlines() if p.buggy_text.rstrip("\n") in ln)
+        if old != line:                              # the window: only where the whole line would not fit
+            windows += 1
+            assert len(reply_ids(_call("bash", repo_edit_command(line, line.replace(old, new))))) > \
+                DEMO_REPLY_TOKENS["repo"], f"seed {seed}: {line!r}"
+    assert 0 < windows < 60
+
+
 @pytest.mark.parametrize("split", ["train", "eval"])
 def test_generated_tests_fail_on_the_bug_and_pass_with_the_reference_fix(split: str) -> None:
     for seed in split_seeds(split, 150):

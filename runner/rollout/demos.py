@@ -14,10 +14,11 @@ policy starts with a reward that is clearly nonzero but improvable:
   that is right only `mental_accuracy` of the time (off by 1..10 otherwise).
 - repo: the fix of a generated repository (the demonstrator reads the generator's ground truth): look
   (`grep -n -A5 "def NAME" lib.py` or `cat lib.py`), run the tests (`python3 -m unittest -q 2>&1 | tail -n 6`),
-  edit (`sed -i 's|BUGGY|FIX|' lib.py`, or 1 time in 4 a one-line `python3 -c` replace where it is <= 110
-  bytes), run the tests again, `submit`; with probability `noise` each: the look skipped, the first test
-  run skipped, the final test run skipped, a wrong edit first (a mistyped pattern that changes nothing;
-  then the tests, and half of those episodes submit right away: reward 0).
+  edit (`sed -i 's|BUGGY LINE|FIXED LINE|' lib.py`, or 1 time in 4 a one-line `python3 -c` replace where it is
+  <= 110 bytes; the whole line from its first non-space, `repo_line_edit`), run the tests again, `submit`;
+  with probability `noise` each: the look skipped, the first test run skipped, the final test run skipped, a
+  wrong edit first (a mistyped pattern that changes nothing; then the tests, and half of those episodes submit
+  right away: reward 0).
 - all: with probability `no_call_rate` a reply is a short remark without a tool call (the loop
   then nudges, and the next reply calls a tool), so the base policy knows how to recover.
 Every draw comes from seeded RNGs (one for guess / calc, one per episode for repo): the same DemoConfig
@@ -44,6 +45,7 @@ from mixfleet.runner.rollout.agent import (
     run_episode,
 )
 from mixfleet.runner.rollout.tasks import make_task, split_seeds, task_config, task_names
+from mixfleet.runner.rollout.tasks.repo.generator import MODULE
 from mixfleet.runner.sampler.engine_api import RequestResult, SamplingParams, TokenOutput
 
 DEMO_WEIGHT_VERSION = "demo"
@@ -150,9 +152,27 @@ def repo_edit_command(buggy: str, fix: str, *, python: bool = False) -> str:
     return f"sed -i 's|{_sed_escape(buggy, _SED_RE_SPECIAL)}|{_sed_escape(fix, _SED_REPL_SPECIAL)}|' lib.py"
 
 
+def repo_line_edit(problem: Any) -> tuple[str, str]:
+    """What a demonstration's edit replaces: the whole buggy line of lib.py from its first non-space character and
+    that line fixed, where the line occurs once in the module and its sed edit fits the reply cap; else the bug
+    site's own texts (the smallest unique window; is_leap's long line).
+
+    Whole lines make the edit a copy of what the look showed (left) and the function's correct line (right), both
+    learnable for a bug site never seen in training; a site's window is a string that has to be recalled."""
+    buggy, fix = problem.buggy_text.rstrip("\n"), problem.fix_text.rstrip("\n")
+    module = problem.files[MODULE]
+    line = next((ln.strip() for ln in module.splitlines() if buggy in ln), None)
+    if line is None or module.count(line) != 1:
+        return buggy, fix
+    fixed = line.replace(buggy, fix, 1)
+    if len(reply_ids(_call("bash", repo_edit_command(line, fixed)))) > DEMO_REPLY_TOKENS["repo"]:
+        return buggy, fix
+    return line, fixed
+
+
 def _repo_plan(problem: Any, rng: random.Random, config: DemoConfig) -> list[str]:
     """The replies of one repo demonstration, drawn up front (see the module docstring)."""
-    buggy, fix = problem.buggy_text.rstrip("\n"), problem.fix_text.rstrip("\n")
+    buggy, fix = repo_line_edit(problem)
     # the python edit only where it is short: every reply must fit DEMO_REPLY_TOKENS with its call markers
     python = rng.random() < 0.25 and len(repo_edit_command(buggy, fix, python=True)) <= REPO_MAX_EDIT_BYTES
     look = f'grep -n -A5 "def {problem.function}" lib.py' if rng.random() < 0.5 else "cat lib.py"
@@ -241,7 +261,7 @@ def demonstrator_generate(config: DemoConfig, rng: random.Random, task: Any = No
 DEMO_CONCURRENCY = 4    # episode demonstrations in flight (their sandbox commands overlap; each has its own RNG)
 # demonstration format per task, part of the pretrain cache key where set (a task's entry is bumped when its
 # demonstrations change meaning; tasks without one keep the keys of the bases already made)
-DEMO_FORMAT: dict[str, int] = {"repo": 2}   # 2: mutation-operator bug sites, concurrent episodes
+DEMO_FORMAT: dict[str, int] = {"repo": 3}   # 2: mutation-operator bug sites, concurrent episodes; 3: whole-line edits
 
 
 async def agenerate_demos(config: DemoConfig, *, agent: AgentConfig | None = None,
