@@ -261,7 +261,8 @@ def demonstrator_generate(config: DemoConfig, rng: random.Random, task: Any = No
 DEMO_CONCURRENCY = 4    # episode demonstrations in flight (their sandbox commands overlap; each has its own RNG)
 # demonstration format per task, part of the pretrain cache key where set (a task's entry is bumped when its
 # demonstrations change meaning; tasks without one keep the keys of the bases already made)
-DEMO_FORMAT: dict[str, int] = {"repo": 3}   # 2: mutation-operator bug sites, concurrent episodes; 3: whole-line edits
+# repo: 2 mutation-operator bug sites, concurrent episodes; 3 whole-line edits; 4 made-up training names
+DEMO_FORMAT: dict[str, int] = {"repo": 4}
 
 
 async def agenerate_demos(config: DemoConfig, *, agent: AgentConfig | None = None,

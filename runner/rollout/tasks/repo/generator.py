@@ -15,7 +15,10 @@ wrong_constant, missing_case, wrong_variable. The issue text reports one failing
 
 Splits (seeds as base.split_seeds: train below EVAL_SEED_START, held out from it on):
 - function NAMES: every template has four names; names 0-1 are train names, names 2-3 held-out names;
-  every function of a repository (the buggy one and the distractors) takes a name of its seed's split;
+  every function of a repository (the buggy one and the distractors) takes a name of its seed's split, and a
+  training repository's function half the time a made-up one instead (`made_name`: syllables such as "kalo",
+  never a held-out name), so that in training a name does not tell the function's shape: a fix has to read the
+  body;
 - bug SITES: all sites of all templates, in a fixed order, are dealt alternately to train and held out within
   each kind (`site_split`), so every kind with two or more sites has sites in both splits, and no (template,
   site) is in both.
@@ -136,7 +139,26 @@ class RepoProblem:
 
 
 def split_names(template: Template, split: str) -> tuple[str, ...]:
+    """The template's own names of a split: names 0-1 for train, 2-3 held out (a training repository also takes
+    made-up names, `made_name`)."""
     return template.names[:2] if split == "train" else template.names[2:]
+
+
+# made-up names of training functions: two or three of these syllables, sometimes joined by "_" (so a name says
+# nothing of its function's shape, and a policy must read the body to fix it); none is a held-out name
+_SYLLABLES = ("ka", "lo", "mi", "ru", "te", "zo", "vi", "ne", "pa", "su", "go", "bi")
+MADE_NAME_SHARE = 0.5     # share of a training repository's functions that take a made-up name
+
+
+def made_name(rng: random.Random) -> str:
+    """A made-up function name (`_SYLLABLES`), e.g. "kalo" or "mi_rute"."""
+    parts = [rng.choice(_SYLLABLES) for _ in range(rng.choice((2, 3)))]
+    cut = rng.randrange(1, len(parts)) if rng.random() < 0.3 else len(parts)
+    return "".join(parts[:cut]) + ("_" + "".join(parts[cut:]) if cut < len(parts) else "")
+
+
+def _held_out_names() -> frozenset[str]:
+    return frozenset(n for t in TEMPLATES for n in split_names(t, "eval"))
 
 
 def _const(m: re.Match[str]) -> str:
@@ -288,6 +310,10 @@ def _draw(seed: int, rng: random.Random, split: str, distractors: int) -> RepoPr
     for k, ti in enumerate(picked):
         t = TEMPLATES[ti]
         name = rng.choice(split_names(t, split))
+        if split == "train" and rng.random() < MADE_NAME_SHARE:
+            name = made_name(rng)
+            if name in _held_out_names() or any(name == f[1] for f in funcs):
+                return None     # redrawn (deterministic)
         ref = t.body.replace("{n}", name)
         shipped = ref.replace(site.original, site.buggy, 1) if k == 0 else ref
         funcs.append((t, name, ref, shipped))
