@@ -63,25 +63,34 @@ def _fixed(files: dict[str, str], buggy: str, fix: str) -> dict[str, str]:
     return {**files, MODULE: files[MODULE].replace(buggy, fix)}
 
 
-def test_a_demonstrations_edit_is_the_whole_buggy_line_and_fixes_it() -> None:
-    """repo_line_edit (demonstrations' format 3): the buggy line from its first non-space, once in lib.py, and that
-    line fixed, which passes the tests; where the sed edit of the whole line would not fit the reply cap (is_leap's
-    52-byte line), the bug site's own window."""
-    from mixfleet.runner.rollout.demos import DEMO_REPLY_TOKENS, _call, reply_ids, repo_line_edit
+def test_a_demonstrations_edit_rewrites_the_buggy_line_and_fixes_it() -> None:
+    """repo_line_edit (demonstrations' format 5): the buggy line rewritten whole, named by its first words before
+    the bug where they occur in no other line (so every bug on that line has the same edit), else the exact line or
+    the site's window; applied as sed would, every edit fixes its repository."""
+    import re
 
-    windows = 0
+    from mixfleet.runner.rollout.demos import repo_line_edit
+
+    kinds = {True: 0, False: 0}
     for seed in [*split_seeds("train", 120), *split_seeds("eval", 120)]:
         p = generate(seed)
-        old, new = repo_line_edit(p)
+        edit = repo_line_edit(p)
         module = p.files[MODULE]
-        assert module.count(old) == 1 and p.buggy_text.rstrip("\n") in old
-        assert _run_tests_in_process(_fixed(p.files, old, new)), f"seed {seed}: the line edit does not fix it"
-        line = next(ln.strip() for ln in module.splitlines() if p.buggy_text.rstrip("\n") in ln)
-        if old != line:                              # the window: only where the whole line would not fit
-            windows += 1
-            assert len(reply_ids(_call("bash", repo_edit_command(line, line.replace(old, new))))) > \
-                DEMO_REPLY_TOKENS["repo"], f"seed {seed}: {line!r}"
-    assert 0 < windows < 60
+        buggy = p.buggy_text.rstrip("\n")
+        assert edit.line in module and buggy in edit.line
+        if edit.prefix:
+            assert edit.line.startswith(edit.old) and edit.fixed.startswith(edit.old), (seed, edit)
+            assert sum(edit.old in ln for ln in module.splitlines()) == 1
+            new = edit.new
+            fixed = "\n".join(re.sub(re.escape(edit.old) + ".*", lambda _m, new=new: new, ln, count=1)
+                              for ln in module.splitlines()) + "\n"
+        else:
+            assert module.count(edit.old) == 1
+            fixed = module.replace(edit.old, edit.new)
+        kinds[edit.prefix] += 1
+        assert _run_tests_in_process({**p.files, MODULE: fixed}), f"seed {seed}: the edit does not fix it: {edit}"
+        assert _run_tests_in_process({**p.files, MODULE: module.replace(edit.line, edit.fixed)})   # python's form
+    assert kinds[True] > kinds[False] > 0, kinds
 
 
 @pytest.mark.parametrize("split", ["train", "eval"])

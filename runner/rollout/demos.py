@@ -14,8 +14,9 @@ policy starts with a reward that is clearly nonzero but improvable:
   that is right only `mental_accuracy` of the time (off by 1..10 otherwise).
 - repo: the fix of a generated repository (the demonstrator reads the generator's ground truth): look
   (`grep -n -A5 "def NAME" lib.py` or `cat lib.py`), run the tests (`python3 -m unittest -q 2>&1 | tail -n 6`),
-  edit (`sed -i 's|BUGGY LINE|FIXED LINE|' lib.py`, or 1 time in 4 a one-line `python3 -c` replace where it is
-  <= 110 bytes; the whole line from its first non-space, `repo_line_edit`), run the tests again, `submit`;
+  edit (`sed -i 's|FIRST WORDS.*|FIXED LINE|' lib.py`: the buggy line named by its first words before the bug
+  and rewritten whole, `repo_line_edit`; or 1 time in 4 a one-line `python3 -c` replace of the whole line where
+  it is <= 110 bytes), run the tests again, `submit`;
   with probability `noise` each: the look skipped, the first test run skipped, the final test run skipped, a
   wrong edit first (a mistyped pattern that changes nothing; then the tests, and half of those episodes submit
   right away: reward 0).
@@ -145,36 +146,70 @@ def _sed_escape(text: str, special: set[str]) -> str:
     return "".join("\\" + c if c in special else c for c in text)
 
 
-def repo_edit_command(buggy: str, fix: str, *, python: bool = False) -> str:
-    """A one-line edit of lib.py replacing `buggy` with `fix`: `sed -i 's|..|..|' lib.py` or a `python3 -c`."""
+def repo_edit_command(old: str, new: str, *, python: bool = False, prefix: bool = False) -> str:
+    """A one-line edit of lib.py replacing `old` with `new`: `sed -i 's|..|..|' lib.py` or a `python3 -c`. prefix:
+    `old` is the first words of a line, and the sed edit replaces from them to the line's end (`s|OLD.*|NEW|`)."""
     if python:
-        return f"python3 -c \"s=open('lib.py').read();open('lib.py','w').write(s.replace('{buggy}','{fix}'))\""
-    return f"sed -i 's|{_sed_escape(buggy, _SED_RE_SPECIAL)}|{_sed_escape(fix, _SED_REPL_SPECIAL)}|' lib.py"
+        if prefix:
+            raise ValueError("repo_edit_command: a python edit replaces exact text, not a line's prefix")
+        return f"python3 -c \"s=open('lib.py').read();open('lib.py','w').write(s.replace('{old}','{new}'))\""
+    return f"sed -i 's|{_sed_escape(old, _SED_RE_SPECIAL)}{'.*' if prefix else ''}|" \
+           f"{_sed_escape(new, _SED_REPL_SPECIAL)}|' lib.py"
 
 
-def repo_line_edit(problem: Any) -> tuple[str, str]:
-    """What a demonstration's edit replaces: the whole buggy line of lib.py from its first non-space character and
-    that line fixed, where the line occurs once in the module and its sed edit fits the reply cap; else the bug
-    site's own texts (the smallest unique window; is_leap's long line).
+@dataclass(frozen=True)
+class RepoEdit:
+    """What a demonstration's edit replaces in lib.py (`repo_line_edit`)."""
 
-    Whole lines make the edit a copy of what the look showed (left) and the function's correct line (right), both
-    learnable for a bug site never seen in training; a site's window is a string that has to be recalled."""
+    old: str              # the buggy line's first words (prefix) or text that occurs once in lib.py
+    new: str              # the fixed line (from its first non-space) or the fixed text
+    prefix: bool          # old is a line's prefix: replace from it to the end of its line
+    line: str             # the buggy line, from its first non-space
+    fixed: str            # that line fixed
+
+    def command(self, *, python: bool = False) -> str:
+        """The edit as a command; a python edit replaces the whole line (exact text)."""
+        if python:
+            return repo_edit_command(self.line, self.fixed, python=True)
+        return repo_edit_command(self.old, self.new, prefix=self.prefix)
+
+
+def repo_line_edit(problem: Any) -> RepoEdit:
+    """A demonstration's edit (format 5): the buggy line of lib.py rewritten whole, named by its shortest run of
+    first words that lies before the bug and occurs in no other line (`s|return ch .*|return ch * (width -
+    len(s)) + s|`); where no such prefix exists, the whole line (exact text) if it occurs once and its edit fits the
+    reply cap, else the bug site's own texts.
+
+    A prefix before the bug is the same for every bug on a line, and the fixed line is the function's correct line:
+    so a bug at a site never seen in training, on a line whose correct text was written in training, is fixed by
+    the same edit. An exact old text must be copied from the look instead (the tiny base recalled training sites'
+    texts there)."""
     buggy, fix = problem.buggy_text.rstrip("\n"), problem.fix_text.rstrip("\n")
     module = problem.files[MODULE]
-    line = next((ln.strip() for ln in module.splitlines() if buggy in ln), None)
-    if line is None or module.count(line) != 1:
-        return buggy, fix
+    lines = module.splitlines()
+    line = next((ln.strip() for ln in lines if buggy in ln), None)
+    if line is None:
+        return RepoEdit(buggy, fix, False, buggy, fix)
     fixed = line.replace(buggy, fix, 1)
-    if len(reply_ids(_call("bash", repo_edit_command(line, fixed)))) > DEMO_REPLY_TOKENS["repo"]:
-        return buggy, fix
-    return line, fixed
+    words, fixed_words = line.split(" "), fixed.split(" ")
+    same = 0
+    while same < min(len(words), len(fixed_words)) and words[same] == fixed_words[same]:
+        same += 1
+    for k in range(1, same + 1):
+        head = " ".join(words[:k])
+        if sum(head in ln for ln in lines) == 1:
+            return RepoEdit(head, fixed, True, line, fixed)
+    fits = len(reply_ids(_call("bash", repo_edit_command(line, fixed)))) <= DEMO_REPLY_TOKENS["repo"]
+    if module.count(line) == 1 and fits:
+        return RepoEdit(line, fixed, False, line, fixed)
+    return RepoEdit(buggy, fix, False, line, fixed)
 
 
 def _repo_plan(problem: Any, rng: random.Random, config: DemoConfig) -> list[str]:
     """The replies of one repo demonstration, drawn up front (see the module docstring)."""
-    buggy, fix = repo_line_edit(problem)
-    # the python edit only where it is short: every reply must fit DEMO_REPLY_TOKENS with its call markers
-    python = rng.random() < 0.25 and len(repo_edit_command(buggy, fix, python=True)) <= REPO_MAX_EDIT_BYTES
+    edit = repo_line_edit(problem)
+    # the python edit (the whole line) only where it is short: every reply must fit DEMO_REPLY_TOKENS
+    python = rng.random() < 0.25 and len(edit.command(python=True)) <= REPO_MAX_EDIT_BYTES
     look = f'grep -n -A5 "def {problem.function}" lib.py' if rng.random() < 0.5 else "cat lib.py"
     plan: list[str] = []
     if rng.random() >= config.noise:
@@ -182,12 +217,14 @@ def _repo_plan(problem: Any, rng: random.Random, config: DemoConfig) -> list[str
     if rng.random() >= config.noise:
         plan.append(_call("bash", REPO_TEST))
     if rng.random() < config.noise:
-        wrong = buggy.replace(" ", "  ", 1) if " " in buggy else buggy.replace("(", "( ", 1) if "(" in buggy \
-            else "_" + buggy
-        plan += [_call("bash", repo_edit_command(wrong, fix, python=python)), _call("bash", REPO_TEST)]
+        old = edit.line if python else edit.old
+        wrong = old.replace(" ", "  ", 1) if " " in old else old.replace("(", "( ", 1) if "(" in old else "_" + old
+        bad = repo_edit_command(wrong, edit.fixed, python=True) if python else \
+            repo_edit_command(wrong, edit.new, prefix=edit.prefix)
+        plan += [_call("bash", bad), _call("bash", REPO_TEST)]
         if rng.random() < 0.5:
             plan.append(_call("submit", ""))
-    plan.append(_call("bash", repo_edit_command(buggy, fix, python=python)))
+    plan.append(_call("bash", edit.command(python=python)))
     if rng.random() >= config.noise:
         plan.append(_call("bash", REPO_TEST))
     plan.append(_call("submit", ""))
@@ -261,8 +298,9 @@ def demonstrator_generate(config: DemoConfig, rng: random.Random, task: Any = No
 DEMO_CONCURRENCY = 4    # episode demonstrations in flight (their sandbox commands overlap; each has its own RNG)
 # demonstration format per task, part of the pretrain cache key where set (a task's entry is bumped when its
 # demonstrations change meaning; tasks without one keep the keys of the bases already made)
-# repo: 2 mutation-operator bug sites, concurrent episodes; 3 whole-line edits; 4 made-up training names
-DEMO_FORMAT: dict[str, int] = {"repo": 4}
+# repo: 2 mutation-operator bug sites, concurrent episodes; 3 whole-line edits; 4 made-up training names; 5 a line
+# named by its first words, rewritten whole (repo_line_edit)
+DEMO_FORMAT: dict[str, int] = {"repo": 5}
 
 
 async def agenerate_demos(config: DemoConfig, *, agent: AgentConfig | None = None,
