@@ -15,16 +15,30 @@ import torch
 SHARED_RUNS = {"test_run_resume.py": "killed_resumed_run", "test_fidelity_resume.py": "killed_resumed_run"}
 
 
+# The groups that take longest (a file's tests and its module fixtures' runs together), longest first: xdist hands
+# groups out in collection order (pyproject: --no-loadscope-reorder), so these start at once and the many short
+# files fill the workers' ends (longest-first scheduling), instead of a 5-minute file starting last. From the
+# `--durations=0` of a fresh-clone run (benchmarks/suite_durations.py sums them per group); the rest keep their order.
+SLOWEST_FIRST = ("test_run_crash_points.py", "test_ui_browser.py", "test_run_resume_recovery.py", "killed_resumed_run",
+                 "test_run_faults.py", "test_rehearsal.py", "test_run_group_start.py", "test_learning_guard.py",
+                 "test_ablation.py", "test_launcher.py", "test_local_ray.py", "test_run_cluster.py",
+                 "test_run_attach.py", "test_export_trackers.py", "test_run_moe.py", "test_learning.py",
+                 "test_studies_replan.py", "test_evaluate_run.py")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Under `pytest -n N` (pyproject: --dist loadgroup) every test file is one group, as --dist loadfile would
-    make it (its module fixtures' runs start once), and the files of SHARED_RUNS share a group. Runs before
-    xdist's own hook (in each worker) reads the groups; without -n the marks do nothing."""
+    make it (its module fixtures' runs start once), and the files of SHARED_RUNS share a group; the groups of
+    SLOWEST_FIRST come first. Runs before xdist's own hook (in each worker) reads the groups; without -n the marks
+    do nothing (and the order changes nothing)."""
     if not config.pluginmanager.hasplugin("xdist"):   # the marker is xdist's
         return
+    rank = {group: i for i, group in enumerate(SLOWEST_FIRST)}
+    groups = {item.nodeid: SHARED_RUNS.get(item.path.name, item.path.name) for item in items}
     for item in items:
-        name = item.path.name
-        item.add_marker(pytest.mark.xdist_group(SHARED_RUNS.get(name, name)))
+        item.add_marker(pytest.mark.xdist_group(groups[item.nodeid]))
+    items.sort(key=lambda item: rank.get(groups[item.nodeid], len(rank)))    # stable: the rest keep their order
 
 
 @pytest.fixture(scope="module")
