@@ -157,6 +157,7 @@ def made_name(rng: random.Random) -> str:
     return "".join(parts[:cut]) + ("_" + "".join(parts[cut:]) if cut < len(parts) else "")
 
 
+@functools.cache
 def _held_out_names() -> frozenset[str]:
     return frozenset(n for t in TEMPLATES for n in split_names(t, "eval"))
 
