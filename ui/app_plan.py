@@ -447,6 +447,14 @@ def _show(view: planner.PlannerView) -> Any:
     return chart
 
 
+def _bar_progress(bar: Any) -> Any:
+    """A planner progress callback (fraction, text) that moves this progress bar (the fraction clamped to [0, 1])."""
+    def progress(frac: float, text: str) -> None:
+        bar.progress(min(max(frac, 0.0), 1.0), text=text)
+
+    return progress
+
+
 def _chart(slot: Any, view: planner.PlannerView) -> None:
     slot.plotly_chart(charts.pareto(view.points, chosen=view.chosen_point, references=view.references,
                                     twin_points=view.twin_points), width="stretch")
@@ -557,12 +565,8 @@ def render() -> None:
     key = result.inputs_key(inputs, cols)
     if go:
         bar = st.progress(0.0, text="planning...")
-
-        def progress(frac: float, text: str) -> None:
-            bar.progress(min(max(frac, 0.0), 1.0), text=text)
-
         try:
-            view = _plan_cached(inputs, cols, progress)
+            view = _plan_cached(inputs, cols, _bar_progress(bar))
         except Exception as e:
             bar.empty()
             show_error("the planner could not plan", e)
@@ -581,7 +585,7 @@ def render() -> None:
         st.session_state[TIMING_KEY] = {"plan_shown_s": time.perf_counter() - clicked}
     if view.pending_twin:   # the seed fleets' twin dry runs, after the plan is shown; their circles join the chart
         bar = st.progress(0.0, text="twin: the seed's fleets...")
-        view = planner.finish_twin_points(view, lambda f, m: bar.progress(min(max(f, 0.0), 1.0), text=m))
+        view = planner.finish_twin_points(view, _bar_progress(bar))
         bar.empty()
         st.session_state[RESULT_KEY] = view
         if go:
