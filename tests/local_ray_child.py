@@ -27,7 +27,11 @@ def main() -> None:
                                       correction={"method": "sc_mis", "temperature": 1.0, "top_p_replay": False})
     info = ray.get(actor.info.remote(), timeout=300)
     ray.get(trainer.version.remote(), timeout=300)
-    print("READY " + json.dumps({"pid": os.getpid(), "url": info["url"], "actor_pid": info["pid"]}), flush=True)
+    threads = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+    worker_env = ray.get(ray.remote(num_cpus=0)(lambda: {k: os.environ.get(k) for k in threads}).remote(), timeout=300)
+    print("READY " + json.dumps({"pid": os.getpid(), "url": info["url"], "actor_pid": info["pid"],
+                                 "worker_env": worker_env, "driver_env": {k: os.environ.get(k) for k in threads}}),
+          flush=True)
     while True:
         time.sleep(60)
 

@@ -62,6 +62,10 @@ def test_local_ray_binds_loopback_only_and_cleanup_stops_its_leftovers(tmp_path:
                 info = json.loads(line[6:])
                 break
         assert info is not None, "".join(lines[-30:])
+        # the workers' one-thread settings come with the local Ray's start (inherited), not a runtime_env (which
+        # made Ray start every actor's worker through setup_worker: ~1 s of CPU each); the driver's are untouched
+        assert info["worker_env"] == {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}, info
+        assert info["driver_env"] == {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}, info
         time.sleep(2.0)                       # let the agents finish binding
         root = psutil.Process(child.pid)
         procs = [root, *root.children(recursive=True)]

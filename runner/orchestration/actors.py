@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -244,6 +244,21 @@ def init_ray(*, address: str | None = None, num_cpus: int | None = None,
             signal.signal(signal.SIGTERM, ours)
 
 
+@contextlib.contextmanager
+def _environ(values: Mapping[str, str]) -> Iterator[None]:
+    """`values` in os.environ while the block runs (the processes it starts inherit them), then as before."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _start_local_ray(num_cpus: int | None, resources: Mapping[str, float] | None, env: dict[str, Any]) -> None:
     import ray
     from mixfleet.runner.orchestration import local_ray
@@ -257,10 +272,12 @@ def _start_local_ray(num_cpus: int | None, resources: Mapping[str, float] | None
             try:
                 # address="local": always a new Ray of our own; with None, Ray joins whatever cluster RAY_ADDRESS
                 # or /tmp/ray/ray_current_cluster (left by anyone's `ray start` on this machine) names
-                ctx = ray.init(address="local", num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 2),
-                               include_dashboard=False, _node_ip_address=local_ray.LOOPBACK,
-                               resources={k: float(v) for k, v in (resources or {}).items()}, runtime_env=env,
-                               log_to_driver=False, configure_logging=True, logging_level="ERROR")
+                with _environ(env["env_vars"]):    # inherited by the local Ray's raylet and so every worker
+                    ctx = ray.init(address="local",
+                                   num_cpus=num_cpus if num_cpus is not None else (os.cpu_count() or 2),
+                                   include_dashboard=False, _node_ip_address=local_ray.LOOPBACK,
+                                   resources={k: float(v) for k, v in (resources or {}).items()},
+                                   log_to_driver=False, configure_logging=True, logging_level="ERROR")
                 break
             except Exception as e:  # noqa: BLE001 - Ray's own "node timed out during startup" on a busy machine
                 if attempt == RAY_START_ATTEMPTS - 1 or not _startup_failure(e):
