@@ -583,6 +583,25 @@ def study_listing(study: str, out: Path, ladder: dict[str, Any]) -> tuple[list[s
     return lines, done_s, left_s
 
 
+def study_base(study: str, base: str, earlier: dict[str, Any]) -> str:
+    """The digest of `base`, the study's base policy built (or found in the cache) here, after checking it is the
+    base of the runs the results already hold: every contrast of the study is between runs of one base. The tiny
+    base's pretraining is bit-reproducible on one machine but not across machines (its cache key 027f70fc... gave
+    weights 9937026f... where the study's first 16 runs ran; b964d7b8... twice on the AVX-512 machine that
+    replaced it, and 8e0f0c96... there with ATEN_CPU_CAPABILITY=avx2), so a base rebuilt elsewhere is refused,
+    naming both digests, rather than mixed in."""
+    digest = weights_digest(base)
+    theirs = sorted({r["base_digest"] for r in earlier.get("runs", []) if r.get("base_digest")})
+    if digest is None or (theirs and theirs != [digest]):
+        n = sum(1 for r in earlier.get("runs", []) if r.get("base_digest"))
+        raise SystemExit(
+            f"study {study}: the base policy here ({base}, weights digest {digest}) is not the base of the "
+            f"{n} run(s) already in the results (digest {', '.join(theirs)}): runs from it would not be same-base "
+            "contrasts with them. Put that base's folder in the cache under the same key (`mixfleet pretrain "
+            "--json` names the key) or start the study over in another --results file and --out folder.")
+    return digest
+
+
 def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
     """--study: list, run (resumable), re-evaluate or report the study of issue 41 (studies/learning_study.py)."""
     from mixfleet.studies.learning_study import MODELS, RULES, STUDY_EVAL
@@ -607,7 +626,14 @@ def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
     if not args.report_only:
         from mixfleet.studies.runs import StudySettings, run_state, run_study
 
-        todo = [(a, s) for a, s in order if run_state(out / a.key / f"seed{s}", a.updates) != "finished"]
+        base = base_policy(model, steps)
+        earlier = read_earlier(Path(args.results))
+        digest = study_base(args.study, base, earlier)
+        # a run the results record as finished from this base is done, its folder gone or not (another machine)
+        recorded = {(r["rung"], r["seed"]) for r in earlier.get("runs", [])
+                    if r.get("status") == "finished" and r.get("base_digest") == digest}
+        todo = [(a, s) for a, s in order
+                if (a.key, s) not in recorded and run_state(out / a.key / f"seed{s}", a.updates) != "finished"]
         done = len(order) - len(todo)
         if args.arms:                       # only these arms (e.g. those a pending decision does not touch)
             unknown = sorted(set(args.arms) - {a.key for a in arms})
@@ -625,7 +651,7 @@ def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
                   manifest_extra={"format": "mixfleet-learning-study", "study": args.study, "model": model,
                                   "pretrain_steps": steps, "rules": RULES,
                                   "order": [f"{a.key}/seed{s}" for a, s in order]},
-                  base_policy=base_policy(model, steps), log=log,
+                  base_policy=base, log=log,
                   settings=StudySettings(resume=args.resume, start_gap_s=5.0, run_timeout_s=5400.0))
     runs = [r for a, s in order if (r := read_run(out / a.key / f"seed{s}", a.key, s)) is not None]
     command = " ".join(["python", "benchmarks/learning.py", *sys.argv[1:]])

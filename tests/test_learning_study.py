@@ -302,19 +302,28 @@ def test_markdown_has_a_row_per_arm_and_the_findings() -> None:
     assert text.count("**reproduced**") == 3
 
 
+def _base(root: Path, weights: bytes = b"the base") -> str:
+    """A stand-in base policy folder: its digest is what the study reads of it."""
+    folder = root / f"base-{weights.hex()[:8]}"
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "model.safetensors").write_bytes(weights)
+    return str(folder)
+
+
 def test_resume_runs_the_next_unfinished_runs_in_order(learning, tmp_path: Path, monkeypatch, capsys) -> None:
     import mixfleet.studies.runs as study_runs
 
     started: list = []
     monkeypatch.setattr(study_runs, "run_study", lambda runs, **kw: started.append((runs, kw)))
-    monkeypatch.setattr(learning, "base_policy", lambda model, steps: f"base-{model}-{steps}")
+    base = _base(tmp_path / "cache")
+    monkeypatch.setattr(learning, "base_policy", lambda model, steps: base if (model, steps) == ("tiny", 150) else "")
     _log(tmp_path / "s-mix-sc_mis_topp" / "seed0", 60, "finished")
     res = tmp_path / "study.json"
     assert learning.main(["--study", "dense", "--resume", "--max-runs", "2", "--out", str(tmp_path),
                           "--results", str(res), "--final-results", str(tmp_path / "final.json")]) == 0
     (runs, kw), = started
     assert [r.name for r in runs] == ["s-mix-grpo/seed0", "s-hom-sc_mis_topp/seed0"]
-    assert [r.run["updates"] for r in runs] == [60, 60] and kw["base_policy"] == "base-tiny-150"
+    assert [r.run["updates"] for r in runs] == [60, 60] and kw["base_policy"] == base
     assert runs[0].overrides["groups.cpu-fp8.weight_noise"] == 0.5 and runs[0].overrides["trainer.loss"] == "grpo"
     assert "groups.cpu-fp8.weight_noise" not in runs[1].overrides and runs[1].plan == "learning-homog-bf16"
     assert runs[0].overrides["embedded.lr"] == 1.5e-4 and runs[0].overrides["embedded.eval_problems"] == 64
@@ -329,7 +338,8 @@ def test_arms_picks_the_runs_of_those_arms_in_order(learning, tmp_path: Path, mo
 
     started: list = []
     monkeypatch.setattr(study_runs, "run_study", lambda runs, **kw: started.append(runs))
-    monkeypatch.setattr(learning, "base_policy", lambda model, steps: "base")
+    base = _base(tmp_path / "cache")
+    monkeypatch.setattr(learning, "base_policy", lambda model, steps: base)
     args = ["--study", "dense", "--resume", "--out", str(tmp_path), "--results", str(tmp_path / "s.json"),
             "--final-results", str(tmp_path / "f.json")]
     assert learning.main([*args, "--arms", "s-hom-grpo,s-hom-sc_mis_topp", "--max-runs", "3"]) == 0
@@ -337,6 +347,38 @@ def test_arms_picks_the_runs_of_those_arms_in_order(learning, tmp_path: Path, mo
     with pytest.raises(SystemExit, match="--arms: t-grpo not in study dense"):
         learning.main([*args, "--arms", "t-grpo"])
 
+
+
+def test_runs_recorded_from_the_base_count_as_done_and_another_base_is_refused(learning, tmp_path: Path,
+                                                                              monkeypatch) -> None:
+    """The study's runs live on in the results file when their folders are gone (another machine): those recorded
+    finished from this base are not run again; a base whose weights differ from the recorded runs' (pretraining is
+    not bit-reproducible across CPUs) is refused naming both digests, before anything runs."""
+    import mixfleet.studies.runs as study_runs
+
+    started: list = []
+    monkeypatch.setattr(study_runs, "run_study", lambda runs, **kw: started.append(runs))
+    base = _base(tmp_path / "cache")
+    digest = learning.weights_digest(base)
+    recorded = []
+    for rung, status in (("s-mix-sc_mis_topp", "finished"), ("s-mix-grpo", "finished"),
+                         ("s-hom-sc_mis_topp", "stopped")):
+        gone = tmp_path / "gone" / rung
+        _log(gone, 60, status)                  # run here, read into the results, then its folder is lost
+        recorded.append({**learning.read_run(gone, rung, 0), "base_digest": digest})
+    res = tmp_path / "study.json"
+    res.write_text(json.dumps({"runs": recorded}))
+    args = ["--study", "dense", "--resume", "--max-runs", "2", "--out", str(tmp_path / "runs"), "--results",
+            str(res), "--final-results", str(tmp_path / "final.json")]
+    monkeypatch.setattr(learning, "base_policy", lambda model, steps: base)
+    assert learning.main(args) == 0
+    assert [r.name for r in started[0]] == ["s-hom-sc_mis_topp/seed0", "s-hom-grpo/seed0"]   # not the two finished
+    other = _base(tmp_path / "cache", b"rebuilt elsewhere")
+    monkeypatch.setattr(learning, "base_policy", lambda model, steps: other)
+    with pytest.raises(SystemExit, match=rf"weights digest {learning.weights_digest(other)}\) is not the base of "
+                                         rf"the 3 run\(s\) already in the results \(digest {digest}\)"):
+        learning.main(args)
+    assert len(started) == 1                                                      # nothing more was started
 
 
 def test_the_table_says_what_decided_each_finding() -> None:
