@@ -173,11 +173,20 @@ RUNGS.update({a.key: Rung(key=a.key, label=a.label, plan=a.plan, model=a.model, 
                           settings=a.settings, pretrain_steps=a.pretrain_steps) for a in ARMS.values()})
 
 
-def base_policy(model: str, steps: int) -> str:
-    """The cached `mixfleet pretrain` base (built once per model and step count; later calls reuse it)."""
-    from mixfleet.runner.orchestration.pretrain import PretrainConfig, pretrain
+KEPT_BASES = Path(__file__).resolve().parents[1] / "data" / "bases"
 
-    return str(pretrain(PretrainConfig(model=model, steps=steps)).path)
+
+def base_policy(model: str, steps: int) -> str:
+    """The base of (model, steps): the one kept in the repository (data/bases/<cache key>/, the study's: its
+    pretraining is not bit-reproducible across machines, `study_base`, and a study outlives a machine), else the
+    cached `mixfleet pretrain` base (built once per model and step count; later calls reuse it)."""
+    from mixfleet.runner.orchestration.pretrain import PretrainConfig, cache_key, pretrain
+
+    config = PretrainConfig(model=model, steps=steps)
+    kept = KEPT_BASES / cache_key(config)
+    if (kept / "model.safetensors").is_file():
+        return str(kept)
+    return str(pretrain(config).path)
 
 
 def weights_digest(checkpoint: str) -> str | None:
