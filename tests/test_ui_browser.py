@@ -225,6 +225,9 @@ def test_click_through_the_three_pages(app_url: str, tmp_path: Path) -> None:
         assert (shots / name).stat().st_size > 10_000
 
 
+RUN_UPDATES = 5     # the walk's real run: a stop after the first update and a resume to the end (8 until 2026-12-07)
+
+
 @pytest.fixture()
 def loop_app(tmp_path: Path):
     """The app on a fresh runs folder, with a seeded tiny base policy for real runs (no pretraining)."""
@@ -239,8 +242,8 @@ def loop_app(tmp_path: Path):
     argv = [sys.executable, "-m", "mixfleet.ui.cli"]      # this interpreter's mixfleet (and its runs' too)
     port = _free_port()
     runs = tmp_path / "runs"
-    env = dict(os.environ, MIXFLEET_UI_UPDATES="2", MIXFLEET_UI_WORKLOAD="tiny-cpu", MIXFLEET_UI_RUN_UPDATES="8",
-               MIXFLEET_UI_RUN_INIT=str(init))
+    env = dict(os.environ, MIXFLEET_UI_UPDATES="2", MIXFLEET_UI_WORKLOAD="tiny-cpu",
+               MIXFLEET_UI_RUN_UPDATES=str(RUN_UPDATES), MIXFLEET_UI_RUN_INIT=str(init))
     from mixfleet.ui import run_manager as rm
 
     try:
@@ -252,7 +255,7 @@ def loop_app(tmp_path: Path):
                 rm.kill(m)
 
 
-RUN_TIMEOUT_MS = 900_000    # an 8-update tiny run with a stop and a resume, on a loaded 2-core machine
+RUN_TIMEOUT_MS = 900_000    # a 5-update tiny run with a stop and a resume, on a loaded 2-core machine
 
 
 def _pick_option(page, picker, name: str, tries: int = 4) -> None:  # type: ignore[no-untyped-def]
@@ -313,7 +316,7 @@ def _click_until(page, button: str, shows: str | re.Pattern[str], tries: int = 6
 
 
 def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_path: Path) -> None:
-    """The product's loop in the app: a shipped tiny CPU plan -> Run for real (8 updates, streaming live to
+    """The product's loop in the app: a shipped tiny CPU plan -> Run for real (RUN_UPDATES updates, streaming live to
     TensorBoard) -> watch it live -> Stop after an update -> Resume -> finished, each update exactly once (in the
     run log and in TensorBoard's event files, read back) -> check the twin -> Export to TensorBoard from the Runs
     page -> calibrate from it -> the Plan page planning with that calibration."""
@@ -347,7 +350,7 @@ def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_p
             _click_until(page, "Start the run", re.compile(r"Run loop is \w+: starting|Managed run loop"), tries=4)
             expect(page.get_by_role("heading", name="Runs", exact=True)).to_be_visible()
             expect(page.get_by_text("Managed run loop")).to_be_visible(timeout=RUN_TIMEOUT_MS)
-            expect(page.get_by_text("1 / 8 updates")).to_be_visible(timeout=RUN_TIMEOUT_MS)
+            expect(page.get_by_text(f"1 / {RUN_UPDATES} updates")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             _settled(page)
             _shot(page, "run-live.png", shots)
             # Stop with the panel's auto-refresh off: a click that lands while the 5-s refresh re-renders the panel
@@ -357,19 +360,21 @@ def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_p
             refresh.locator("label").first.click()
             _settled(page)
             _click_until(page, "Stop (after this update)", "Managed run loop: stopp")    # stopping / stopped
-            done_at_stop = int(re.search(r"(\d+) / 8 updates", page.get_by_text(" / 8 updates").first.inner_text())[1])
-            assert done_at_stop < 8, "the Stop landed after the run's last update"
+            done_at_stop = int(re.search(rf"(\d+) / {RUN_UPDATES} updates",
+                                         page.get_by_text(f" / {RUN_UPDATES} updates").first.inner_text())[1])
+            assert done_at_stop < RUN_UPDATES, "the Stop landed after the run's last update"
             refresh.locator("label").first.click()    # on again: the panel follows the run to "stopped"
             expect(page.get_by_text("Managed run loop: stopped")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             _click_until(page, "Resume", "Managed run loop: running")
             expect(page.get_by_text("Managed run loop: finished")).to_be_visible(timeout=RUN_TIMEOUT_MS)
             u = pd.read_parquet(runs / "loop" / "run" / "updates")
-            assert sorted(u["version"].tolist()) == list(range(1, 9))       # each update exactly once
+            assert sorted(u["version"].tolist()) == list(range(1, RUN_UPDATES + 1))       # each update exactly once
             assert "stopped: version" in (runs / "loop" / "driver.log").read_text()   # it did stop, then resume
             # streamed live to TensorBoard under the run's name, through the stop and the resume (issue 44: the
             # CLI's default put every app run under the name "run")
             live = runs / "tensorboard" / "loop"
-            assert set(range(1, 9)) <= _tb_steps(live) and max(_tb_steps(live)) == 8, _tb_steps(live)
+            steps = _tb_steps(live)
+            assert set(range(1, RUN_UPDATES + 1)) <= steps and max(steps) == RUN_UPDATES, steps
             # Broken 2 and 3 (issue 26): the twin checked against the stopped-and-resumed run measures the run's own
             # time per update (before: 4.93 s against 25.31 s, a trainer idle share of -1.8, all goals "met"), and
             # the page stays on the run after the check (before: Continue showed the fidelity twin log)
@@ -396,7 +401,7 @@ def test_plan_run_stop_resume_calibrate_replan(loop_app: tuple[str, Path], tmp_p
             page.get_by_role("button", name="Export", exact=True).click()
             expect(page.get_by_text(re.compile(r"Exported \d+ steps"))).to_be_visible()
             _shot(page, "run-export.png", shots)
-            assert max(_tb_steps(live)) == 8 and not (runs / "loop" / "tensorboard").exists()
+            assert max(_tb_steps(live)) == RUN_UPDATES and not (runs / "loop" / "tensorboard").exists()
             # calibrate from it, then plan with the calibration
             _settled(page)
             page.get_by_role("button", name="Fit a calibration from this run").click()
