@@ -662,6 +662,22 @@ def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
                                   "order": [f"{a.key}/seed{s}" for a, s in order]},
                   base_policy=base, log=log,
                   settings=StudySettings(resume=args.resume, start_gap_s=5.0, run_timeout_s=5400.0))
+    write_study_results(args, order, out, log)
+    if not args.report_only and args.final_eval_after:
+        # at once, while the run folders are here: the study's first round lost its 16 folders with their machine,
+        # and with them the 512 x 2 re-evaluation of its final policies; then the verdicts again, with it
+        before = read_earlier(Path(args.final_results)).get("evaluations", {})
+        doc = final_eval(keys, seeds, args, out, log)
+        if doc and doc.get("evaluations") != before:
+            write_study_results(args, order, out, log)
+    return 0
+
+
+def write_study_results(args: argparse.Namespace, order: list[tuple[Any, int]], out: Path, log: Any) -> None:
+    """The study's results file: the runs read from OUT plus the earlier file's others, their summary and the
+    verdicts (with the 512 x 2 re-evaluations in --final-results where there are some)."""
+    from mixfleet.studies.learning_study import RULES, STUDY_EVAL
+
     runs = [r for a, s in order if (r := read_run(out / a.key / f"seed{s}", a.key, s)) is not None]
     command = " ".join(["python", "benchmarks/learning.py", *sys.argv[1:]])
     earlier = read_earlier(Path(args.results))
@@ -680,7 +696,6 @@ def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
     _write_json_atomically(Path(args.results), results)
     log(study_markdown(v))
     log(f"wrote {args.results}")
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -709,6 +724,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--study", choices=sorted(STUDY), help="the study of issue 41 (studies/learning_study.py): "
                     "its arms, seeds, updates and evaluation are its own (--rungs, --seeds, --updates, --eval-* "
                     "are ignored); with --resume, --report-only, --final-eval or --list")
+    ap.add_argument("--no-final-eval", dest="final_eval_after", action="store_false",
+                    help="with --study --resume: do not re-evaluate the finished runs (--final-problems x "
+                         "--final-samples) right after running them (the default, while their folders are here)")
     ap.add_argument("--max-runs", type=int, default=None, help="with --study: run at most this many of its "
                     "unfinished runs, the next ones in its order (a session's share)")
     ap.add_argument("--arms", type=lambda t: [x for x in t.split(",") if x], default=[],

@@ -317,6 +317,8 @@ def test_resume_runs_the_next_unfinished_runs_in_order(learning, tmp_path: Path,
     monkeypatch.setattr(study_runs, "run_study", lambda runs, **kw: started.append((runs, kw)))
     base = _base(tmp_path / "cache")
     monkeypatch.setattr(learning, "base_policy", lambda model, steps: base if (model, steps) == ("tiny", 150) else "")
+    evaluated: list = []
+    monkeypatch.setattr(learning, "final_eval", lambda keys, seeds, args, out, log: evaluated.append((keys, out)))
     _log(tmp_path / "s-mix-sc_mis_topp" / "seed0", 60, "finished")
     res = tmp_path / "study.json"
     assert learning.main(["--study", "dense", "--resume", "--max-runs", "2", "--out", str(tmp_path),
@@ -331,6 +333,11 @@ def test_resume_runs_the_next_unfinished_runs_in_order(learning, tmp_path: Path,
     doc = json.loads(res.read_text())
     assert [r["rung"] for r in doc["runs"]] == ["s-mix-sc_mis_topp"] and doc["rules"] == RULES
     assert "1 of 32 runs finished" in capsys.readouterr().out
+    # the finished runs re-evaluated (512 x 2) in the same call, while their folders are here
+    assert evaluated == [([a.key for a in STUDY["dense"]], tmp_path)]
+    assert learning.main(["--study", "dense", "--resume", "--max-runs", "1", "--out", str(tmp_path), "--results",
+                          str(res), "--final-results", str(tmp_path / "final.json"), "--no-final-eval"]) == 0
+    assert len(evaluated) == 1
 
 
 def test_arms_picks_the_runs_of_those_arms_in_order(learning, tmp_path: Path, monkeypatch) -> None:
@@ -338,6 +345,7 @@ def test_arms_picks_the_runs_of_those_arms_in_order(learning, tmp_path: Path, mo
 
     started: list = []
     monkeypatch.setattr(study_runs, "run_study", lambda runs, **kw: started.append(runs))
+    monkeypatch.setattr(learning, "final_eval", lambda *a: None)
     base = _base(tmp_path / "cache")
     monkeypatch.setattr(learning, "base_policy", lambda model, steps: base)
     args = ["--study", "dense", "--resume", "--out", str(tmp_path), "--results", str(tmp_path / "s.json"),
@@ -358,6 +366,7 @@ def test_runs_recorded_from_the_base_count_as_done_and_another_base_is_refused(l
 
     started: list = []
     monkeypatch.setattr(study_runs, "run_study", lambda runs, **kw: started.append(runs))
+    monkeypatch.setattr(learning, "final_eval", lambda *a: None)
     base = _base(tmp_path / "cache")
     digest = learning.weights_digest(base)
     recorded = []
