@@ -319,9 +319,36 @@ def test_pool_bounds_live_sandboxes(sandbox_ok: None) -> None:
         await asyncio.gather(*[_episode(["bash sleep 0.3", "submit"], s, sandboxes=2) for s in range(4)])
         return pool_stats()
 
-    stats = asyncio.run(main())["max_live=2,timeout_s=10"]
+    stats = asyncio.run(main())["pool=train,max_live=2,timeout_s=10"]
     assert stats["max_live"] == 2 and stats["starts"] == 8 and stats["live"] == 0
     assert stats["waits"] >= 1 and stats["wait_s_total"] > 0
+
+
+def test_an_evaluation_takes_its_sandboxes_from_a_pool_of_its_own(sandbox_ok: None, tmp_path: Path) -> None:
+    """A run's held-out evaluation (rollout/evaluation.py) took its episodes' sandboxes from the training episodes'
+    pool: on repo-cpu the evaluation's 64 episodes queued with training's and training's tool seconds per update
+    rose to 1373 s. Now its episodes take a pool of their own, of the same size: here a training episode holds the
+    one training sandbox while a 2-problem evaluation runs, and the evaluation's starts are all in its own pool."""
+    from mixfleet.costmodel.specs.model import load_model_spec
+    from mixfleet.runner.checkpoint.init_model import init_model
+    from mixfleet.runner.rollout.evaluation import EvalConfig, pass_at_k_eval
+    from mixfleet.runner.rollout.tasks.repo import pool_stats
+
+    init = init_model(load_model_spec("tiny"), tmp_path / "init", seed=0)
+
+    async def main() -> tuple:
+        train = asyncio.create_task(_episode(["bash sleep 2", "submit"], 0, sandboxes=1))
+        await asyncio.sleep(0.2)
+        res = await pass_at_k_eval(init, EvalConfig(task="repo", task_options={"sandboxes": 1}, problems=2, k=1,
+                                                    max_turns=1, max_new_tokens=4))
+        return res, await train, pool_stats()
+
+    res, (_, _, metrics), stats = asyncio.run(main())
+    assert res.problems == 2
+    train, ev = stats["pool=train,max_live=1,timeout_s=10"], stats["pool=eval,max_live=1,timeout_s=10"]
+    assert ev["starts"] == 2 and ev["live"] == 0                     # one sandbox per evaluation episode
+    assert train["starts"] == 2 and train["waits"] == 0              # the working one and the submission's fresh one
+    assert len(metrics["pool_wait_s"]) == 2
 
 
 def test_demo_episode_through_run_episode_is_repeatable(sandbox_ok: None) -> None:

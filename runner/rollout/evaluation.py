@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from mixfleet.runner.rollout.agent import AgentConfig, engine_generate, run_episode
+from mixfleet.runner.rollout.sandbox.pool import pool_role
 from mixfleet.runner.rollout.tasks import make_task, split_seeds
 from mixfleet.runner.sampler.engine_api import TOP_P_ALLOWED, SamplingParams, valid_top_p
 
@@ -91,11 +92,12 @@ async def pass_at_k_eval(checkpoint: str | Path, config: EvalConfig | None = Non
                                                 top_p=config.top_p))
     tasks = [make_task(config.task, **config.task_options) for _ in range(len(seeds) * config.k)]
     try:
-        eps = await asyncio.gather(*[
-            run_episode(tasks[i * config.k + j], s, generate, session_id=f"eval-{s}-{j}",
-                        config=dataclasses.replace(agent, sampling=dataclasses.replace(
-                            agent.sampling, sampling_seed=config.seed * 1_000_003 + i * 97 + j)))
-            for i, s in enumerate(seeds) for j in range(config.k)])
+        with pool_role("eval"):     # sandboxed tasks: the evaluation's own pool, never the training episodes'
+            eps = await asyncio.gather(*[
+                run_episode(tasks[i * config.k + j], s, generate, session_id=f"eval-{s}-{j}",
+                            config=dataclasses.replace(agent, sampling=dataclasses.replace(
+                                agent.sampling, sampling_seed=config.seed * 1_000_003 + i * 97 + j)))
+                for i, s in enumerate(seeds) for j in range(config.k)])
     finally:
         stop.set()
         await asyncio.to_thread(thread.join, 10)

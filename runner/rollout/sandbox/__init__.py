@@ -7,7 +7,7 @@ See docs/sandbox.md. Never falls back to running commands unsandboxed: where bub
 
 from mixfleet.runner.rollout.sandbox.box import ExecResult, Sandbox, SandboxLimits, SandboxUnavailable, check_sandbox
 from mixfleet.runner.rollout.sandbox.patch import apply_patch
-from mixfleet.runner.rollout.sandbox.pool import SandboxPool
+from mixfleet.runner.rollout.sandbox.pool import POOL_ROLE, SandboxPool, pool_role
 
-__all__ = ["ExecResult", "Sandbox", "SandboxLimits", "SandboxPool", "SandboxUnavailable", "apply_patch",
-           "check_sandbox"]
+__all__ = ["POOL_ROLE", "ExecResult", "Sandbox", "SandboxLimits", "SandboxPool", "SandboxUnavailable", "apply_patch",
+           "check_sandbox", "pool_role"]

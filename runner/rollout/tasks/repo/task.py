@@ -18,8 +18,10 @@ Limits: `max_turns` replies per episode (default 10); the context is the agent l
 the model's max_context, 1024 tokens for the tiny models; one byte = one token), which a prompt (~130 bytes),
 a look at lib.py (<= 250 bytes) and a few clipped outputs fit.
 
-The sandbox pool: one pool per event loop and (sandboxes, command_timeout_s), shared by every RepoTask of that
-loop; its `max_live` is the task option `sandboxes` (a plan's `[embedded] task_options.sandboxes`). An episode
+The sandbox pool: one pool per event loop, pool role and (sandboxes, command_timeout_s), shared by every RepoTask
+of that loop; its `max_live` is the task option `sandboxes` (a plan's `[embedded] task_options.sandboxes`). A run's
+held-out evaluation takes its sandboxes from a pool of its own of the same size (role "eval", rollout/evaluation.py),
+so a run holds at most twice `sandboxes` while it evaluates. An episode
 holds at most one sandbox at a time (the working one is closed before the fresh one opens), so any
 max_live >= 1 cannot deadlock. Per-episode measurements: `RepoTask.metrics()`; pool totals: `pool_stats()`.
 """
@@ -99,25 +101,26 @@ def clip_output(text: str, budget: int) -> str:
     return f"{head}\n[... {cut} bytes cut ...]\n{tail}"
 
 
-_POOLS: weakref.WeakKeyDictionary[Any, dict[tuple[int, float], Any]] = weakref.WeakKeyDictionary()
+_POOLS: weakref.WeakKeyDictionary[Any, dict[tuple[str, int, float], Any]] = weakref.WeakKeyDictionary()
 
 
 def shared_pool(max_live: int, timeout_s: float) -> Any:
-    """The SandboxPool of the running event loop for (max_live, timeout_s) (made on first use)."""
-    from mixfleet.runner.rollout.sandbox import SandboxLimits, SandboxPool
+    """The SandboxPool of the running event loop for (the episode's pool role, max_live, timeout_s), made on first
+    use; the role is the sandbox package's POOL_ROLE ("train", or "eval" inside an evaluation)."""
+    from mixfleet.runner.rollout.sandbox import POOL_ROLE, SandboxLimits, SandboxPool
 
     loop = asyncio.get_running_loop()
     pools = _POOLS.setdefault(loop, {})
-    key = (max_live, float(timeout_s))
+    key = (POOL_ROLE.get(), max_live, float(timeout_s))
     if key not in pools:
         pools[key] = SandboxPool(max_live, limits=SandboxLimits(timeout_s=float(timeout_s)))
     return pools[key]
 
 
 def pool_stats() -> dict[str, Any]:
-    """SandboxPool.stats() of every pool of the running loop, keyed 'max_live=N,timeout_s=T'."""
+    """SandboxPool.stats() of every pool of the running loop, keyed 'pool=ROLE,max_live=N,timeout_s=T'."""
     pools = _POOLS.get(asyncio.get_running_loop(), {})
-    return {f"max_live={k[0]},timeout_s={k[1]:g}": p.stats() for k, p in pools.items()}
+    return {f"pool={k[0]},max_live={k[1]},timeout_s={k[2]:g}": p.stats() for k, p in pools.items()}
 
 
 def problem_spec(problem: RepoProblem) -> RepoSpec:
