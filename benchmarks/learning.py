@@ -180,13 +180,20 @@ def base_policy(model: str, steps: int) -> str:
     """The base of (model, steps): the one kept in the repository (data/bases/<cache key>/, the study's: its
     pretraining is not bit-reproducible across machines, `study_base`, and a study outlives a machine), else the
     cached `mixfleet pretrain` base (built once per model and step count; later calls reuse it)."""
-    from mixfleet.runner.orchestration.pretrain import PretrainConfig, cache_key, pretrain
+    from mixfleet.runner.orchestration.pretrain import PretrainConfig, pretrain
 
-    config = PretrainConfig(model=model, steps=steps)
-    kept = KEPT_BASES / cache_key(config)
-    if (kept / "model.safetensors").is_file():
-        return str(kept)
-    return str(pretrain(config).path)
+    return found_base(model, steps) or str(pretrain(PretrainConfig(model=model, steps=steps)).path)
+
+
+def found_base(model: str, steps: int) -> str | None:
+    """`base_policy`'s folder if it exists already (kept, or in the cache), without training one; else None."""
+    from mixfleet.runner.orchestration.pretrain import PretrainConfig, cache_key, default_cache_dir
+
+    key = cache_key(PretrainConfig(model=model, steps=steps))
+    for folder in (KEPT_BASES / key, default_cache_dir() / key):
+        if (folder / "model.safetensors").is_file():
+            return str(folder)
+    return None
 
 
 def weights_digest(checkpoint: str) -> str | None:
@@ -564,9 +571,12 @@ def _pairs(text: str) -> list[tuple[str, str]]:
     return out
 
 
-def study_listing(study: str, out: Path, ladder: dict[str, Any]) -> tuple[list[str], float, float]:
+def study_listing(study: str, out: Path, ladder: dict[str, Any],
+                  recorded: frozenset[tuple[str, int]] = frozenset()) -> tuple[list[str], float, float]:
     """The study's runs in the order they run, each with its estimated CPU wall (studies/learning_study.py
-    estimate_s, from the measured runs of `ladder`) and its state in OUT; and the estimated seconds done / left."""
+    estimate_s, from the measured runs of `ladder`) and its state in OUT, or "finished (in the results)" for a
+    run of `recorded` (finished in the results file) whose folder is not here; and the estimated seconds done /
+    left."""
     from mixfleet.costmodel.records.runlog import RunLog
     from mixfleet.studies.runs import run_state
 
@@ -574,6 +584,8 @@ def study_listing(study: str, out: Path, ladder: dict[str, Any]) -> tuple[list[s
     for i, (arm, seed) in enumerate(study_order(study), start=1):
         folder = out / arm.key / f"seed{seed}"
         state = run_state(folder, arm.updates)
+        if state != "finished" and (arm.key, seed) in recorded:
+            state = "finished (in the results)"
         est = estimate_s(arm, ladder)
         if state == "partial":
             try:
@@ -583,7 +595,7 @@ def study_listing(study: str, out: Path, ladder: dict[str, Any]) -> tuple[list[s
                 at = 0
             state = f"partial ({at} of {arm.updates} updates)"
             done_s, left_s = done_s + est * at / arm.updates, left_s + est * (1 - at / arm.updates)
-        elif state == "finished":
+        elif state.startswith("finished"):
             done_s += est
         else:
             left_s += est
@@ -618,7 +630,11 @@ def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
     arms = STUDY[args.study]
     model, steps = MODELS[args.study]
     if args.list:
-        lines, done_s, left_s = study_listing(args.study, out, read_earlier(RESULTS))
+        found = found_base(model, steps)         # the runs recorded from the base here (none if it is not built)
+        digest = weights_digest(found) if found else None
+        recorded = frozenset((r["rung"], r["seed"]) for r in read_earlier(Path(args.results)).get("runs", [])
+                             if r.get("status") == "finished" and digest and r.get("base_digest") == digest)
+        lines, done_s, left_s = study_listing(args.study, out, read_earlier(RESULTS), recorded)
         log(f"study {args.study}: {len(lines)} runs on {model} from one {steps}-step base, in this order "
             f"(estimate: the measured wall per update of like ladder rungs in {RESULTS.name} x updates + start-up; "
             f"state from {out}):")

@@ -358,7 +358,7 @@ def test_arms_picks_the_runs_of_those_arms_in_order(learning, tmp_path: Path, mo
 
 
 def test_runs_recorded_from_the_base_count_as_done_and_another_base_is_refused(learning, tmp_path: Path,
-                                                                              monkeypatch) -> None:
+                                                                              monkeypatch, capsys) -> None:
     """The study's runs live on in the results file when their folders are gone (another machine): those recorded
     finished from this base are not run again; a base whose weights differ from the recorded runs' (pretraining is
     not bit-reproducible across CPUs) is refused naming both digests, before anything runs."""
@@ -388,6 +388,16 @@ def test_runs_recorded_from_the_base_count_as_done_and_another_base_is_refused(l
                                          rf"the 3 run\(s\) already in the results \(digest {digest}\)"):
         learning.main(args)
     assert len(started) == 1                                                      # nothing more was started
+    # --list says so too, for the base found here (kept or cached; --list trains none)
+    listed = {}
+    for here in (base, other):
+        monkeypatch.setattr(learning, "found_base", lambda model, steps, here=here: here)
+        capsys.readouterr()
+        assert learning.main(["--study", "dense", "--list", "--out", str(tmp_path / "runs"),
+                              "--results", str(res)]) == 0
+        listed[here] = [line for line in capsys.readouterr().out.splitlines() if line[:3].strip().isdigit()]
+    assert listed[base][0].endswith("finished (in the results)") and listed[base][2].endswith("new")
+    assert listed[other][0].endswith("new")                                       # runs of another base: not done
 
 
 def test_the_table_says_what_decided_each_finding() -> None:
