@@ -55,6 +55,8 @@ TOUR = "tour_learning.json"                 # the README tour's runs (benchmarks
 TREAT = "learning_treatment.json"           # the treatment fleet t-grpo / t-c beside b-lr (benchmarks/learning.py)
 STUDY_RESULTS = "learning_study.json"       # the dense study's runs (benchmarks/learning.py --study dense)
 STUDY_FINAL = "learning_study_final_eval.json"   # its 512 x 2 re-evaluations (--final-eval)
+STUDY_R2 = "learning_study_r2.json"          # the dense study's round 2 (from base b964d7b8, data/bases/)
+STUDY_R2_FINAL = "learning_study_r2_final_eval.json"
 TREAT_BF16 = "learning_treatment_bf16.json"  # the study's homogeneous bf16 GRPO arm, first 6 updates (the pilot)
 ABLATIONS = ("moe", "moe-base300")          # docs/ablation/<dir>/verdicts.json, the MoE ablation reports quoted
 DOC = "docs/learning.md"
@@ -75,9 +77,10 @@ wholly outside (beyond +0.05 or below -0.05); otherwise not shown, and not refut
 
 def load(results: Path = RESULTS) -> dict[str, Any]:
     out = {}
-    optional = {"study", "study_final"}                  # absent until the study runs (None then)
+    optional = {"study", "study_final", "study_r2", "study_r2_final"}    # absent until the study runs (None then)
     for key, name in (("ladder", LADDER), ("same", SAME_BASE), ("final", FINAL), ("tour", TOUR), ("treat", TREAT),
-                      ("treat_bf16", TREAT_BF16), ("study", STUDY_RESULTS), ("study_final", STUDY_FINAL)):
+                      ("treat_bf16", TREAT_BF16), ("study", STUDY_RESULTS), ("study_final", STUDY_FINAL),
+                      ("study_r2", STUDY_R2), ("study_r2_final", STUDY_R2_FINAL)):
         path = results / name
         try:
             out[key] = None if key in optional and not path.exists() else json.loads(path.read_text())
@@ -433,24 +436,30 @@ def block_study_rules(data: dict[str, Any]) -> str:
     return RULES
 
 
-def block_study_state(data: dict[str, Any]) -> str:
+def block_study_state(data: dict[str, Any], key: str = "study", name: str = STUDY_RESULTS,
+                      what: str = "The dense study") -> str:
     """The dense study so far: its verdicts by RULES recomputed from the runs in learning_study.json (and the
     re-evaluations where made), with the runs done and left."""
-    doc = data.get("study")
+    doc = data.get(key)
     runs = [r for r in (doc or {}).get("runs", []) if r.get("status") == "finished"]
     if not runs:
         return "No run of the study has finished yet."
-    final = (data.get("study_final") or {}).get("evaluations", {})
+    final = (data.get(f"{key}_final") or {}).get("evaluations", {})
     planned = sum(len(a.seeds) for a in STUDY["dense"])
     done = sorted(f"{r['rung']}/seed{r['seed']}" for r in runs)
-    return (f"The dense study after {len(runs)} of its {planned} runs ({', '.join(done)}; "
-            f"benchmarks/results/learning_study.json, the verdicts recomputed from its runs by the rules below):\n\n"
+    return (f"{what} after {len(runs)} of its {planned} runs ({', '.join(done)}; "
+            f"benchmarks/results/{name}, the verdicts recomputed from its runs by the rules below):\n\n"
             + markdown(verdicts(runs, "dense", final)))
+
+
+def block_study_r2_state(data: dict[str, Any]) -> str:
+    """Round 2 of the dense study (learning_study_r2.json), as `block_study_state`."""
+    return block_study_state(data, "study_r2", STUDY_R2, "Round 2 of the dense study")
 
 
 BLOCKS = {"learning-table": block_ladder, "learning-signs": block_signs, "learning-final-eval": block_final,
           "learning-findings": block_findings, "study-arms": block_study_arms, "study-rules": block_study_rules,
-          "study-state": block_study_state}
+          "study-state": block_study_state, "study-r2-state": block_study_r2_state}
 BLOCK_RE = re.compile(r"(<!-- generated: ([\w-]+) -->\n)(.*?)(<!-- end -->)", re.S)
 
 
