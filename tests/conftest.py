@@ -18,8 +18,8 @@ SHARED_RUNS = {"test_run_resume.py": "killed_resumed_run", "test_fidelity_resume
 # The groups that take longest (a file's tests and its module fixtures' runs together), longest first: xdist hands
 # groups out in collection order (pyproject: --no-loadscope-reorder), so these start at once and the many short
 # files fill the workers' ends (longest-first scheduling), instead of a 5-minute file starting last. The groups of
-# >= 14 s in benchmarks/results/suite_durations.json (a `-n 2 --durations=0` run on a quiet machine, summed per
-# group by benchmarks/suite_durations.py); the rest keep their order.
+# >= 14 s in a `-n 2 --durations=0` run on a quiet machine (2026-12-07, summed per group by
+# benchmarks/suite_durations.py; benchmarks/results/suite_durations.json is a later run's); the rest keep their order.
 SLOWEST_FIRST = ("test_ui_browser.py", "test_run_crash_points.py", "test_run_resume_recovery.py", "killed_resumed_run",
                  "test_run_group_start.py", "test_ablation.py", "test_local_ray.py", "test_launcher.py",
                  "test_run_faults.py", "test_rehearsal.py", "test_learning_guard.py", "test_run_cluster.py",
