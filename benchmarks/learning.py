@@ -353,6 +353,13 @@ def merge_earlier(runs: list[dict[str, Any]], earlier: dict[str, Any]) -> tuple[
     return sorted(runs + kept, key=lambda r: (order.index(r["rung"]), r["seed"])), len(kept)
 
 
+def finished_from(earlier: dict[str, Any], digest: str | None) -> frozenset[tuple[str, int]]:
+    """(rung, seed) of the runs the earlier results record as finished from the base of weights `digest` (none
+    without a digest): done, whether their folders are here or not."""
+    return frozenset((r["rung"], r["seed"]) for r in earlier.get("runs", [])
+                     if digest and r.get("status") == "finished" and r.get("base_digest") == digest)
+
+
 def recorded_commands(earlier: dict[str, Any]) -> dict[tuple[str, int], str]:
     """(rung, seed) -> the command recorded with that run in the earlier results."""
     return {(r["rung"], r["seed"]): r["command"] for r in earlier.get("runs", []) if r.get("command")}
@@ -632,8 +639,7 @@ def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
     if args.list:
         found = found_base(model, steps)         # the runs recorded from the base here (none if it is not built)
         digest = weights_digest(found) if found else None
-        recorded = frozenset((r["rung"], r["seed"]) for r in read_earlier(Path(args.results)).get("runs", [])
-                             if r.get("status") == "finished" and digest and r.get("base_digest") == digest)
+        recorded = finished_from(read_earlier(Path(args.results)), digest)
         lines, done_s, left_s = study_listing(args.study, out, read_earlier(RESULTS), recorded)
         log(f"study {args.study}: {len(lines)} runs on {model} from one {steps}-step base, in this order "
             f"(estimate: the measured wall per update of like ladder rungs in {RESULTS.name} x updates + start-up; "
@@ -655,8 +661,7 @@ def run_learning_study(args: argparse.Namespace, out: Path, log: Any) -> int:
         earlier = read_earlier(Path(args.results))
         digest = study_base(args.study, base, earlier)
         # a run the results record as finished from this base is done, its folder gone or not (another machine)
-        recorded = {(r["rung"], r["seed"]) for r in earlier.get("runs", [])
-                    if r.get("status") == "finished" and r.get("base_digest") == digest}
+        recorded = finished_from(earlier, digest)
         todo = [(a, s) for a, s in order
                 if (a.key, s) not in recorded and run_state(out / a.key / f"seed{s}", a.updates) != "finished"]
         done = len(order) - len(todo)
