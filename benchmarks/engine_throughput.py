@@ -46,12 +46,17 @@ def _device_name(device: str) -> str:
     return platform.processor() or platform.machine()
 
 
-def _one_run(engine, batch: int, new_tokens: int, tag: str, routed: bool = False) -> dict:
+def _one_run(engine, batch: int, new_tokens: int, tag: str, routed: bool = False, prompt_tokens: int = 0) -> dict:
     from mixfleet.runner.sampler.engine_api import EngineRequest, SamplingParams
 
     done: dict[str, int] = {}
+    prompt_lens = []
     for i in range(batch):
-        ids = engine.tokenizer.encode(f"<|user|>Benchmark request {i}: write something long.<|assistant|>")
+        text = f"Benchmark request {i}: write something long."
+        if prompt_tokens:           # pad the prompt to about `prompt_tokens` tokens (the context decode runs at)
+            text = (text + " " + "lorem ipsum dolor sit amet " * prompt_tokens)[:max(prompt_tokens - 16, 1)]
+        ids = engine.tokenizer.encode(f"<|user|>{text}<|assistant|>")
+        prompt_lens.append(len(ids))
         engine.add_request(EngineRequest(rid=f"{tag}-{i}", input_ids=ids, return_logprob=True,
                                          return_routed_experts=routed,
                                          params=SamplingParams(max_new_tokens=new_tokens, temperature=1.0,
@@ -73,7 +78,23 @@ def _one_run(engine, batch: int, new_tokens: int, tag: str, routed: bool = False
     return {"tokens": tokens, "wall_s": wall_s, "cpu_s": cpu_s, "tokens_per_s": tokens / wall_s,
             "tokens_per_cpu_s": tokens / cpu_s if cpu_s > 0 else 0.0,
             "decode_tokens_per_s": decode_tokens / sum(decode_steps) if decode_steps else 0.0,
-            "mean_decode_step_ms": 1e3 * sum(decode_steps) / max(len(decode_steps), 1)}
+            "mean_decode_step_ms": 1e3 * sum(decode_steps) / max(len(decode_steps), 1),
+            "prompt_tokens_mean": sum(prompt_lens) / len(prompt_lens)}
+
+
+def step_line(by_batch: dict[int, dict]) -> dict[str, float]:
+    """Least-squares line of the mean decode step (ms) over the batches: intercept (per step, whatever the batch)
+    and per-sequence slope, the two figures a CPU accelerator's catalog entry takes (`decode_overhead_s`,
+    `decode_overhead_per_seq_s`)."""
+    import numpy as np
+
+    b = np.array(sorted(by_batch), dtype=np.float64)
+    ms = np.array([by_batch[int(x)]["mean_decode_step_ms"] for x in b])
+    slope, icpt = np.polyfit(b, ms, 1)
+    fit = icpt + slope * b
+    return {"intercept_ms": float(icpt), "per_seq_ms": float(slope),
+            "max_rel_residual": float(np.max(np.abs(fit - ms) / ms)),
+            "per_seq_share_at_max": float(slope * b[-1] / (icpt + slope * b[-1]))}
 
 
 def main() -> None:
@@ -83,6 +104,8 @@ def main() -> None:
     ap.add_argument("--precisions", default="fp32,bf16,fp8,nvfp4,mxfp4")
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=0,
+                    help="pad each prompt to about this many tokens (0: a one-line prompt)")
     ap.add_argument("--kv", default="bf16", help="KV-cache dtype: bf16, fp8_e4m3, fp32")
     ap.add_argument("--kernel", default=None, help="matmul dtype fp32 | bf16 (default: per precision)")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads")
@@ -117,6 +140,7 @@ def main() -> None:
     out_path = args.out or (str(RESULTS) if spec_name in (None, "tiny") else
                             str(RESULTS.with_name(f"engine_throughput_{spec_name}.json")))
     rows = []
+    lines: dict[str, dict[str, float]] = {}
     for precision, scaled in variants:
         engine = Engine(model, precision=precision, kv_cache_dtype=args.kv, kernel=args.kernel, device=args.device,
                         fp8_scaled_mm=scaled, fp8_scaling="channel" if scaled else "block",
@@ -124,7 +148,7 @@ def main() -> None:
         _one_run(engine, 2, 4, "warmup", args.return_routed_experts)
         by_batch = {}
         for b in batches:
-            runs = [_one_run(engine, b, args.new_tokens, f"{b}-{k}", args.return_routed_experts)
+            runs = [_one_run(engine, b, args.new_tokens, f"{b}-{k}", args.return_routed_experts, args.prompt_tokens)
                     for k in range(args.repeats)]
             best = max(runs, key=lambda r: r["tokens_per_s"])
             by_batch[b] = best
@@ -132,6 +156,11 @@ def main() -> None:
             print(f"{name:>16} kernel {engine.kernel:>4} batch {b:>3}: {best['tokens_per_s']:8.0f} tok/s "
                   f"({best['tokens_per_cpu_s']:8.0f} tok/CPU-s; decode {best['decode_tokens_per_s']:8.0f} tok/s, "
                   f"{best['mean_decode_step_ms']:.2f} ms/step)", flush=True)
+        if len(by_batch) >= 2:          # the decode step as a line in the batch: what a cost model's shape needs
+            line = step_line(by_batch)
+            lines[precision + ("+scaled_mm" if scaled else "")] = line
+            print(f"{'':>16} step = {line['intercept_ms']:.2f} ms + {line['per_seq_ms']:.3f} ms x batch "
+                  f"(per-sequence share at batch {batches[-1]}: {line['per_seq_share_at_max']:.0%})", flush=True)
         base = by_batch[batches[0]]["tokens_per_s"]
         base_cpu = by_batch[batches[0]]["tokens_per_cpu_s"] or 1.0
         for b, r in by_batch.items():
@@ -141,6 +170,7 @@ def main() -> None:
                          f"cpu_speedup_vs_batch_{batches[0]}": r["tokens_per_cpu_s"] / base_cpu})
     out = {"benchmark": "engine_throughput", "device": args.device, "device_name": _device_name(args.device),
            "torch": torch.__version__, "threads": args.threads, "new_tokens": args.new_tokens,
+           "prompt_tokens": args.prompt_tokens, "step_lines": lines,
            "model": f"{spec_name} (seeded init)" if spec_name else args.model,
            "return_routed_experts": args.return_routed_experts,
            "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "cpu_count": os.cpu_count(),
