@@ -131,6 +131,7 @@ class World:
         self.ledger = Ledger(list(self.groups), trainer.usd_per_hour)
         self.trainer_busy_s = 0.0
         self.stalled: SpecError | None = None
+        self.warm_started: set[int] = set()     # sessions begun before the run (mid-episode at its start)
         # the plan's sandboxes (costmodel.plan.planspec.ResolvedSandbox), or None: no pool, no start, no cost
         self.sandbox = (SandboxPool(max_live=sandbox.max_live, start_s=sandbox.start_s,
                                     usd_per_hour=sandbox.usd_per_hour) if sandbox is not None else None)
@@ -266,6 +267,7 @@ class World:
                 if done == 0:
                     self._begin(smp)
                     continue
+                self.warm_started.add(smp.sid)      # its span holds only part of its tool time: not logged
                 rep = self.route_session(smp)
                 tbv: dict[int, int] = {}
                 for t in range(done):
@@ -416,13 +418,19 @@ class World:
         waited = math.nan
         if self.sandbox is not None:
             waited = self.sandbox.done.pop(s.sid, (math.nan, math.nan))[0]
+        # seconds of its span in its tools, as a real run logs them (sandbox wait and start, the commands): what the
+        # calibration's duration fit takes out of the span; unknown for a session begun before the run or restarted
+        tool_s = math.nan
+        if s.sid not in self.warm_started and not s.restarts:
+            tool_s = float(sum(s.ep.tool_s)) + (0.0 if self.sandbox is None else waited + self.sandbox.start_s)
+        self.warm_started.discard(s.sid)
         self.writer.append(TrajectoryRecord(
             run_id=self.run_id, prompt_id=str(s.prompt_id), sample_index=s.sample,
             group=s.replica.group if s.replica else "", replica=s.replica.index if s.replica else -1,
             version_start=min(tbv, default=0), version_end=max(tbv, default=0), turns=s.ep.turns,
             prompt_tokens=s.prompt_total, generated_tokens=sum(tbv.values()), start_s=s.start_s, end_s=s.end_s,
             reward=s.ep.reward, finish_reason=s.ep.finish_reason, restarts=s.restarts, tokens_by_version=tbv,
-            trained_version=trained_version, sandbox_wait_s=waited))
+            trained_version=trained_version, sandbox_wait_s=waited, tool_s=tool_s))
         self.trajectories_written += 1
 
     def record_update(self, batch: list[PromptGroup[Session]], version: int, start_s: float, train_s: float,

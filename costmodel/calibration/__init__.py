@@ -20,15 +20,18 @@ distributions, so a fidelity check simulates the workload that really ran.
 
 The duration model of a trajectory i on replica r (processor sharing with serial prefill, as the twin):
 
-    dur_i = decode_scale * (tokens_i / <1/step(n(t), L(t))>_i + prefill_compute_i)
-            + prefill_overhead_s * slowdown * prefill_calls_i + turn_latency_s * (turns_i - 1)
+    dur_i = decode_scale * (tokens_i / <(n_kv/n) / step(n_kv(t), L(t))>_i + prefill_compute_i)
+            + prefill_overhead_s * slowdown * prefill_calls_i + tool_i
 
-where step is the prior decode step at the replica's concurrency n(t) (trajectories of r active at t)
-and their mean context L(t); <.>_i is the time average over [start_i, end_i]; prefill_compute_i and
-prefill_calls_i are the prior prefill seconds and the prefill calls of every trajectory of r spread
-evenly over its own life, integrated over i's life. It is linear in the three parameters; residuals are
-relative. Uncertainties: covariance = s^2 (J^T J)^-1 with s^2 = sum(r^2) / (m - p); a parameter whose
-data do not vary enough to identify it is fixed at its prior and marked `fitted = false`.
+where tool_i is the trajectory's logged tool seconds (`tool_s`), else turn_latency_s * (turns_i - 1) with
+turn_latency_s fitted; step is the prior decode step at the replica's concurrency n(t) (trajectories of r
+active at t), of which n_kv = min(n, KV capacity / L) decode at once (the rest wait for KV), and their mean
+context L(t) (a trajectory's: (prompt + generated) / 2); <.>_i is the time average over [start_i, end_i];
+prefill_compute_i and prefill_calls_i are the prior prefill seconds and the prefill calls of every
+trajectory of r spread evenly over its own life, integrated over i's life. It is linear in the parameters;
+residuals are absolute (sessions.DURATION_RESIDUALS). Uncertainties: covariance = s^2 (J^T J)^-1 with
+s^2 = sum(r^2) / (m - p); a parameter whose data do not vary enough to identify it is fixed at its prior and
+marked `fitted = false`.
 
 Pure numpy / scipy / pandas (no simpy, no torch): costmodel imports nothing of ours outside costmodel.
 

@@ -29,8 +29,12 @@ def _replica_features(tr: pd.DataFrame, rm: ReplicaModel, rm_pf0: ReplicaModel, 
                       keep: np.ndarray | None = None) -> pd.DataFrame:
     """Per trajectory of one replica: the regressors of the duration model (see the module doc).
 
-    A trajectory counts in the replica's concurrency for the share of its life it is not between turns
-    (turns - 1 gaps of `turn_latency_s`); its prefill work and calls are spread evenly over its life. Only
+    A trajectory counts in the replica's concurrency for the share of its life it is not in its tools: its
+    logged `tool_s` where the log has one (a real run's tool calls and sandbox waits, the twin's tool
+    latencies), else turns - 1 gaps of `turn_latency_s`; its prefill work and calls are spread evenly over its
+    life. Its context grows from ~0 to prompt + generated tokens over its life: mean (prompt + generated) / 2.
+    Sessions beyond what the replica's KV holds at that context wait, as the engine (and the twin) queues
+    them: at concurrency n with room for n_kv, each progresses at n_kv / n of the step rate at n_kv. Only
     the trajectories `keep` marks (inside a window in which the log knows every session that ran: `in_windows`)
     are returned (all of them when None); all of them count in the concurrency."""
     s = tr["start_s"].to_numpy(dtype=np.float64)
@@ -39,8 +43,10 @@ def _replica_features(tr: pd.DataFrame, rm: ReplicaModel, rm_pf0: ReplicaModel, 
     tok = tr["generated_tokens"].to_numpy(dtype=np.float64)
     turns = np.maximum(tr["turns"].to_numpy(dtype=np.float64), 1.0)
     ptok = tr["prompt_tokens"].to_numpy(dtype=np.float64)
-    active = np.clip(1.0 - (turns - 1.0) * turn_latency_s / dur, 0.05, 1.0)
-    lmid = ptok / 2.0 + (ptok + tok) / 4.0   # mean context while decoding, roughly (grows over the turns)
+    known = logged_tool_s(tr)
+    gaps = np.where(np.isfinite(known), known, (turns - 1.0) * turn_latency_s)
+    active = np.clip(1.0 - gaps / dur, 0.05, 1.0)
+    lmid = (ptok + tok) / 2.0                # mean context while decoding (grows from ~0 over the turns)
     per_call = ptok / turns
     # prefill per request as the twin charges it (`replica_prefill_s`: the forward's time / attention-DP ranks)
     pf_s = turns * (np.asarray(rm_pf0.prefill_s(per_call), dtype=np.float64)
@@ -63,8 +69,10 @@ def _replica_features(tr: pd.DataFrame, rm: ReplicaModel, rm_pf0: ReplicaModel, 
     busy = n > 1e-9
     nb = np.clip(np.where(busy, n, 1.0), 1.0, running_cap(rm))   # the twin's cap: 256 per attention-DP rank
     lb = np.where(busy, lsum / np.where(busy, n, 1.0), 1.0)
-    step = np.asarray(rm.decode_step_s(nb, lb), dtype=np.float64)
-    inv = np.where(busy, 1.0 / step, 0.0)
+    n_kv = np.clip(rm.kv_capacity_tokens / np.maximum(lb, 1.0), 1.0, None)   # sessions the KV holds at L
+    nd = np.minimum(nb, n_kv)
+    step = np.asarray(rm.decode_step_s(nd, lb), dtype=np.float64)
+    inv = np.where(busy, (nd / nb) / step, 0.0)
 
     def cum(rate: np.ndarray) -> np.ndarray:
         return np.concatenate([[0.0], np.cumsum(rate * width)[:-1]])
@@ -73,9 +81,18 @@ def _replica_features(tr: pd.DataFrame, rm: ReplicaModel, rm_pf0: ReplicaModel, 
     mean_inv = (g_inv[i_e] - g_inv[i_s]) / dur
     decode_s = tok / np.maximum(mean_inv, 1e-300)
     stalls = active * (h_pf[i_e] - h_pf[i_s])          # prefills delay a session only while it is not between turns
-    out = pd.DataFrame({"dur": dur, "work": decode_s + stalls, "tool": turns - 1.0,
+    out = pd.DataFrame({"dur": dur - np.where(np.isfinite(known), known, 0.0), "work": decode_s + stalls,
+                        "tool": np.where(np.isfinite(known), 0.0, turns - 1.0),
                         "n_mean": (c_n[i_e] - c_n[i_s]) / dur, "tokens": tok})
     return out[keep].reset_index(drop=True) if keep is not None else out
+
+
+def logged_tool_s(tr: pd.DataFrame) -> np.ndarray:
+    """Each trajectory's logged seconds in its tools (`tool_s`; NaN where the log has none)."""
+    if "tool_s" not in tr.columns:
+        return np.full(len(tr), math.nan)
+    v = tr["tool_s"].to_numpy(dtype=np.float64)
+    return np.where(np.isfinite(v) & (v >= 0.0), v, math.nan)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,6 +106,22 @@ class _SessionFit:
     priors: dict[GroupKey, ReplicaModel]        # each group's prior replica model (its first run's)
     trajectories: list[pd.DataFrame]            # the finished trajectories with tokens, per (run, group)
     m: int                                      # trajectories in the fit
+
+
+def _logged_turn_latency(parts: list[tuple[int, pd.DataFrame, ReplicaModel, np.ndarray]]) -> Fitted | None:
+    """The turn latency measured, not fitted, where the log has trajectories' tool seconds: their sum over the
+    gaps between turns (stderr: the per-trajectory means' spread); None where no trajectory has them."""
+    known = np.concatenate([logged_tool_s(rep)[keep] for _, rep, _, keep in parts])
+    gaps = np.concatenate([np.maximum(rep["turns"].to_numpy(float)[keep] - 1.0, 0.0) for _, rep, _, keep in parts])
+    ok = np.isfinite(known)
+    if not ok.any():
+        return None
+    per = known[ok & (gaps > 0)] / gaps[ok & (gaps > 0)]
+    return Fitted(value=float(known[ok].sum() / max(gaps[ok].sum(), 1e-300)),
+                  stderr=float(per.std(ddof=1) / math.sqrt(len(per))) if len(per) > 1 else math.nan,
+                  prior=0.0, unit="s", fitted=bool(gaps[ok].sum() > 0),
+                  note=f"measured: the logged tool seconds (tool_s) of {int(ok.sum())} trajectories per gap "
+                  "between turns (includes sandbox starts and pool waits)")
 
 
 def _fit_sessions(data: _Logs) -> _SessionFit:
@@ -108,6 +141,11 @@ def _fit_sessions(data: _Logs) -> _SessionFit:
             trs_all.append(tr)
             for _, rep in tr.groupby("replica", sort=True):
                 parts.append((gi, rep, rm, in_windows(rep, data.windows[id(r)])))   # once: the rows the fit uses
+    tau_logged = _logged_turn_latency(parts)
+    if tau_logged is not None:      # a trajectory without its tool seconds takes the logged mean per gap
+        parts = [(gi, rep.assign(tool_s=np.where(np.isfinite(logged_tool_s(rep)), logged_tool_s(rep),
+                                                 np.maximum(rep["turns"].to_numpy(float) - 1.0, 0.0)
+                                                 * tau_logged.value)), rm, keep) for gi, rep, rm, keep in parts]
     gi_arr = np.concatenate([np.full(int(keep.sum()), gi) for gi, _, _, keep in parts])
     m = len(gi_arr)
     x = np.concatenate([np.ones(G), [0.0]])
@@ -133,6 +171,8 @@ def _fit_sessions(data: _Logs) -> _SessionFit:
         x[cols], err[cols] = xf, ef
         if not free_tau:
             x[G], err[G] = 0.0, math.nan
+    tau = tau_logged or Fitted(value=float(x[G]), stderr=float(err[G]), prior=0.0, unit="s", fitted=free_tau,
+                               note=note_tau)
     group_rms = {}
     for gi, key in enumerate(keys):
         rel = resid[gi_arr == gi]
@@ -145,6 +185,5 @@ def _fit_sessions(data: _Logs) -> _SessionFit:
                                         prior=rms[key].prefill_overhead_s, unit="s", fitted=False,
                                         note="scaled with decode_scale (steady-state logs do not separate prefill "
                                         "from decode time)") for gi, key in enumerate(keys)},
-        turn_latency_s=Fitted(value=float(x[G]), stderr=float(err[G]), prior=0.0, unit="s", fitted=free_tau,
-                              note=note_tau),
+        turn_latency_s=tau,
         rel_rms=sess_rms, group_rel_rms=group_rms, priors=rms, trajectories=trs_all, m=m)
