@@ -128,7 +128,8 @@ class TrajectoryRecord:
     trained_version: int = -1        # the update that trained on it; -1 = unknown / not (yet) used
     tool_calls: int = -1             # replies that called a tool; -1 = not recorded (older logs)
     tool_s: float = _NAN             # seconds in the task's environment (sandbox start, commands, the tests on
-                                     # submit); NaN = not recorded (older logs, the twin)
+                                     # submit; the twin: its tool latencies + sandbox wait and start); NaN = not
+                                     # recorded (older logs, a twin session begun before the run or restarted)
     # Per-episode lists (None = not recorded: older logs, the twin, a task without them). Bounded by the episode:
     # the turn_* lists have exactly `turns` entries, the others at most EPISODE_LIST_MAX.
     turn_tool_s: list[float] | None = None       # per reply: seconds of its tool call (NaN: the reply called none)
