@@ -26,29 +26,19 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))             # tests/test_calibration.py: the plan and the known scales
 RESULTS = ROOT / "benchmarks" / "results" / "calibration_selftest.json"
 SCALES = (1.3, 0.8, 1.1, 1.2, 0.9, 1.05)
 
 
 def selftest(plan: Any, updates: int) -> dict[str, Any]:
     from mixfleet.costmodel.calibration.fit import calibrate
-    from mixfleet.costmodel.calibration.record import Calibration, Fitted, GroupCalibration
-    from mixfleet.costmodel.specs.workload import load_workload
     from mixfleet.twin.rates import build_setup
     from mixfleet.twin.sim import simulate
+    from test_calibration import known_scales
 
-    prior = build_setup(plan)
     truth = {g.name: SCALES[i % len(SCALES)] for i, g in enumerate(plan.groups)}
-    groups = tuple(GroupCalibration(
-        name=g.name, accelerator=g.accelerator, precision=g.precision, kv_dtype=g.kv_dtype, kernel=g.kernel,
-        decode_scale=Fitted(value=truth[g.name]),
-        prefill_overhead_s=Fitted(value=truth[g.name] * prior.models[g.name].prefill_overhead_s),
-        weight_sync_s=Fitted(value=0.5), kl_k3=Fitted(value=1e-3), kl_growth_per_staleness=Fitted(value=0.1),
-        extreme_share=Fitted(value=1e-4), extreme_growth_per_staleness=Fitted(value=0.0)) for g in plan.groups)
-    cal = Calibration(groups=groups, trainer_accelerator=plan.trainer.accelerator, trainer_gpus=plan.trainer.gpus,
-                      trainer_scale=Fitted(value=1.0), trainer_overhead_s=Fitted(value=1.0),
-                      update_overhead_s=Fitted(value=0.0), turn_latency_s=Fitted(value=0.0), model=plan.model,
-                      workload=load_workload(plan.workload).to_dict())
+    cal = known_scales(plan, truth)
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         simulate(plan, updates=updates, out=Path(tmp) / "log", setup=build_setup(plan, calibration=cal))
@@ -74,7 +64,6 @@ def main() -> None:
     args = ap.parse_args()
     from mixfleet.policies.plan import load_plan, plan_from_dict
 
-    sys.path.insert(0, str(ROOT / "tests"))
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     out: dict[str, Any] = {"benchmark": "calibration_selftest", "commit": commit,
