@@ -43,7 +43,7 @@ def _replica_features(tr: pd.DataFrame, rm: ReplicaModel, rm_pf0: ReplicaModel, 
     tok = tr["generated_tokens"].to_numpy(dtype=np.float64)
     turns = np.maximum(tr["turns"].to_numpy(dtype=np.float64), 1.0)
     ptok = tr["prompt_tokens"].to_numpy(dtype=np.float64)
-    known = logged_tool_s(tr)
+    known = np.minimum(logged_tool_s(tr), 0.95 * dur)    # (NaN stays NaN) as `active` below: >= 5% decoding
     gaps = np.where(np.isfinite(known), known, (turns - 1.0) * turn_latency_s)
     active = np.clip(1.0 - gaps / dur, 0.05, 1.0)
     lmid = (ptok + tok) / 2.0                # mean context while decoding (grows from ~0 over the turns)
@@ -121,7 +121,7 @@ def _logged_turn_latency(parts: list[tuple[int, pd.DataFrame, ReplicaModel, np.n
                   stderr=float(per.std(ddof=1) / math.sqrt(len(per))) if len(per) > 1 else math.nan,
                   prior=0.0, unit="s", fitted=bool(gaps[ok].sum() > 0),
                   note=f"measured: the logged tool seconds (tool_s) of {int(ok.sum())} trajectories per gap "
-                  "between turns (includes sandbox starts and pool waits)")
+                  "between turns (with sandboxes: their starts and pool waits too)")
 
 
 def _fit_sessions(data: _Logs) -> _SessionFit:
