@@ -719,6 +719,14 @@ def write_study_results(args: argparse.Namespace, order: list[tuple[Any, int]], 
     log(f"wrote {args.results}")
 
 
+def final_results_path(given: str | None, study: bool, split: str) -> str:
+    """Where a final evaluation goes: --final-results (or the default), and for the general split the file beside
+    it named *_general.json, also from a given path: one file holds one split, so a general re-evaluation never
+    replaces the eval split's figures (a session's general run once wrote into the eval file it was given)."""
+    path = Path(given) if given else (STUDY_FINAL_RESULTS if study else FINAL_RESULTS)
+    return str(path if split == "eval" else path.with_name(f"{path.stem}_general.json"))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rungs", default="a0,a,b,c", help=f"comma-separated, of {', '.join(RUNGS)}")
@@ -740,7 +748,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the task split of the re-evaluation: eval (the held-out seeds) or general (problems unlike "
                     "training's: guess's held-out range, calc's unseen operands); general writes *_general.json")
     ap.add_argument("--final-results", default=None,
-                    help=f"default {FINAL_RESULTS.name} ({STUDY_FINAL_RESULTS.name} with --study)")
+                    help=f"default {FINAL_RESULTS.name} ({STUDY_FINAL_RESULTS.name} with --study); with "
+                    "--final-split general the file beside it named <stem>_general.json")
     ap.add_argument("--versus", type=_pairs, default=[], help="A:B[,C:D]: rung differences to report")
     ap.add_argument("--study", choices=sorted(STUDY), help="the study of issue 41 (studies/learning_study.py): "
                     "its arms, seeds, updates and evaluation are its own (--rungs, --seeds, --updates, --eval-* "
@@ -758,9 +767,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.list and not args.study:
         ap.error("--list: allowed only with --study")
     args.results = args.results or str(STUDY_RESULTS if args.study else RESULTS)
-    if not args.final_results:
-        path = STUDY_FINAL_RESULTS if args.study else FINAL_RESULTS
-        args.final_results = str(path if args.final_split == "eval" else path.with_name(f"{path.stem}_general.json"))
+    args.final_results = final_results_path(args.final_results, bool(args.study), args.final_split)
     rungs = [s.strip() for s in args.rungs.split(",") if s.strip()]
     for key in rungs:
         if key not in RUNGS:

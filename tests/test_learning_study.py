@@ -413,3 +413,15 @@ def test_the_table_says_what_decided_each_finding() -> None:
     assert "minus GRPO" in f1 and "pairs)" in f1
     one = markdown(verdicts([r for r in runs if r["seed"] == 0], "dense"))
     assert "nan" not in one and "no interval, 1 pair" in one
+
+
+def test_a_general_re_evaluation_never_writes_into_the_eval_splits_file(learning) -> None:
+    """`--final-split general --final-results X.json` wrote the general split's evaluations into X.json, the eval
+    split's file the study's verdicts read (a session lost its general figures that way and nearly its eval ones):
+    the general split goes to X_general.json beside it, given or default."""
+    f = learning.final_results_path
+    assert f("benchmarks/results/r2_final.json", True, "eval") == "benchmarks/results/r2_final.json"
+    assert f("benchmarks/results/r2_final.json", True, "general") == "benchmarks/results/r2_final_general.json"
+    assert f(None, True, "general") == str(learning.STUDY_FINAL_RESULTS.with_name(
+        f"{learning.STUDY_FINAL_RESULTS.stem}_general.json"))
+    assert f(None, False, "eval") == str(learning.FINAL_RESULTS)
