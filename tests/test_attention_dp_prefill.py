@@ -81,5 +81,5 @@ def test_the_calibrations_duration_model_charges_prefill_as_the_twin_does() -> N
     tr = pd.DataFrame({"start_s": [0.0], "end_s": [10.0], "generated_tokens": [100.0], "turns": [1.0],
                        "prompt_tokens": [800.0]})
     f = _replica_features(tr, rm, dataclasses.replace(rm, prefill_overhead_s=0.0))
-    decode = 100.0 * float(rm.decode_step_s(1.0, 800.0 / 2 + 900.0 / 4))
+    decode = 100.0 * float(rm.decode_step_s(1.0, (800.0 + 100.0) / 2))   # context: (prompt + generated) / 2
     assert f["work"].iloc[0] - decode == pytest.approx(float(rm.replica_prefill_s(800.0)), rel=1e-9)

@@ -178,4 +178,4 @@ def test_the_calibrations_duration_model_caps_a_dp_replica_as_the_twin_does() ->
                        "turns": np.ones(n), "prompt_tokens": np.zeros(n)})
     f = _replica_features(tr, rm, rm)
     assert f["n_mean"].iloc[0] == pytest.approx(n)
-    assert f["work"].iloc[0] == pytest.approx(100.0 * float(rm.decode_step_s(float(n), 25.0)), rel=1e-12)
+    assert f["work"].iloc[0] == pytest.approx(100.0 * float(rm.decode_step_s(float(n), 50.0)), rel=1e-12)  # L = 100/2
