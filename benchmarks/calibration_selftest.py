@@ -5,7 +5,8 @@ Why (issue 42 item 3): tests/test_calibration.py does this on the tiny CPU plan,
 batch and whose contexts are short, so a bias of the duration fit in concurrency or context never shows there. The
 seed's own workload (57 turns, contexts of tens of thousands of tokens) on GPUs whose KV holds only part of the
 sessions is where it matters. Each plan is simulated with `--updates` updates; the truth is the scales
-1.3, 0.8, 1.1, 1.2, 0.9, 1.05 (cycled over the plan's groups), weight sync 0.5 s, the plan's own workload.
+1.3, 0.8, 1.1, 1.2, 0.9, 1.05 (cycled over the plan's groups; `twin.replan.perturbed_truth`: the rest at
+the priors), the plan's own workload.
 
     python benchmarks/calibration_selftest.py [--plans seed-mixed,tests-agentic] [--updates 30]
 
@@ -26,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests"))             # tests/test_calibration.py: the plan and the known scales
+sys.path.insert(0, str(ROOT / "tests"))             # tests/test_calibration.py: AGENTIC_PLAN
 RESULTS = ROOT / "benchmarks" / "results" / "calibration_selftest.json"
 SCALES = (1.3, 0.8, 1.1, 1.2, 0.9, 1.05)
 
@@ -34,11 +35,11 @@ SCALES = (1.3, 0.8, 1.1, 1.2, 0.9, 1.05)
 def selftest(plan: Any, updates: int) -> dict[str, Any]:
     from mixfleet.costmodel.calibration.fit import calibrate
     from mixfleet.twin.rates import build_setup
+    from mixfleet.twin.replan import perturbed_truth
     from mixfleet.twin.sim import simulate
-    from test_calibration import known_scales
 
     truth = {g.name: SCALES[i % len(SCALES)] for i, g in enumerate(plan.groups)}
-    cal = known_scales(plan, truth)
+    cal = perturbed_truth(plan, slower={g: 1.0 / d for g, d in truth.items()})    # decode_scale = d, else priors
     with tempfile.TemporaryDirectory() as tmp:
         t0 = time.perf_counter()
         simulate(plan, updates=updates, out=Path(tmp) / "log", setup=build_setup(plan, calibration=cal))

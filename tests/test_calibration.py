@@ -21,6 +21,7 @@ from mixfleet.costmodel.specs.workload import load_workload
 from mixfleet.policies.plan import Plan, plan_from_dict
 from mixfleet.twin.calibrated import fidelity, plan_as_run
 from mixfleet.twin.rates import build_setup
+from mixfleet.twin.replan import perturbed_truth
 from mixfleet.twin.sim import simulate
 from typer.testing import CliRunner
 
@@ -126,22 +127,6 @@ AGENTIC_PLAN = {
 AGENTIC_TRUTH = {"H100-FP8": 1.3, "B300-NVFP4": 0.8, "RTX-PRO-6000-BF16": 1.1}
 
 
-def known_scales(plan: Plan, scales: dict[str, float]) -> Calibration:
-    """A calibration with the given decode scale per group (prefill overhead scaled alike), weight sync 0.5 s,
-    small KL, the trainer at its prior and the plan's own workload (also benchmarks/calibration_selftest.py's)."""
-    prior = build_setup(plan)
-    groups = tuple(GroupCalibration(
-        name=g.name, accelerator=g.accelerator, precision=g.precision, kv_dtype=g.kv_dtype, kernel=g.kernel,
-        decode_scale=Fitted(value=scales[g.name]),
-        prefill_overhead_s=Fitted(value=scales[g.name] * prior.models[g.name].prefill_overhead_s),
-        weight_sync_s=Fitted(value=0.5), kl_k3=Fitted(value=1e-3), kl_growth_per_staleness=Fitted(value=0.1),
-        extreme_share=Fitted(value=1e-4), extreme_growth_per_staleness=Fitted(value=0.0)) for g in plan.groups)
-    return Calibration(groups=groups, trainer_accelerator=plan.trainer.accelerator, trainer_gpus=plan.trainer.gpus,
-                       trainer_scale=Fitted(value=1.0), trainer_overhead_s=Fitted(value=1.0),
-                       update_overhead_s=Fitted(value=0.0), turn_latency_s=Fitted(value=0.0), model=plan.model,
-                       workload=load_workload(plan.workload).to_dict())
-
-
 def test_recovers_the_time_scales_of_a_kv_bound_agentic_fleet(tmp_path: Path) -> None:
     """Issue 42 item 3: the seed's own workload (57 turns, tool outputs of ~400 tokens, contexts of tens of thousands
     of tokens, the workload's tool latencies) on GPUs whose KV holds only part of the sessions routed to them. The
@@ -150,7 +135,7 @@ def test_recovers_the_time_scales_of_a_kv_bound_agentic_fleet(tmp_path: Path) ->
     generated, and lets sessions beyond what the KV holds wait. Before (one fitted turn latency, context 3/4 of the
     prompt, every session decoding): +26%, -15% and +15% on these groups, the turn latency 4.6 s for 2.5."""
     plan = plan_from_dict(AGENTIC_PLAN)
-    setup = build_setup(plan, calibration=known_scales(plan, AGENTIC_TRUTH))
+    setup = build_setup(plan, calibration=perturbed_truth(plan, slower={g: 1.0 / d for g, d in AGENTIC_TRUTH.items()}))
     kv_sessions = {n: m.kv_capacity_tokens / 30_000 for n, m in setup.models.items()}
     assert kv_sessions["RTX-PRO-6000-BF16"] < 10 < kv_sessions["H100-FP8"] < 30 < kv_sessions["B300-NVFP4"]
     out = tmp_path / "agentic"

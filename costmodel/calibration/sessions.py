@@ -108,6 +108,12 @@ class _SessionFit:
     m: int                                      # trajectories in the fit
 
 
+def _tool_s_or_gaps(tr: pd.DataFrame, turn_latency_s: float) -> np.ndarray:
+    """Each trajectory's logged tool seconds, or its gaps between turns at `turn_latency_s` where it has none."""
+    known = logged_tool_s(tr)
+    return np.where(np.isfinite(known), known, np.maximum(tr["turns"].to_numpy(float) - 1.0, 0.0) * turn_latency_s)
+
+
 def _logged_turn_latency(parts: list[tuple[int, pd.DataFrame, ReplicaModel, np.ndarray]]) -> Fitted | None:
     """The turn latency measured, not fitted, where the log has trajectories' tool seconds: their sum over the
     gaps between turns (stderr: the per-trajectory means' spread); None where no trajectory has them."""
@@ -143,9 +149,8 @@ def _fit_sessions(data: _Logs) -> _SessionFit:
                 parts.append((gi, rep, rm, in_windows(rep, data.windows[id(r)])))   # once: the rows the fit uses
     tau_logged = _logged_turn_latency(parts)
     if tau_logged is not None:      # a trajectory without its tool seconds takes the logged mean per gap
-        parts = [(gi, rep.assign(tool_s=np.where(np.isfinite(logged_tool_s(rep)), logged_tool_s(rep),
-                                                 np.maximum(rep["turns"].to_numpy(float) - 1.0, 0.0)
-                                                 * tau_logged.value)), rm, keep) for gi, rep, rm, keep in parts]
+        parts = [(gi, rep.assign(tool_s=_tool_s_or_gaps(rep, tau_logged.value)), rm, keep)
+                 for gi, rep, rm, keep in parts]
     gi_arr = np.concatenate([np.full(int(keep.sum()), gi) for gi, _, _, keep in parts])
     m = len(gi_arr)
     x = np.concatenate([np.ones(G), [0.0]])
